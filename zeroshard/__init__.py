@@ -1,0 +1,46 @@
+"""zeroshard: ZeRO for JAX — optimizer state and master weights sharded over data-parallel devices.
+
+The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition),
+:mod:`~zeroshard.reduce_scatter`, :mod:`~zeroshard.local_update` (the optax wrapper),
+:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`.
+"""
+
+from zeroshard.all_gather import all_gather_params
+from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from zeroshard.guard import NotElementwiseError
+from zeroshard.instruments import (
+    Collective,
+    collective_dtypes,
+    collectives,
+    state_bytes_per_device,
+    summarize,
+)
+from zeroshard.layout import Layout
+from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
+from zeroshard.reduce_scatter import reduce_scatter_grads
+from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "Collective",
+    "Layout",
+    "NotElementwiseError",
+    "ShardedState",
+    "ShardedTransformation",
+    "TrainState",
+    "TrainStep",
+    "__version__",
+    "all_gather_params",
+    "clip_by_global_norm",
+    "collective_dtypes",
+    "collectives",
+    "global_norm",
+    "init_train_state",
+    "make_train_step",
+    "reduce_scatter_grads",
+    "sharded",
+    "state_bytes_per_device",
+    "summarize",
+]

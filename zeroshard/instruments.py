@@ -1,0 +1,149 @@
+"""Instruments: bytes per device of live state, and the collectives of a compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from zeroshard.layout import PyTree
+
+_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_MLIR_OP = re.compile(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|all_to_all)"?')
+_MLIR_TYPE = re.compile(r":\s*\(tensor<(?:[\dx]*x)?([a-z]+\d*)>")
+
+
+def state_bytes_per_device(tree: PyTree) -> int:
+    """Bytes one device holds for ``tree`` (the largest over devices).
+
+    Reads live ``jax.Array`` shards; ``jax.ShapeDtypeStruct`` leaves with a sharding
+    count their shard shape.
+
+    Args:
+      tree: a pytree of arrays, e.g. a ``TrainState`` or its ``opt_state``.
+
+    Returns:
+      The sum over leaves of the bytes of one device's shard.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> state_bytes_per_device({"a": jnp.zeros(10), "b": jnp.zeros((), jnp.int8)})
+      41
+    """
+    total = 0
+    for x in jax.tree.leaves(tree):
+        itemsize = np.dtype(x.dtype).itemsize
+        if isinstance(x, jax.Array):
+            total += max(s.data.nbytes for s in x.addressable_shards)
+        elif getattr(x, "sharding", None) is not None:
+            total += math.prod(x.sharding.shard_shape(x.shape)) * itemsize
+        else:
+            total += math.prod(np.shape(x)) * itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective in a compiled program.
+
+    Attributes:
+      kind: ``all-reduce``, ``reduce-scatter``, ``all-gather``, ...
+      dtype: element type as the HLO prints it (CPU prints bf16 collectives as f32).
+      result_bytes: bytes of the result on one device.
+      group_size: devices taking part in each group.
+    """
+
+    kind: str
+    dtype: str
+    result_bytes: int
+    group_size: int
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes each device sends with a ring algorithm.
+
+        all-reduce of B bytes: 2(n-1)/n B; reduce-scatter to B: (n-1) B; all-gather to
+        B: (n-1)/n B.
+        """
+        n, b = self.group_size, self.result_bytes
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * b
+        if self.kind == "reduce-scatter":
+            return (n - 1) * b
+        return (n - 1) / n * b
+
+
+def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+    """Lists the collectives of a compiled HLO module.
+
+    Args:
+      hlo_text: ``jit(f).lower(...).compile().as_text()``.
+      num_devices: group size to assume when the HLO lists no replica groups
+        (default: ``jax.device_count()``).
+
+    Returns:
+      One :class:`Collective` per collective instruction (async pairs counted once).
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        shapes = _SHAPE.findall(m["result"])
+        if m["kind"] == "all-gather" and "-start(" in line:
+            shapes = shapes[len(shapes) // 2 :]  # (operands..., results...)
+        nbytes = sum(
+            math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
+            for dtype, dims in shapes
+        )
+        if g := _GROUPS_LIST.search(line):
+            n = len(g[1].split(","))
+        elif g := _GROUPS_IOTA.search(line):
+            n = int(g[2])
+        else:
+            n = num_devices or jax.device_count()
+        found.append(Collective(m["kind"], shapes[0][0] if shapes else "?", nbytes, n))
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
+    """Counts, result bytes and ring bytes per collective kind.
+
+    Example:
+      >>> summarize([Collective("all-reduce", "f32", 400, 4)])
+      {'all-reduce': {'count': 1, 'bytes': 400, 'ring_bytes': 600.0}}
+    """
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0})
+    for c in found:
+        out[c.kind]["count"] += 1
+        out[c.kind]["bytes"] += c.result_bytes
+        out[c.kind]["ring_bytes"] += c.ring_bytes
+    return dict(out)
+
+
+def collective_dtypes(stablehlo_text: str) -> list[tuple[str, str]]:
+    """``(kind, operand element type)`` of each collective in a lowered program.
+
+    Read the dtypes here, on ``jit(f).lower(...).as_text()``: the compiled CPU HLO
+    reports bf16 collectives as f32.
+    """
+    found = []
+    for m in _MLIR_OP.finditer(stablehlo_text):
+        t = _MLIR_TYPE.search(stablehlo_text, m.end())
+        found.append((m[1].replace("_", "-"), t[1] if t else "?"))
+    return found
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    if hlo_dtype == "pred":
+        return 1
+    bits = int(re.sub(r"\D", "", hlo_dtype) or 8)
+    return max(1, bits // 8)

@@ -1,0 +1,341 @@
+"""Local update: the optax wrapper that runs an inner optimizer on this device's slice.
+
+``sharded(inner)`` chains the data flow of one step: reduce-scatter of the local
+gradients, ``inner.update`` on this device's 1/N slice (moments and fp32 master live
+here), and all-gather of the new weights in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.all_gather import all_gather_params
+from zeroshard.clipping import global_norm
+from zeroshard.guard import check_elementwise
+from zeroshard.layout import Layout, PyTree
+from zeroshard.reduce_scatter import reduce_scatter_grads
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one parameter tree needs, fixed at trace time.
+
+    Attributes:
+      layout: the parameters' layout over ``num_shards`` devices.
+      master_dtypes: per bucket, the dtype of the master row kept in the state, or
+        ``None`` where the parameters themselves are precise enough to be the master.
+      state_sharded: per leaf of the inner state, whether it holds per-element values
+        (a slice, sharded over the axis) or is replicated (counts, hyperparameters).
+    """
+
+    layout: Layout
+    master_dtypes: tuple[Any, ...]
+    state_sharded: tuple[bool, ...]
+
+    @property
+    def inner_dtypes(self) -> list[Any]:
+        """Dtype the inner optimizer works in, per bucket."""
+        return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
+
+
+class ShardedState(NamedTuple):
+    """State of :func:`sharded`; every array is this device's slice or a scalar.
+
+    Attributes:
+      inner_state: the inner optimizer's state for this device's pieces.
+      master: per dtype bucket, this device's row of master weights, or ``None`` where
+        the parameters are already in the master dtype (their slice is the master).
+      grad_norm: global L2 norm of the mean gradient at the last update, before any
+        clipping.
+    """
+
+    inner_state: optax.OptState
+    master: tuple[jax.Array | None, ...]
+    grad_norm: jax.Array
+
+
+class ShardedTransformation(optax.GradientTransformationExtraArgs):
+    """The transformation :func:`sharded` returns: an optax one that also knows its axis.
+
+    Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
+    ``master_dtype`` and ``reduce_dtype`` as given to :func:`sharded`.
+    """
+
+    def plan(self, params: PyTree, num_shards: int) -> Plan:
+        """The (cached) :class:`Plan` for ``params`` over ``num_shards`` devices."""
+        layout = Layout.from_tree(params, num_shards)
+        if layout not in self._plans:
+            self._plans[layout] = _make_plan(self, layout)
+        return self._plans[layout]
+
+    def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
+        plan = self.plan(params, num_shards)
+        pieces = jax.eval_shape(self.inner.init, plan.layout.piece_structs(plan.inner_dtypes))
+        leaves, treedef = jax.tree.flatten(pieces)
+        specs = [
+            P(*(None,) * (leaf.ndim - 1), self.axis_name) if sharded else P()
+            for leaf, sharded in zip(leaves, plan.state_sharded, strict=True)
+        ]
+        master = tuple(None if m is None else P(self.axis_name) for m in plan.master_dtypes)
+        return ShardedState(treedef.unflatten(specs), master, P())
+
+
+def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
+    master_dtypes = tuple(
+        tx.master_dtype
+        if tx.master_dtype is not None
+        and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
+        else None
+        for b in layout.buckets
+    )
+    inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, layout.buckets, strict=True)]
+    full = layout.treedef.unflatten(
+        jax.ShapeDtypeStruct(s.shape, inner_dtypes[s.bucket]) for s in layout.slots
+    )
+    pieces = layout.piece_structs(inner_dtypes)
+    full_state = jax.eval_shape(tx.inner.init, full)
+    piece_state = jax.eval_shape(tx.inner.init, pieces)
+    full_leaves, full_def = jax.tree_util.tree_flatten_with_path(full_state)
+    piece_leaves, piece_def = jax.tree.flatten(piece_state)
+    if full_def != piece_def:
+        raise ValueError(
+            "zs.sharded: the inner optimizer's state has a different structure on a slice "
+            "than on the full parameters, so it depends on leaf shapes and cannot be sharded."
+        )
+    per_element = {(s.shape, layout.piece_shape(s)) for s in layout.slots}
+    state_sharded = []
+    for (path, f), p in zip(full_leaves, piece_leaves, strict=True):
+        if (tuple(f.shape), tuple(p.shape)) in per_element and f.shape != p.shape:
+            state_sharded.append(True)
+        elif f.shape == p.shape:
+            state_sharded.append(False)
+        else:
+            raise ValueError(
+                f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(f.shape)} for the full parameters but {tuple(p.shape)} for a slice: "
+                "it is neither per-element nor independent of the parameters (e.g. a factored "
+                "second moment). Use an elementwise optimizer inside zs.sharded."
+            )
+    check_elementwise(
+        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, layout.num_shards
+    )
+    return Plan(layout, master_dtypes, tuple(state_sharded))
+
+
+def bound_axis_size(axis_name: str) -> int | None:
+    """Size of ``axis_name`` if it is bound here (inside ``shard_map``), else ``None``."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+
+
+def context_mesh(axis_name: str) -> jax.sharding.Mesh:
+    """The mesh set with ``jax.set_mesh``; raises unless it has ``axis_name``."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"zeroshard: axis {axis_name!r} is not bound. Call inside jax.shard_map over a "
+            f"mesh with axis {axis_name!r}, or under `with jax.set_mesh(mesh):` (mesh axes: "
+            f"{tuple(mesh.axis_names) if not mesh.empty else 'no mesh set'})."
+        )
+    return mesh
+
+
+def init_local(
+    tx: ShardedTransformation, params: PyTree, master_params: PyTree | None = None
+) -> ShardedState:
+    """This device's state, inside ``shard_map`` over ``tx.axis_name``.
+
+    Args:
+      tx: the sharded transformation.
+      params: the full parameters in their compute dtype.
+      master_params: optional full-precision values to start the master weights from
+        (default: ``params``).
+    """
+    plan = tx.plan(params, jax.lax.axis_size(tx.axis_name))
+    source = params if master_params is None else master_params
+    plan.layout.check_matches(source, "master_params")
+    index = jax.lax.axis_index(tx.axis_name)
+    rows = [
+        plan.layout.row(source, index, b).astype(d) for b, d in enumerate(plan.inner_dtypes)
+    ]
+    master = tuple(
+        None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
+    )
+    inner_state = tx.inner.init(plan.layout.split(rows))
+    return ShardedState(inner_state, master, jnp.zeros((), jnp.float32))
+
+
+def init_global(
+    tx: ShardedTransformation,
+    params: PyTree,
+    mesh: jax.sharding.Mesh,
+    master_params: PyTree | None = None,
+) -> ShardedState:
+    """The global state (arrays sharded over ``tx.axis_name`` of ``mesh``)."""
+    specs = tx.state_specs(params, mesh.shape[tx.axis_name])
+    init = jax.shard_map(
+        lambda p, m: init_local(tx, p, m),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=specs,
+        axis_names={tx.axis_name},
+    )
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(init, in_shardings=(replicated, replicated))(params, master_params)
+
+
+def apply_update(
+    tx: ShardedTransformation, grads: PyTree, state: ShardedState, params: PyTree, **extra_args
+) -> tuple[PyTree, ShardedState]:
+    """One sharded step inside ``shard_map``: returns the new full params and state.
+
+    Args:
+      tx: the sharded transformation.
+      grads: this device's local, unreduced gradients.
+      state: this device's :class:`ShardedState`.
+      params: the current full parameters (replicated).
+      **extra_args: passed on to the inner ``update``.
+    """
+    if params is None:
+        raise ValueError(
+            "zs.sharded(...).update needs `params` (the current full parameters): "
+            "call tx.update(grads, opt_state, params)."
+        )
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
+            "returned by the same transformation's init."
+        )
+    num_shards = bound_axis_size(tx.axis_name)
+    if num_shards is None:
+        context_mesh(tx.axis_name)  # raises with the fix
+        raise ValueError(
+            f"zs.sharded(...).update must run inside jax.shard_map over {tx.axis_name!r} "
+            "(it reduce-scatters local gradients); use zs.make_train_step for a ready step."
+        )
+    plan = tx.plan(params, num_shards)
+    layout = plan.layout
+    layout.check_matches(grads, "gradients")
+    if len(state.master) != len(layout.buckets):
+        raise ValueError(
+            "zs.sharded: the optimizer state was made for other parameters "
+            f"({len(state.master)} dtype buckets, these params have {len(layout.buckets)})."
+        )
+    reduce_dtype = tx.reduce_dtype
+    grad_rows = reduce_scatter_grads(grads, layout, tx.axis_name, reduce_dtype)
+    grad_rows = [g.astype(d) for g, d in zip(grad_rows, plan.inner_dtypes, strict=True)]
+    index = jax.lax.axis_index(tx.axis_name)
+    param_rows = [
+        layout.row(params, index, b).astype(d) if m is None else m
+        for b, (m, d) in enumerate(zip(state.master, plan.inner_dtypes, strict=True))
+    ]
+    updates, inner_state = tx.inner.update(
+        layout.split(grad_rows), state.inner_state, layout.split(param_rows), **extra_args
+    )
+    new_rows = [
+        (p + u).astype(p.dtype) for p, u in zip(param_rows, layout.join(updates), strict=True)
+    ]
+    new_params = all_gather_params(new_rows, layout, tx.axis_name)
+    master = tuple(
+        None if m is None else row for m, row in zip(state.master, new_rows, strict=True)
+    )
+    return new_params, ShardedState(inner_state, master, global_norm(grad_rows, tx.axis_name))
+
+
+def sharded(
+    inner: optax.GradientTransformation,
+    *,
+    axis_name: str = "data",
+    master_dtype: Any = jnp.float32,
+    reduce_dtype: Any = None,
+) -> ShardedTransformation:
+    """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
+
+    ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
+    ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
+    gradients, one collective per dtype bucket, runs ``inner`` on this device's slice
+    only, and all-gathers the new weights in the parameters' dtype. The returned
+    updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
+    gathered weights (exactly whenever each new weight lies within a factor two of the
+    old one, by Sterbenz's lemma; otherwise within one rounding of them).
+
+    ``init(params)`` returns this device's slices inside ``shard_map``, or global
+    arrays sharded over ``axis_name`` under ``jax.set_mesh(mesh)``; it works on
+    ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
+
+    Args:
+      inner: an elementwise optax transformation (adam, adamw, sgd, lion, ...).
+        Transformations that mix elements (``optax.clip_by_global_norm``, lamb, lars,
+        factored adafactor, muon, ...) are refused with a ``ValueError``; use
+        :func:`zeroshard.clip_by_global_norm` for clipping.
+      axis_name: the mesh axis the batch (and the state) is split over.
+      master_dtype: dtype of the master weights kept for lower-precision parameters;
+        ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
+        Parameters already in ``master_dtype`` (or wider) need no copy.
+      reduce_dtype: dtype of the gradient reduce-scatter; ``None`` uses the
+        gradients' own dtype.
+
+    Returns:
+      A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
+
+    Raises:
+      ValueError: at ``init`` when ``inner`` is not elementwise, the params are empty,
+        or ``axis_name`` is not bound; at ``update`` when the gradients do not match
+        the params.
+      TypeError: when a parameter leaf is not floating point.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = zs.sharded(optax.adam(1e-2), axis_name="data")
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> params = {"w": jnp.ones((3, 5))}
+      >>> with jax.set_mesh(mesh):
+      ...     opt_state = tx.init(params)
+      >>> def step(params, opt_state, x):
+      ...     local = jax.lax.pcast(params, "data", to="varying")
+      ...     grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(local)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> specs = tx.state_specs(params, jax.device_count())
+      >>> step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+      ...                              out_specs=(P(), specs)))
+      >>> x = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, P("data")))
+      >>> params, opt_state = step(params, opt_state, x)
+      >>> params["w"].shape
+      (3, 5)
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"zs.sharded expects an optax GradientTransformation, got {type(inner).__name__}."
+        )
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}.")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: PyTree) -> ShardedState:
+        if bound_axis_size(axis_name) is not None:
+            return init_local(tx, params)
+        return init_global(tx, params, context_mesh(axis_name))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        new_params, state = apply_update(tx, updates, state, params, **extra_args)
+        return jax.tree.map(lambda n, p: n - p, new_params, params), state
+
+    tx = ShardedTransformation(init_fn, update_fn)
+    tx.inner = inner
+    tx.axis_name = axis_name
+    tx.master_dtype = None if master_dtype is None else jnp.dtype(master_dtype)
+    tx.reduce_dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    tx._plans = {}
+    return tx

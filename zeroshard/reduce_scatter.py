@@ -1,0 +1,40 @@
+"""Reduce-scatter: local full gradients -> this device's row of the mean gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.layout import Layout, PyTree
+
+
+def reduce_scatter_grads(
+    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None
+) -> tuple[jax.Array, ...]:
+    """Averages local gradients over ``axis_name``, keeping only this device's row.
+
+    One ``psum_scatter`` per dtype bucket, whatever the number of leaves. Padding
+    elements are zero, so they stay zero.
+
+    Args:
+      grads: this device's local, unreduced gradients (the parameters' tree).
+      layout: the parameters' layout.
+      axis_name: the mesh axis the batch is split over.
+      reduce_dtype: dtype the collective runs in; ``None`` keeps each bucket's dtype.
+
+    Returns:
+      One ``(row_size,)`` array per bucket: this device's slice of the mean gradient,
+      in ``reduce_dtype`` (or the bucket's dtype).
+    """
+    leaves = layout.treedef.flatten_up_to(grads)
+    dtypes = [
+        jnp.result_type(*(leaves[i] for i in b.slots)) if reduce_dtype is None else reduce_dtype
+        for b in layout.buckets
+    ]
+    rows = []
+    for matrix in layout.pack(grads, dtypes):
+        summed = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)
+        rows.append(summed[0] / layout.num_shards)
+    return tuple(rows)
