@@ -148,9 +148,12 @@ def _tag_jaxpr(jaxpr: Any, in_tags: list[int], axis_name: str) -> list[int]:
 
 
 def _primitives(jaxpr: Any) -> list[str]:
+    """The computation's primitives in order, recursively, less pure reshapes (a scalar
+    leaf is ``()`` in full but ``(1,)`` as a piece)."""
     names = []
     for eqn in jaxpr.eqns:
-        names.append(eqn.primitive.name)
+        if eqn.primitive.name not in _RESHAPING:
+            names.append(eqn.primitive.name)
         for p in eqn.params.values():
             subs = p if isinstance(p, tuple) else (p,)
             for s in subs:

@@ -176,12 +176,16 @@ class Layout:
             for k, b in enumerate(self.buckets)
         )
 
-    def unpack(self, matrices: Sequence[jax.Array]) -> PyTree:
-        """One ``(num_shards, row_size)`` matrix per bucket -> full leaves."""
+    def unpack(self, matrices: Sequence[jax.Array], cast: bool = True) -> PyTree:
+        """One ``(num_shards, row_size)`` matrix per bucket -> full leaves.
+
+        With ``cast`` the leaves take the parameters' dtypes, else the matrices'.
+        """
         leaves = []
         for s in self.slots:
             block = matrices[s.bucket][:, s.offset : s.offset + s.piece_size]
-            leaves.append(block.reshape(-1)[: s.size].reshape(s.shape).astype(s.dtype))
+            leaf = block.reshape(-1)[: s.size].reshape(s.shape)
+            leaves.append(leaf.astype(s.dtype) if cast else leaf)
         return self.treedef.unflatten(leaves)
 
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:

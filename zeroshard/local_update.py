@@ -110,12 +110,20 @@ def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
             "zs.sharded: the inner optimizer's state has a different structure on a slice "
             "than on the full parameters, so it depends on leaf shapes and cannot be sharded."
         )
+    # A state leaf is per-element iff its shape follows the pieces' shapes: probe with
+    # pieces one element longer (shapes alone are ambiguous when N = 1).
+    longer = layout.treedef.unflatten(
+        jax.ShapeDtypeStruct(p.shape[:-1] + (p.shape[-1] + 1,), p.dtype)
+        for p in jax.tree.leaves(pieces)
+    )
+    longer_leaves = jax.tree.leaves(jax.eval_shape(tx.inner.init, longer))
     per_element = {(s.shape, layout.piece_shape(s)) for s in layout.slots}
     state_sharded = []
-    for (path, f), p in zip(full_leaves, piece_leaves, strict=True):
-        if (tuple(f.shape), tuple(p.shape)) in per_element and f.shape != p.shape:
+    for (path, f), p, q in zip(full_leaves, piece_leaves, longer_leaves, strict=True):
+        sharded = p.shape != q.shape
+        if sharded and (tuple(f.shape), tuple(p.shape)) in per_element:
             state_sharded.append(True)
-        elif f.shape == p.shape:
+        elif not sharded and f.shape == p.shape:
             state_sharded.append(False)
         else:
             raise ValueError(

@@ -1,0 +1,36 @@
+# Quick start:  make demo   (train on 8 simulated CPU devices)
+#               make test   (the test suite)
+# Both create .venv with everything from pyproject.toml on first use.
+# Another interpreter: make test PYTHON=python3.12 VENV=.venv-py312
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test lint format clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@$(BIN)/python -c "import jax, optax, sys; print('venv', sys.version.split()[0], 'jax', jax.__version__, 'optax', optax.__version__)"
+	touch $@
+
+demo: venv
+	$(BIN)/python -m zeroshard.demo $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check zeroshard tests benchmarks
+	$(BIN)/ruff format --check zeroshard tests benchmarks
+
+format: venv
+	$(BIN)/ruff format zeroshard tests benchmarks
+	$(BIN)/ruff check --fix zeroshard tests benchmarks
+
+clean:
+	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info

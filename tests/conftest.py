@@ -1,0 +1,23 @@
+"""Simulated devices: set before JAX starts its backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_devices():
+    assert jax.device_count() == NUM_DEVICES, "conftest must run before JAX initialises"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

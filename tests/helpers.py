@@ -1,0 +1,93 @@
+"""Models and the independent reference: plain optax on one device on the global batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def make_mesh(n: int, axis_name: str = "data") -> jax.sharding.Mesh:
+    """A 1-D mesh over the first ``n`` simulated devices."""
+    return jax.make_mesh((n,), (axis_name,), devices=jax.devices()[:n])
+
+
+def awkward_params(rng: np.random.Generator, small_dtype=jnp.float32) -> dict:
+    """A scalar, sizes prime to every N, many small leaves; ``small` leaves in ``small_dtype``."""
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    return {
+        "scale": jnp.float32(0.9),
+        "dense": {"w": f(7, 13), "b": f(13)},
+        "small": [f(5).astype(small_dtype) for _ in range(11)],
+        "out": {"w": f(13, 5)},
+    }
+
+
+def awkward_loss(params: dict, batch: dict) -> jax.Array:
+    p = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    h = jnp.tanh(batch["x"] @ p["dense"]["w"] + p["dense"]["b"]) * p["scale"]
+    out = h @ p["out"]["w"] + sum((i + 1) / 10 * s for i, s in enumerate(p["small"]))
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def batches(rng: np.random.Generator, steps: int, size: int = 16) -> list[dict]:
+    return [
+        {
+            "x": jnp.asarray(rng.normal(size=(size, 7)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(size, 5)), jnp.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def reference_run(loss_fn, inner, params, data, compute_dtypes=None, num_devices=1):
+    """Plain optax on one device.
+
+    With ``compute_dtypes`` (a dtype, or a tree of them) it keeps an fp32 master of
+    ``params`` and runs forward/backward on a copy cast to the compute dtypes. With
+    ``num_devices`` > 1 it takes the gradient of each of that many equal parts of the
+    batch in the compute dtype and averages them in fp32: the rounding that
+    data-parallel training in a low-precision compute dtype does by definition.
+    """
+    if compute_dtypes is not None and not isinstance(compute_dtypes, dict):
+        compute_dtypes = jax.tree.map(lambda _: compute_dtypes, params)
+    if compute_dtypes is not None:
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+
+    def mean_grad(compute, batch):
+        parts = [jax.tree.map(lambda x, i=i: jnp.split(x, num_devices)[i], batch)
+                 for i in range(num_devices)]
+        grads = [jax.grad(loss_fn)(compute, part) for part in parts]
+        grads = [jax.tree.map(lambda g: g.astype(jnp.float32), g) for g in grads]
+        return jax.tree.map(lambda *gs: sum(gs) / num_devices, *grads)
+
+    @jax.jit
+    def step(master, opt_state, batch):
+        compute = master
+        if compute_dtypes is not None:
+            compute = jax.tree.map(lambda x, d: x.astype(d), master, compute_dtypes)
+        grads = mean_grad(compute, batch) if num_devices > 1 else jax.grad(loss_fn)(compute, batch)
+        grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+        updates, opt_state = inner.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+    opt_state = inner.init(params)
+    for batch in data:
+        params, opt_state = step(params, opt_state, batch)
+    return params
+
+
+def assert_trees_close(actual, expected, rtol: float) -> None:
+    """Elementwise ``|a - e| <= rtol * max|e|`` per leaf (relative to the leaf's scale)."""
+    flat_a = jax.tree_util.tree_leaves_with_path(actual)
+    flat_e = jax.tree.leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e, strict=True):
+        a = np.asarray(a, np.float64)
+        e = np.asarray(e, np.float64)
+        assert a.shape == e.shape, jax.tree_util.keystr(path)
+        scale = max(np.max(np.abs(e)), 1e-30)
+        np.testing.assert_allclose(
+            a, e, rtol=0, atol=rtol * scale, err_msg=jax.tree_util.keystr(path)
+        )
