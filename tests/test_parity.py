@@ -76,9 +76,10 @@ def test_parity_global_norm_clipping_that_clips(n, rng):
 def sharded_master(state, params, n):
     """The master weights as full fp32 leaves (fp32 params are their own master)."""
     layout = zs.Layout.from_tree(params, n)
-    packed = layout.pack(state.params, [jnp.float32] * len(layout.buckets))
+    host = jax.tree.map(np.asarray, state.params)
+    packed = layout.pack(host, [jnp.float32] * len(layout.buckets))
     matrices = [
-        packed[b] if row is None else jnp.reshape(row, (n, -1))
+        packed[b] if row is None else np.asarray(row).reshape(n, -1)
         for b, row in enumerate(state.opt_state.master)
     ]
     return layout.unpack(matrices, cast=False)
