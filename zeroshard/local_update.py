@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.all_gather import all_gather_params
@@ -146,9 +145,9 @@ def bound_axis_size(axis_name: str) -> int | None:
         return None
 
 
-def context_mesh(axis_name: str) -> jax.sharding.Mesh:
+def context_mesh(axis_name: str) -> jax.sharding.AbstractMesh:
     """The mesh set with ``jax.set_mesh``; raises unless it has ``axis_name``."""
-    mesh = jax.sharding.get_mesh()
+    mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or axis_name not in mesh.axis_names:
         raise ValueError(
             f"zeroshard: axis {axis_name!r} is not bound. Call inside jax.shard_map over a "
@@ -186,10 +185,13 @@ def init_local(
 def init_global(
     tx: ShardedTransformation,
     params: PyTree,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     master_params: PyTree | None = None,
 ) -> ShardedState:
-    """The global state (arrays sharded over ``tx.axis_name`` of ``mesh``)."""
+    """The global state (arrays sharded over ``tx.axis_name`` of ``mesh``).
+
+    ``params`` (and ``master_params``) must be replicated or not yet placed.
+    """
     specs = tx.state_specs(params, mesh.shape[tx.axis_name])
     init = jax.shard_map(
         lambda p, m: init_local(tx, p, m),
@@ -198,8 +200,7 @@ def init_global(
         out_specs=specs,
         axis_names={tx.axis_name},
     )
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(init, in_shardings=(replicated, replicated))(params, master_params)
+    return jax.jit(init)(params, master_params)
 
 
 def apply_update(

@@ -20,7 +20,7 @@ from zeroshard.local_update import (
     ShardedState,
     ShardedTransformation,
     apply_update,
-    init_global,
+    init_local,
 )
 
 
@@ -87,17 +87,21 @@ def init_train_state(
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
     _check_setup(tx, mesh, axis_name)
-    replicated = NamedSharding(mesh, P())
 
-    def compute_copy(tree: PyTree) -> PyTree:
+    def local_init(master_params: PyTree) -> TrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
-        return jax.tree.map(cast, tree)
+        params = jax.tree.map(cast, master_params)
+        opt_state = init_local(tx, params, master_params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
-    params = jax.device_put(params, replicated)
-    compute = jax.jit(compute_copy, out_shardings=replicated)(params)
-    opt_state = init_global(tx, compute, mesh, master_params=params)
-    step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=replicated)()
-    return TrainState(step, compute, opt_state)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    compute = jax.eval_shape(lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params)
+    specs = TrainState(P(), P(), tx.state_specs(compute, mesh.shape[axis_name]))
+    # The same out_specs as the step's, so the first step sees the shardings it returns.
+    init = jax.shard_map(
+        local_init, mesh=mesh, in_specs=P(), out_specs=specs, axis_names={axis_name}
+    )
+    return jax.jit(init)(params)
 
 
 def _check_batch(batch: PyTree, num_shards: int, axis_name: str) -> None:
