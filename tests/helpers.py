@@ -56,8 +56,10 @@ def reference_run(loss_fn, inner, params, data, compute_dtypes=None, num_devices
         params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
 
     def mean_grad(compute, batch):
-        parts = [jax.tree.map(lambda x, i=i: jnp.split(x, num_devices)[i], batch)
-                 for i in range(num_devices)]
+        parts = [
+            jax.tree.map(lambda x, i=i: jnp.split(x, num_devices)[i], batch)
+            for i in range(num_devices)
+        ]
         grads = [jax.grad(loss_fn)(compute, part) for part in parts]
         grads = [jax.tree.map(lambda g: g.astype(jnp.float32), g) for g in grads]
         return jax.tree.map(lambda *gs: sum(gs) / num_devices, *grads)

@@ -112,9 +112,7 @@ def test_collectives_of_the_compiled_step(rng):
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
-@pytest.mark.parametrize(
-    "reduce_dtype, expected_rs", [(None, "bf16"), (jnp.float32, "f32")]
-)
+@pytest.mark.parametrize("reduce_dtype, expected_rs", [(None, "bf16"), (jnp.float32, "f32")])
 def test_collective_dtypes_on_the_lowered_program(reduce_dtype, expected_rs, rng):
     params, mesh = mlp_params(rng), make_mesh(8)
     tx = zs.sharded(optax.adam(1e-3), axis_name="data", reduce_dtype=reduce_dtype)

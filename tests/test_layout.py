@@ -42,8 +42,9 @@ def test_rows_split_join_and_padding(n, rng):
         # Padding is zero: the matrix sums to the leaves' sum.
         leaves = jax.tree.leaves(t)
         total = sum(float(jnp.sum(leaves[i].astype(jnp.float32))) for i in bucket.slots)
-        np.testing.assert_allclose(float(jnp.sum(matrices[b].astype(jnp.float32))), total,
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            float(jnp.sum(matrices[b].astype(jnp.float32))), total, rtol=1e-5
+        )
     for d in range(n):
         rows = [layout.row(t, d, b) for b in range(len(layout.buckets))]
         for row, m in zip(rows, matrices, strict=True):

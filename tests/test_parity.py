@@ -55,8 +55,10 @@ def test_parity_with_plain_optax(name, n, rng):
     state, _ = run_sharded(make(), params, data, n)
     assert_trees_close(state.params, expected, rtol)
     # The trajectory moved: a no-op optimizer cannot pass.
-    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-        jax.tree.leaves(expected), jax.tree.leaves(params), strict=True))
+    moved = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params), strict=True)
+    )
     assert moved > 1e2 * rtol
 
 

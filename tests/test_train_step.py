@@ -83,7 +83,7 @@ def test_mesh_without_the_axis(setup):
 
 
 def test_axis_of_optimizer_and_step_differ(setup):
-    params, _, tx, _ = setup
+    _params, _, tx, _ = setup
     mesh = make_mesh(8, "batch")
     with pytest.raises(ValueError, match="built with axis_name='data'"):
         zs.make_train_step(awkward_loss, tx, mesh, axis_name="batch")

@@ -42,8 +42,8 @@ _ELEMENTWISE = frozenset(
 )
 # Linear in a PARTIAL operand when every other operand is CLEAN.
 _LINEAR = frozenset("add sub neg convert_element_type copy copy_p mul div select_n".split())
-_RESHAPING = frozenset("reshape squeeze expand_dims broadcast_in_dim".split())
-_PASS_THROUGH = frozenset("sharding_constraint pvary pcast optimization_barrier".split())
+_RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
+_PASS_THROUGH = frozenset(["sharding_constraint", "pvary", "pcast", "optimization_barrier"])
 
 
 class NotElementwiseError(ValueError):
@@ -100,10 +100,7 @@ def _tag_jaxpr(jaxpr: Any, in_tags: list[int], axis_name: str) -> list[int]:
             outs = [
                 max(ts)
                 for ts in zip(
-                    *(
-                        _tag_jaxpr(_as_jaxpr(b), ins[1:], axis_name)
-                        for b in eqn.params["branches"]
-                    ),
+                    *(_tag_jaxpr(_as_jaxpr(b), ins[1:], axis_name) for b in eqn.params["branches"]),
                     strict=True,
                 )
             ]

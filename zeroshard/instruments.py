@@ -121,7 +121,9 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
       >>> summarize([Collective("all-reduce", "f32", 400, 4)])
       {'all-reduce': {'count': 1, 'bytes': 400, 'ring_bytes': 600.0}}
     """
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0})
+    out: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0, "ring_bytes": 0}
+    )
     for c in found:
         out[c.kind]["count"] += 1
         out[c.kind]["bytes"] += c.result_bytes

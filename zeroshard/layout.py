@@ -211,6 +211,4 @@ class Layout:
     def join(self, pieces: PyTree) -> tuple[jax.Array, ...]:
         """A tree of pieces -> one row per bucket (the inverse of :meth:`split`)."""
         leaves = self.treedef.flatten_up_to(pieces)
-        return tuple(
-            jnp.concatenate([jnp.ravel(leaves[i]) for i in b.slots]) for b in self.buckets
-        )
+        return tuple(jnp.concatenate([jnp.ravel(leaves[i]) for i in b.slots]) for b in self.buckets)

@@ -90,8 +90,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
     master_dtypes = tuple(
         tx.master_dtype
-        if tx.master_dtype is not None
-        and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
+        if tx.master_dtype is not None and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
         else None
         for b in layout.buckets
     )
@@ -112,7 +111,7 @@ def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
     # A state leaf is per-element iff its shape follows the pieces' shapes: probe with
     # pieces one element longer (shapes alone are ambiguous when N = 1).
     longer = layout.treedef.unflatten(
-        jax.ShapeDtypeStruct(p.shape[:-1] + (p.shape[-1] + 1,), p.dtype)
+        jax.ShapeDtypeStruct((*p.shape[:-1], p.shape[-1] + 1), p.dtype)
         for p in jax.tree.leaves(pieces)
     )
     longer_leaves = jax.tree.leaves(jax.eval_shape(tx.inner.init, longer))
@@ -172,9 +171,7 @@ def init_local(
     source = params if master_params is None else master_params
     plan.layout.check_matches(source, "master_params")
     index = jax.lax.axis_index(tx.axis_name)
-    rows = [
-        plan.layout.row(source, index, b).astype(d) for b, d in enumerate(plan.inner_dtypes)
-    ]
+    rows = [plan.layout.row(source, index, b).astype(d) for b, d in enumerate(plan.inner_dtypes)]
     master = tuple(
         None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
     )

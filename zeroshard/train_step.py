@@ -95,7 +95,9 @@ def init_train_state(
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
     params = jax.device_put(params, NamedSharding(mesh, P()))
-    compute = jax.eval_shape(lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params)
+    compute = jax.eval_shape(
+        lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params
+    )
     specs = TrainState(P(), P(), tx.state_specs(compute, mesh.shape[axis_name]))
     # The same out_specs as the step's, so the first step sees the shardings it returns.
     init = jax.shard_map(
