@@ -237,8 +237,7 @@ def apply_update(
             "zs.sharded: the optimizer state was made for other parameters "
             f"({len(state.master)} dtype buckets, these params have {len(layout.buckets)})."
         )
-    reduce_dtype = tx.reduce_dtype
-    grad_rows = reduce_scatter_grads(grads, layout, tx.axis_name, reduce_dtype)
+    grad_rows = reduce_scatter_grads(grads, layout, tx.axis_name, tx.reduce_dtype)
     grad_rows = [g.astype(d) for g, d in zip(grad_rows, plan.inner_dtypes, strict=True)]
     index = jax.lax.axis_index(tx.axis_name)
     param_rows = [
