@@ -17,6 +17,7 @@ from zeroshard.instruments import (
 )
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
+from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.reduce_scatter import reduce_scatter_grads
 from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
 
@@ -36,6 +37,7 @@ __all__ = [
     "clip_by_global_norm",
     "collective_dtypes",
     "collectives",
+    "from_optax_state",
     "global_norm",
     "init_train_state",
     "make_train_step",
@@ -43,4 +45,5 @@ __all__ = [
     "sharded",
     "state_bytes_per_device",
     "summarize",
+    "to_optax_state",
 ]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,8 +26,9 @@ def global_norm(tree: PyTree, axis_name: str) -> jax.Array:
     return jnp.sqrt(jax.lax.psum(sum(squares, jnp.float32(0)), axis_name))
 
 
-class ClipByGlobalNormState(NamedTuple):
-    """``clip_by_global_norm`` is stateless."""
+# Stateless, and the same state type as optax's clip, so a zeroshard chain's state has
+# the same structure as the plain optax chain it replaces (checkpoints interoperate).
+ClipByGlobalNormState = optax.EmptyState
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: str) -> optax.GradientTransformation:

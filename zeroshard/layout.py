@@ -181,12 +181,15 @@ class Layout:
 
         With ``cast`` the leaves take the parameters' dtypes, else the matrices'.
         """
-        leaves = []
-        for s in self.slots:
-            block = matrices[s.bucket][:, s.offset : s.offset + s.piece_size]
-            leaf = block.reshape(-1)[: s.size].reshape(s.shape)
-            leaves.append(leaf.astype(s.dtype) if cast else leaf)
-        return self.treedef.unflatten(leaves)
+        return self.treedef.unflatten(
+            self.unpack_leaf(matrices[s.bucket], s, cast) for s in self.slots
+        )
+
+    def unpack_leaf(self, matrix: jax.Array, slot: Slot, cast: bool = True) -> jax.Array:
+        """The full leaf of ``slot`` from its bucket's ``(num_shards, row_size)`` matrix."""
+        block = matrix[:, slot.offset : slot.offset + slot.piece_size]
+        leaf = block.reshape(-1)[: slot.size].reshape(slot.shape)
+        return leaf.astype(slot.dtype) if cast else leaf
 
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
         """Device ``index``'s row of bucket ``bucket``, cut from full leaves."""

@@ -1,0 +1,246 @@
+"""Logical layout: a sharded ``TrainState`` <-> plain optax's state for the full params.
+
+The *logical* form of a training state is what a plain optax run would hold: the
+parameters in the master dtype (fp32 master weights, or the parameters themselves
+where they are already fp32) and the inner optimizer's state with the same tree
+structure and leaf shapes as ``inner.init(params)``. It does not depend on the
+device count, which is what makes checkpoints restorable on any mesh and lets a
+run move between plain optax and zeroshard.
+
+The conversion runs inside ``shard_map``. A leaf whose first dimension divides by N is
+laid out over the axis along that dimension: a device's piece of the raveled leaf is
+then exactly its block of rows, and the conversion is a local reshape, no
+communication. Other leaves are gathered (one leaf at a time) and kept replicated.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zs.sharded(optax.adam(1e-3), axis_name="data")
+    >>> state = zs.init_train_state({"w": jnp.ones((8, 3))}, tx, mesh)
+    >>> params, opt_state = zs.to_optax_state(state, tx)
+    >>> opt_state[0].mu["w"].shape  # as optax.adam(1e-3).init(params)
+    (8, 3)
+    >>> state = zs.from_optax_state(params, opt_state, tx, mesh, step=7)
+    >>> int(state.step)
+    7
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.layout import PyTree
+from zeroshard.local_update import Plan, ShardedState, ShardedTransformation
+from zeroshard.train_step import TrainState, _check_setup
+
+
+def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
+    """Splits the first dimension if it divides by ``num_shards``; else replicates."""
+    if shape and shape[0] > 0 and shape[0] % num_shards == 0:
+        return P(axis_name)
+    return P()
+
+
+def _to_logical(piece: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """This device's piece of a leaf -> its part of the logical leaf."""
+    n = jax.lax.axis_size(axis_name)
+    if logical_spec(shape, n, axis_name) != P():
+        return piece.reshape((shape[0] // n, *shape[1:]))
+    flat = jax.lax.all_gather(piece.reshape(-1), axis_name, tiled=True, to="invarying")
+    return flat[: math.prod(shape)].reshape(shape)
+
+
+def _from_logical(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """This device's part of a logical leaf -> its piece, shaped ``(1, ..., piece)``."""
+    n = jax.lax.axis_size(axis_name)
+    piece_size = -(-math.prod(shape) // n)
+    piece_shape = (1,) * (len(shape) - 1) + (piece_size,)
+    if logical_spec(shape, n, axis_name) != P():
+        return local.reshape(piece_shape)
+    flat = jnp.pad(local.reshape(-1), (0, n * piece_size - local.size))
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(flat, index * piece_size, piece_size).reshape(piece_shape)
+
+
+def _logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
+    """``ShapeDtypeStruct`` trees of the logical params (master dtype) and inner state."""
+    layout = plan.layout
+    params = layout.treedef.unflatten(
+        jax.ShapeDtypeStruct(s.shape, plan.inner_dtypes[s.bucket]) for s in layout.slots
+    )
+    return params, jax.eval_shape(tx.inner.init, params)
+
+
+def _specs(structs: PyTree, num_shards: int, axis_name: str) -> PyTree:
+    return jax.tree.map(lambda x: logical_spec(x.shape, num_shards, axis_name), structs)
+
+
+def _mesh_of(state: TrainState) -> jax.sharding.Mesh:
+    sharding = getattr(state.step, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            "expected a zs.TrainState laid out on a mesh (from zs.init_train_state or a "
+            f"train step); its step has sharding {sharding!r}."
+        )
+    return sharding.mesh
+
+
+def _check_tree(tree: PyTree, expected: PyTree, what: str) -> None:
+    """Raises a ``ValueError`` naming the first leaf where ``tree`` and ``expected`` differ."""
+    got = jax.tree_util.tree_flatten_with_path(tree)[0]
+    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    for (path, a), (wpath, b) in zip(got, want, strict=False):
+        name = jax.tree_util.keystr(wpath)
+        if path != wpath:
+            raise ValueError(
+                f"{what}: expected a leaf at {name}, found {jax.tree_util.keystr(path)}."
+            )
+        if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+            raise ValueError(
+                f"{what}: leaf {name} is {jnp.dtype(a.dtype).name}{list(a.shape)}, expected "
+                f"{jnp.dtype(b.dtype).name}{list(b.shape)}."
+            )
+    if len(got) != len(want) or jax.tree.structure(tree) != jax.tree.structure(expected):
+        raise ValueError(
+            f"{what}: tree structure differs ({len(got)} leaves, expected {len(want)}):\n"
+            f"  {jax.tree.structure(tree)}\nexpected\n  {jax.tree.structure(expected)}"
+        )
+
+
+def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
+    """The logical form of a sharded training state: what plain optax would hold.
+
+    Args:
+      state: a :class:`zeroshard.TrainState` on a mesh.
+      tx: the optimizer from :func:`zeroshard.sharded` the state belongs to.
+
+    Returns:
+      ``(params, opt_state)``: the parameters in the master dtype (the fp32 master
+      weights; fp32 parameters are their own master) and ``inner``'s state for them,
+      as ``inner.init(params)`` would shape it. Leaves are sharded over the axis along
+      their first dimension where it divides by the axis size, else replicated.
+    """
+    mesh = _mesh_of(state)
+    num_shards = mesh.shape[tx.axis_name]
+    plan = tx.plan(state.params, num_shards)
+    layout, axis = plan.layout, tx.axis_name
+    params_structs, opt_structs = _logical_structs(plan, tx)
+
+    def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
+        index = jax.lax.axis_index(axis)
+        rows = [
+            layout.row(params, index, b).astype(d) if m is None else m
+            for b, (m, d) in enumerate(zip(opt_state.master, plan.inner_dtypes, strict=True))
+        ]
+        pieces = layout.treedef.flatten_up_to(layout.split(rows))
+        master = [_to_logical(p, s.shape, axis) for p, s in zip(pieces, layout.slots, strict=True)]
+        inner, treedef = jax.tree.flatten(opt_state.inner_state)
+        inner = [
+            _to_logical(x, f.shape, axis) if sharded else x
+            for x, f, sharded in zip(
+                inner, jax.tree.leaves(opt_structs), plan.state_sharded, strict=True
+            )
+        ]
+        return layout.treedef.unflatten(master), treedef.unflatten(inner)
+
+    in_specs = (P(), tx.state_specs(state.params, num_shards))
+    out_specs = (_specs(params_structs, num_shards, axis), _specs(opt_structs, num_shards, axis))
+    convert = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
+    )
+    return jax.jit(convert)(state.params, state.opt_state)
+
+
+def from_optax_state(
+    params: PyTree,
+    opt_state: PyTree,
+    tx: ShardedTransformation,
+    mesh: jax.sharding.Mesh,
+    *,
+    axis_name: str = "data",
+    param_dtype: Any = None,
+    step: int | jax.Array = 0,
+) -> TrainState:
+    """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
+
+    Args:
+      params: full parameters in the master dtype (what a plain optax run trains).
+      opt_state: ``tx.inner``'s state for ``params``, as plain optax holds it.
+      tx: an optimizer from :func:`zeroshard.sharded`.
+      mesh: the mesh to lay the state out on (any device count).
+      axis_name: the data-parallel axis; must match ``tx``.
+      param_dtype: compute dtype of the replicated parameters: one dtype, a tree of
+        dtypes like ``params``, or ``None`` to keep ``params``' dtypes.
+      step: the step counter to resume from.
+
+    Returns:
+      A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
+      returns it (so continuing does not recompile).
+
+    Raises:
+      ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
+        would give, naming the first mismatching leaf.
+    """
+    _check_setup(tx, mesh, axis_name)
+    if param_dtype is None or not isinstance(param_dtype, (dict, list, tuple)):
+        param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
+    compute_structs = jax.tree.map(
+        lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
+    )
+    num_shards = mesh.shape[axis_name]
+    plan = tx.plan(compute_structs, num_shards)
+    layout = plan.layout
+    params_structs, opt_structs = _logical_structs(plan, tx)
+    _check_tree(params, params_structs, "params")
+    _check_tree(opt_state, opt_structs, "optimizer state")
+
+    def local(params: PyTree, opt_state: PyTree, step: jax.Array) -> TrainState:
+        leaves = layout.treedef.flatten_up_to(params)
+        pieces = [
+            _from_logical(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)
+        ]
+        rows = layout.join(layout.treedef.unflatten(pieces))
+        master = tuple(
+            None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
+        )
+        full = [
+            x
+            if logical_spec(s.shape, num_shards, axis_name) == P()
+            else jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
+            for x, s in zip(leaves, layout.slots, strict=True)
+        ]
+        compute = layout.treedef.unflatten(
+            x.astype(s.dtype) for x, s in zip(full, layout.slots, strict=True)
+        )
+        inner, treedef = jax.tree.flatten(opt_state)
+        inner = [
+            _from_logical(x, f.shape, axis_name) if sharded else x
+            for x, f, sharded in zip(
+                inner, jax.tree.leaves(opt_structs), plan.state_sharded, strict=True
+            )
+        ]
+        opt = ShardedState(treedef.unflatten(inner), master, jnp.zeros((), jnp.float32))
+        return TrainState(step, compute, opt)
+
+    in_specs = (
+        _specs(params_structs, num_shards, axis_name),
+        _specs(opt_structs, num_shards, axis_name),
+        P(),
+    )
+    out_specs = TrainState(P(), P(), tx.state_specs(compute_structs, num_shards))
+    placed = jax.device_put(
+        (params, opt_state, jnp.asarray(step, jnp.int32)),
+        jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
+        ),
+    )
+    convert = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
+    )
+    return jax.jit(convert)(*placed)
