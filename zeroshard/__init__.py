@@ -6,6 +6,7 @@ The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition
 """
 
 from zeroshard.all_gather import all_gather_params
+from zeroshard.checkpoint import CheckpointManager
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.guard import NotElementwiseError
 from zeroshard.instruments import (
@@ -24,6 +25,7 @@ from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_t
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "ClipByGlobalNormState",
     "Collective",
     "Layout",

@@ -1,0 +1,58 @@
+"""Command line: ``python -m zeroshard inspect DIR [--step K] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def inspect(directory: str, step: int | None, as_json: bool) -> int:
+    """Prints a checkpoint's metadata record, without loading any array."""
+    from zeroshard.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(directory)
+    try:
+        meta = manager.metadata(step)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"zeroshard inspect: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(meta, indent=2))
+        return 0
+    count = sum(math.prod(v["shape"]) for v in meta["params"].values())
+    print(f"{manager.directory}: steps {manager.all_steps()}, showing step {meta['step']}")
+    for key in ("format", "zeroshard_version", "jax_version", "optax_version", "saved_at"):
+        print(f"  {key}: {meta[key]}")
+    print(
+        f"  saved on {meta['num_shards']} devices along axis {meta['axis_name']!r} "
+        f"(mesh {meta['mesh_shape']}); restores on any device count"
+    )
+    print(
+        f"  master dtype: {meta['master_dtype']}; {count:,} parameters "
+        f"in {len(meta['params'])} leaves"
+    )
+    print(f"  param tree: {meta['param_tree']}")
+    print("  parameters (shape, compute dtype -> saved master dtype):")
+    for path, leaf in meta["params"].items():
+        print(f"    {path}: {leaf['shape']} {meta['param_dtypes'][path]} -> {leaf['dtype']}")
+    print(f"  optimizer state ({len(meta['opt_state'])} leaves):")
+    for path, leaf in meta["opt_state"].items():
+        print(f"    {path}: {leaf['shape']} {leaf['dtype']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zeroshard")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect_cmd = commands.add_parser("inspect", help="print a checkpoint's metadata")
+    inspect_cmd.add_argument("directory")
+    inspect_cmd.add_argument("--step", type=int, default=None, help="default: the latest")
+    inspect_cmd.add_argument("--json", action="store_true", help="print the raw record")
+    args = parser.parse_args(argv)
+    return inspect(args.directory, args.step, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Checkpoint: save and restore a ``TrainState`` with orbax, in the logical layout.
+
+On disk a step holds two orbax items:
+
+- ``state``: ``{"step", "params", "opt_state"}`` in the logical layout of
+  :func:`zeroshard.to_optax_state`: the parameters in the master dtype and the inner
+  optimizer's state shaped exactly as plain optax's. Nothing in it depends on the
+  device count, and a plain optax user can restore it with
+  ``ocp.args.StandardRestore(target)`` where ``target`` is ``{"step", "params",
+  "opt_state"}`` for their own ``inner.init(params)``. Each device writes its own
+  part: leaves whose first dimension divides by the device count are written as
+  per-device row blocks, never gathered.
+- ``zeroshard``: JSON metadata (library version, device count and axis at save time,
+  compute and master dtypes, every leaf's path and shape), readable without loading
+  arrays: ``python -m zeroshard inspect DIR``.
+
+orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
+finalisation: a step appears only once fully written, so a process killed while
+saving leaves the previous steps intact.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.layout import PyTree
+from zeroshard.local_update import ShardedTransformation
+from zeroshard.logical import (
+    _logical_structs,
+    _mesh_of,
+    from_optax_state,
+    logical_spec,
+    to_optax_state,
+)
+from zeroshard.train_step import TrainState, _check_setup
+
+STATE_ITEM = "state"
+METADATA_ITEM = "zeroshard"
+FORMAT = "zeroshard-logical-1"
+
+
+def _describe(tree: PyTree) -> dict[str, dict[str, Any]]:
+    return {
+        jax.tree_util.keystr(path): {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _first_difference(what: str, saved: dict, expected: dict, hint: str) -> None:
+    """Raises a ``ValueError`` naming the first path where two descriptions differ."""
+    for path in dict.fromkeys([*saved, *expected]):
+        a, b = saved.get(path), expected.get(path)
+        if a != b:
+
+            def show(d):
+                return "missing" if d is None else f"{d['dtype']}{d['shape']}"
+
+            raise ValueError(
+                f"the checkpoint does not match: {what} {path} is {show(a)} in the "
+                f"checkpoint but {show(b)} here. {hint}"
+            )
+
+
+class CheckpointManager:
+    """Saves and restores :class:`zeroshard.TrainState` with orbax, on any device count.
+
+    Args:
+      directory: where the steps live (created on the first save).
+      tx: the optimizer from :func:`zeroshard.sharded` the states belong to; only
+        :meth:`metadata`, :meth:`all_steps` and :meth:`latest_step` work without it.
+      max_to_keep: how many finalised steps to keep (``None``: all).
+      async_save: write in a background thread; :meth:`save` returns once the arrays
+        are copied off the devices, so the state can be donated right after.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax, zeroshard as zs
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tx = zs.sharded(optax.adam(1e-3), axis_name="data")
+      >>> params = {"w": jnp.ones((8, 3))}
+      >>> state = zs.init_train_state(params, tx, mesh)
+      >>> with zs.CheckpointManager(tempfile.mkdtemp(), tx) as ckpt:
+      ...     ckpt.save(state)
+      ...     ckpt.wait_until_finished()
+      ...     restored = ckpt.restore(mesh, like=params)
+      True
+      >>> restored.params["w"].shape, int(restored.step)
+      ((8, 3), 0)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        tx: ShardedTransformation | None = None,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+    ):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.tx = tx
+        self._max_to_keep = max_to_keep
+        self._async_save = async_save
+        self._manager = None
+
+    def _orbax(self, create: bool = False):
+        import orbax.checkpoint as ocp
+
+        if self._manager is None:
+            if not create and not os.path.isdir(self.directory):
+                raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self._max_to_keep,
+                enable_async_checkpointing=self._async_save,
+                create=create,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        return self._manager
+
+    def _require_tx(self) -> ShardedTransformation:
+        if self.tx is None:
+            raise ValueError("pass the optimizer: zs.CheckpointManager(directory, tx).")
+        return self.tx
+
+    def all_steps(self) -> list[int]:
+        """The finalised steps on disk, oldest first (``[]`` if there are none)."""
+        if self._manager is None and not os.path.isdir(self.directory):
+            return []
+        return sorted(self._orbax().all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finalised step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no finalised checkpoint in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise ValueError(f"no step {step} in {self.directory}; saved steps: {steps}")
+        return step
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata record of ``step`` (default: the latest), without loading arrays."""
+        import orbax.checkpoint as ocp
+
+        step = self._resolve(step)
+        args = ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+        return dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
+
+    def save(self, state: TrainState, *, force: bool = False) -> bool:
+        """Saves ``state`` as step ``state.step`` (asynchronously by default).
+
+        Args:
+          state: the training state; it may be donated as soon as this returns.
+          force: save even if orbax's save policy would skip this step.
+
+        Returns:
+          Whether a save was started.
+
+        Raises:
+          ValueError: if this step is already saved (nothing is overwritten).
+        """
+        import orbax.checkpoint as ocp
+
+        tx = self._require_tx()
+        step = int(state.step)
+        if step in self.all_steps():
+            raise ValueError(
+                f"step {step} is already saved in {self.directory}; nothing was overwritten."
+            )
+        params, opt_state = to_optax_state(state, tx)
+        mesh = _mesh_of(state)
+        metadata = {
+            "format": FORMAT,
+            "zeroshard_version": _version(),
+            "jax_version": jax.__version__,
+            "optax_version": optax.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "step": step,
+            "num_shards": mesh.shape[tx.axis_name],
+            "axis_name": tx.axis_name,
+            "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
+            "master_dtype": None if tx.master_dtype is None else tx.master_dtype.name,
+            "param_tree": str(jax.tree.structure(state.params)),
+            "param_dtypes": {k: v["dtype"] for k, v in _describe(state.params).items()},
+            "params": _describe(params),
+            "opt_state": _describe(opt_state),
+        }
+        item = {"step": state.step, "params": params, "opt_state": opt_state}
+        args = ocp.args.Composite(
+            **{
+                STATE_ITEM: ocp.args.StandardSave(item),
+                METADATA_ITEM: ocp.args.JsonSave(metadata),
+            }
+        )
+        return self._orbax(create=True).save(step, args=args, force=force)
+
+    def restore(
+        self,
+        mesh: jax.sharding.Mesh,
+        like: PyTree,
+        *,
+        step: int | None = None,
+    ) -> TrainState:
+        """Restores a step onto ``mesh``, whatever the device count it was saved on.
+
+        Args:
+          mesh: the mesh to lay the state out on; it must have the optimizer's axis.
+          like: the parameters (arrays or ``jax.ShapeDtypeStruct``) in their compute
+            dtypes: the tree structure, shapes and dtypes to restore into.
+          step: the step to restore (default: the latest).
+
+        Returns:
+          The :class:`zeroshard.TrainState`, laid out as the train step returns it.
+
+        Raises:
+          FileNotFoundError: if there is no directory or no finalised step in it.
+          ValueError: if the checkpoint is of another model or optimizer, in other
+            dtypes (naming the first differing leaf), or unreadable (truncated or
+            corrupted files). Nothing on disk is changed.
+        """
+        import orbax.checkpoint as ocp
+
+        tx = self._require_tx()
+        _check_setup(tx, mesh, tx.axis_name)
+        step = self._resolve(step)
+        saved = self.metadata(step)
+        if saved.get("format") != FORMAT:
+            raise ValueError(f"{self.directory} step {step} is not a {FORMAT} checkpoint.")
+        num_shards = mesh.shape[tx.axis_name]
+        plan = tx.plan(like, num_shards)
+        params_structs, opt_structs = _logical_structs(plan, tx)
+        hint = "Restore with the model (like=...) and optimizer the checkpoint was saved with."
+        saved_compute = {
+            path: {"shape": leaf["shape"], "dtype": saved["param_dtypes"].get(path)}
+            for path, leaf in saved["params"].items()
+        }
+        _first_difference("parameter", saved_compute, _describe(like), hint)
+        _first_difference("master weight", saved["params"], _describe(params_structs), hint)
+        _first_difference("optimizer state leaf", saved["opt_state"], _describe(opt_structs), hint)
+
+        def target(structs: PyTree) -> PyTree:
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape,
+                    x.dtype,
+                    sharding=NamedSharding(mesh, logical_spec(x.shape, num_shards, tx.axis_name)),
+                ),
+                structs,
+            )
+
+        item = {
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+            "params": target(params_structs),
+            "opt_state": target(opt_structs),
+        }
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(item)})
+        try:
+            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
+            restored = jax.block_until_ready(restored)
+        except Exception as e:  # orbax/tensorstore raise many types for bad files
+            raise ValueError(
+                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
+                f"or corrupted ({type(e).__name__}: {e}). Restore another step "
+                f"({self.all_steps()}); nothing on disk was changed."
+            ) from e
+        return from_optax_state(
+            restored["params"],
+            restored["opt_state"],
+            tx,
+            mesh,
+            axis_name=tx.axis_name,
+            param_dtype=jax.tree.map(lambda x: x.dtype, like),
+            step=restored["step"],
+        )
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an async save in flight is finalised."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's resources."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _version() -> str:
+    from zeroshard import __version__
+
+    return __version__
