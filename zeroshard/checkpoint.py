@@ -140,6 +140,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _resolve(self, step: int | None) -> int:
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"no finalised checkpoint in {self.directory}")
@@ -269,9 +271,10 @@ class CheckpointManager:
             restored = self._orbax().restore(step, args=args)[STATE_ITEM]
             restored = jax.block_until_ready(restored)
         except Exception as e:  # orbax/tensorstore raise many types for bad files
+            reason = str(e).split(" [tensorstore_spec")[0][:400]
             raise ValueError(
                 f"could not read step {step} of {self.directory}: the checkpoint is truncated "
-                f"or corrupted ({type(e).__name__}: {e}). Restore another step "
+                f"or corrupted ({type(e).__name__}: {reason}). Restore another step "
                 f"({self.all_steps()}); nothing on disk was changed."
             ) from e
         return from_optax_state(
