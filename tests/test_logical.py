@@ -15,6 +15,7 @@ def divisible_params(rng):
     params = awkward_params(rng)
     params["dense"]["w"] = jnp.asarray(rng.normal(size=(8, 13)) * 0.5, jnp.float32)
     params["dense"]["w2"] = jnp.asarray(rng.normal(size=(7, 13)) * 0.5, jnp.float32)
+    params["wide"] = jnp.asarray(rng.normal(size=(3, 16)) * 0.5, jnp.float32)  # split on dim 1
     return params
 
 
@@ -22,7 +23,8 @@ def loss(params, batch):
     x = batch["x"] @ jnp.ones((7, 8)) / 7
     h = jnp.tanh(x @ params["dense"]["w"] + batch["x"] @ params["dense"]["w2"])
     p = dict(params, dense={"w": params["dense"]["w2"], "b": params["dense"]["b"]})
-    return awkward_loss(p, batch) + jnp.mean(h**2)
+    wide = jnp.mean(jnp.tanh(batch["x"][:, :3] @ params["wide"]) ** 2)
+    return awkward_loss(p, batch) + jnp.mean(h**2) + wide
 
 
 def plain_steps(inner, params, opt_state, data):
@@ -98,6 +100,8 @@ def test_round_trip_is_exact_and_does_not_recompile(param_dtype, rng):
     p, s = zs.to_optax_state(state, tx)
     assert {x.dtype for x in jax.tree.leaves(p)} == {jnp.dtype(jnp.float32)}  # the master
     assert p["dense"]["w"].sharding.spec[0] == "data"  # 8 rows: split, not gathered
+    assert p["wide"].sharding.spec[1] == "data"  # 3 x 16: split along the 16
+    assert p["dense"]["w2"].sharding.is_fully_replicated  # 7 x 13: nothing divides by 8
     back = zs.from_optax_state(p, s, tx, mesh, param_dtype=param_dtype, step=state.step)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
         assert a.sharding == b.sharding

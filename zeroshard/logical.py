@@ -7,10 +7,12 @@ structure and leaf shapes as ``inner.init(params)``. It does not depend on the
 device count, which is what makes checkpoints restorable on any mesh and lets a
 run move between plain optax and zeroshard.
 
-The conversion runs inside ``shard_map``. A leaf whose first dimension divides by N is
-laid out over the axis along that dimension: a device's piece of the raveled leaf is
-then exactly its block of rows, and the conversion is a local reshape, no
-communication. Other leaves are gathered (one leaf at a time) and kept replicated.
+The conversion runs inside ``shard_map``. Logical leaves are split over the axis along
+their first dimension that divides by N, so each device holds (and a checkpoint
+writes) its own block. When that is the first dimension, a device's piece of the
+raveled leaf *is* its block of rows: a local reshape, no communication. Otherwise the
+leaf is gathered, one leaf at a time, and each device keeps its block; leaves with no
+dimension divisible by N (small ones, typically) stay replicated.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
@@ -40,20 +42,43 @@ from zeroshard.local_update import Plan, ShardedState, ShardedTransformation
 from zeroshard.train_step import TrainState, _check_setup
 
 
+def _split_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
+    """The first dimension that divides by ``num_shards``, if any."""
+    return next((k for k, d in enumerate(shape) if d > 0 and d % num_shards == 0), None)
+
+
 def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
-    """Splits the first dimension if it divides by ``num_shards``; else replicates."""
-    if shape and shape[0] > 0 and shape[0] % num_shards == 0:
-        return P(axis_name)
-    return P()
+    """Splits the first dimension that divides by ``num_shards``; else replicates."""
+    k = _split_dim(shape, num_shards)
+    return P() if k is None else P(*(None,) * k, axis_name)
+
+
+def _gather(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """The full logical leaf from this device's part of it."""
+    k = _split_dim(shape, jax.lax.axis_size(axis_name))
+    if k is None:
+        return local
+    return jax.lax.all_gather(local, axis_name, axis=k, tiled=True, to="invarying")
 
 
 def _to_logical(piece: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
-    """This device's piece of a leaf -> its part of the logical leaf."""
+    """This device's piece of a leaf -> its part of the logical leaf.
+
+    Split along the first dimension, a piece *is* the device's block of rows: a local
+    reshape. Otherwise the leaf is gathered (one leaf at a time) and the device keeps
+    its block, or all of it when no dimension divides by the device count.
+    """
     n = jax.lax.axis_size(axis_name)
-    if logical_spec(shape, n, axis_name) != P():
+    k = _split_dim(shape, n)
+    if k == 0:
         return piece.reshape((shape[0] // n, *shape[1:]))
     flat = jax.lax.all_gather(piece.reshape(-1), axis_name, tiled=True, to="invarying")
-    return flat[: math.prod(shape)].reshape(shape)
+    full = flat[: math.prod(shape)].reshape(shape)
+    if k is None:
+        return full
+    block = shape[k] // n
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
 
 
 def _from_logical(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
@@ -61,9 +86,10 @@ def _from_logical(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> j
     n = jax.lax.axis_size(axis_name)
     piece_size = -(-math.prod(shape) // n)
     piece_shape = (1,) * (len(shape) - 1) + (piece_size,)
-    if logical_spec(shape, n, axis_name) != P():
+    if _split_dim(shape, n) == 0:
         return local.reshape(piece_shape)
-    flat = jnp.pad(local.reshape(-1), (0, n * piece_size - local.size))
+    full = _gather(local, shape, axis_name)
+    flat = jnp.pad(full.reshape(-1), (0, n * piece_size - full.size))
     index = jax.lax.axis_index(axis_name)
     return jax.lax.dynamic_slice_in_dim(flat, index * piece_size, piece_size).reshape(piece_shape)
 
@@ -209,12 +235,7 @@ def from_optax_state(
         master = tuple(
             None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
         )
-        full = [
-            x
-            if logical_spec(s.shape, num_shards, axis_name) == P()
-            else jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
-            for x, s in zip(leaves, layout.slots, strict=True)
-        ]
+        full = [_gather(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
         compute = layout.treedef.unflatten(
             x.astype(s.dtype) for x, s in zip(full, layout.slots, strict=True)
         )
