@@ -8,8 +8,8 @@ On disk a step holds two orbax items:
   device count, and a plain optax user can restore it with
   ``ocp.args.StandardRestore(target)`` where ``target`` is ``{"step", "params",
   "opt_state"}`` for their own ``inner.init(params)``. Each device writes its own
-  part: leaves whose first dimension divides by the device count are written as
-  per-device row blocks, never gathered.
+  block of every leaf that has a dimension divisible by the device count (see
+  :mod:`zeroshard.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape), readable without loading
   arrays: ``python -m zeroshard inspect DIR``.
