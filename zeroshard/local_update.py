@@ -200,18 +200,8 @@ def init_global(
     return jax.jit(init)(params, master_params)
 
 
-def apply_update(
-    tx: ShardedTransformation, grads: PyTree, state: ShardedState, params: PyTree, **extra_args
-) -> tuple[PyTree, ShardedState]:
-    """One sharded step inside ``shard_map``: returns the new full params and state.
-
-    Args:
-      tx: the sharded transformation.
-      grads: this device's local, unreduced gradients.
-      state: this device's :class:`ShardedState`.
-      params: the current full parameters (replicated).
-      **extra_args: passed on to the inner ``update``.
-    """
+def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree) -> Plan:
+    """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
     if params is None:
         raise ValueError(
             "zs.sharded(...).update needs `params` (the current full parameters): "
@@ -230,15 +220,41 @@ def apply_update(
             "(it reduce-scatters local gradients); use zs.make_train_step for a ready step."
         )
     plan = tx.plan(params, num_shards)
-    layout = plan.layout
-    layout.check_matches(grads, "gradients")
-    if len(state.master) != len(layout.buckets):
+    if len(state.master) != len(plan.layout.buckets):
         raise ValueError(
             "zs.sharded: the optimizer state was made for other parameters "
-            f"({len(state.master)} dtype buckets, these params have {len(layout.buckets)})."
+            f"({len(state.master)} dtype buckets, these params have "
+            f"{len(plan.layout.buckets)})."
         )
-    grad_rows = reduce_scatter_grads(grads, layout, tx.axis_name, tx.reduce_dtype)
-    grad_rows = [g.astype(d) for g, d in zip(grad_rows, plan.inner_dtypes, strict=True)]
+    return plan
+
+
+def reduce_scatter_rows(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> list[jax.Array]:
+    """This device's rows of the mean gradient, in the inner optimizer's dtypes."""
+    plan.layout.check_matches(grads, "gradients")
+    rows = reduce_scatter_grads(grads, plan.layout, tx.axis_name, tx.reduce_dtype)
+    return [g.astype(d) for g, d in zip(rows, plan.inner_dtypes, strict=True)]
+
+
+def update_rows(
+    tx: ShardedTransformation,
+    plan: Plan,
+    grad_rows: list[jax.Array],
+    state: ShardedState,
+    params: PyTree,
+    **extra_args,
+) -> tuple[list[jax.Array], ShardedState]:
+    """The inner update on this device's rows: returns the new rows and state.
+
+    Args:
+      tx: the sharded transformation.
+      plan: its plan for ``params``.
+      grad_rows: this device's rows of the mean gradient.
+      state: this device's :class:`ShardedState`.
+      params: the full parameters (their rows are the master where no master is kept).
+      **extra_args: passed on to the inner ``update``.
+    """
+    layout = plan.layout
     index = jax.lax.axis_index(tx.axis_name)
     param_rows = [
         layout.row(params, index, b).astype(d) if m is None else m
@@ -250,11 +266,29 @@ def apply_update(
     new_rows = [
         (p + u).astype(p.dtype) for p, u in zip(param_rows, layout.join(updates), strict=True)
     ]
-    new_params = all_gather_params(new_rows, layout, tx.axis_name)
     master = tuple(
         None if m is None else row for m, row in zip(state.master, new_rows, strict=True)
     )
-    return new_params, ShardedState(inner_state, master, global_norm(grad_rows, tx.axis_name))
+    grad_norm = global_norm(grad_rows, tx.axis_name)
+    return new_rows, ShardedState(inner_state, master, grad_norm)
+
+
+def apply_update(
+    tx: ShardedTransformation, grads: PyTree, state: ShardedState, params: PyTree, **extra_args
+) -> tuple[PyTree, ShardedState]:
+    """One sharded step inside ``shard_map``: returns the new full params and state.
+
+    Args:
+      tx: the sharded transformation.
+      grads: this device's local, unreduced gradients.
+      state: this device's :class:`ShardedState`.
+      params: the current full parameters (replicated).
+      **extra_args: passed on to the inner ``update``.
+    """
+    plan = checked_plan(tx, state, params)
+    grad_rows = reduce_scatter_rows(tx, plan, grads)
+    new_rows, state = update_rows(tx, plan, grad_rows, state, params, **extra_args)
+    return all_gather_params(new_rows, plan.layout, tx.axis_name), state
 
 
 def sharded(

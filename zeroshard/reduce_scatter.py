@@ -38,3 +38,23 @@ def reduce_scatter_grads(
         summed = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)
         rows.append(summed[0] / layout.num_shards)
     return tuple(rows)
+
+
+def reduce_scatter_leaves(
+    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None
+) -> list[jax.Array]:
+    """Like :func:`reduce_scatter_grads`, but one ``psum_scatter`` per leaf.
+
+    Returns this device's piece of each leaf's mean gradient (1-D, in ``reduce_dtype``
+    or the gradient's dtype). With
+    a collective per leaf the compiler may free each leaf's full gradient as soon as
+    it is scattered, instead of packing the whole bucket first.
+    """
+    pieces = []
+    for leaf, s in zip(layout.treedef.flatten_up_to(grads), layout.slots, strict=True):
+        flat = jnp.ravel(leaf).astype(reduce_dtype or leaf.dtype)
+        flat = jnp.pad(flat, (0, layout.num_shards * s.piece_size - s.size))
+        block = flat.reshape(layout.num_shards, s.piece_size)
+        summed = jax.lax.psum_scatter(block, axis_name, scatter_dimension=0, tiled=True)
+        pieces.append(summed[0] / layout.num_shards)
+    return pieces

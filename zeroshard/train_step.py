@@ -15,13 +15,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.all_gather import all_gather_params
 from zeroshard.layout import PyTree
 from zeroshard.local_update import (
     ShardedState,
     ShardedTransformation,
-    apply_update,
+    checked_plan,
     init_local,
+    reduce_scatter_rows,
+    update_rows,
 )
+from zeroshard.reduce_scatter import reduce_scatter_leaves
 
 
 class TrainState(NamedTuple):
@@ -106,18 +110,21 @@ def init_train_state(
     return jax.jit(init)(params)
 
 
-def _check_batch(batch: PyTree, num_shards: int, axis_name: str) -> None:
+def _check_batch(batch: PyTree, num_shards: int, axis_name: str, accum_steps: int = 1) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("the batch is empty: pass a pytree of arrays with a batch dimension.")
+    parts = num_shards * accum_steps
+    what = f"the {num_shards} devices of axis {axis_name!r}"
+    if accum_steps > 1:
+        what += f" times accum_steps={accum_steps}"
     for path, x in leaves:
         shape = jnp.shape(x)
-        if not shape or shape[0] % num_shards:
+        if not shape or shape[0] % parts:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}: its leading "
-                f"(global batch) dimension must be divisible by the {num_shards} devices of "
-                f"axis {axis_name!r}. Use a global batch size that is a multiple of "
-                f"{num_shards}."
+                f"(global batch) dimension must be divisible by {what}. Use a global "
+                f"batch size that is a multiple of {parts}."
             )
 
 
@@ -137,21 +144,31 @@ class TrainStep:
         axis_name: str,
         has_aux: bool,
         donate: bool,
+        stage: int = 1,
+        accum_steps: int = 1,
     ):
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.axis_name, self.has_aux = axis_name, has_aux
+        self.stage, self.accum_steps = stage, accum_steps
         self.num_shards = mesh.shape[axis_name]
         self._batch_sharding = NamedSharding(mesh, P(axis_name))
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
 
     def _local_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        axis = self.axis_name
+        axis, tx = self.axis_name, self.tx
         # Differentiate w.r.t. a varying copy: the gradient of a replicated input
         # would be all-reduced automatically (DESIGN.md, pitfall 1).
         local_params = jax.lax.pcast(state.params, axis, to="varying")
-        out, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(local_params, batch)
+        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        plan = checked_plan(tx, state.opt_state, state.params)
+        if self.accum_steps == 1:
+            out, grads = value_and_grad(local_params, batch)
+            rows = reduce_scatter_rows(tx, plan, grads)
+        else:
+            out, rows = self._accumulate(value_and_grad, local_params, batch, plan)
         loss, aux = out if self.has_aux else (out, None)
-        params, opt_state = apply_update(self.tx, grads, state.opt_state, state.params)
+        new_rows, opt_state = update_rows(tx, plan, rows, state.opt_state, state.params)
+        params = all_gather_params(new_rows, plan.layout, axis)
         metrics = {
             "loss": jax.lax.pmean(loss.astype(jnp.float32), axis),
             "grad_norm": opt_state.grad_norm,
@@ -160,8 +177,50 @@ class TrainStep:
             metrics["aux"] = jax.lax.pmean(aux, axis)
         return TrainState(state.step + 1, params, opt_state), metrics
 
+    def _accumulate(self, value_and_grad, local_params, batch, plan):
+        """Mean loss and gradient rows over ``accum_steps`` micro-batches (a scan).
+
+        Stage 1 carries the full local gradient in fp32 and reduce-scatters it once;
+        stage 2 reduce-scatters every micro-batch into a 1/N fp32 accumulator, so no
+        full-size gradient buffer lives across micro-batches.
+        """
+        k, axis = self.accum_steps, self.axis_name
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        varying_zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axis, to="varying")
+        if self.stage == 1:
+            accumulator = jax.tree.map(varying_zeros, local_params)
+        else:
+            sizes = [s.piece_size for s in plan.layout.slots]
+            accumulator = [varying_zeros(jax.ShapeDtypeStruct((w,), jnp.float32)) for w in sizes]
+        first = jax.tree.map(lambda x: x[0], micro)
+        out_shape = jax.eval_shape(lambda p: value_and_grad(p, first)[0], local_params)
+        out_zeros = jax.tree.map(varying_zeros, out_shape)
+
+        def body(carry, mb):
+            out_sum, acc = carry
+            out, grads = value_and_grad(local_params, mb)
+            if self.stage == 1:
+                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            else:
+                pieces = reduce_scatter_leaves(grads, plan.layout, axis, self.tx.reduce_dtype)
+                acc = [a + p.astype(jnp.float32) for a, p in zip(acc, pieces, strict=True)]
+            out_sum = jax.tree.map(lambda s, o: s + o.astype(jnp.float32), out_sum, out)
+            return (out_sum, acc), None
+
+        (out_sum, acc), _ = jax.lax.scan(body, (out_zeros, accumulator), micro)
+        out = jax.tree.map(lambda s: s / k, out_sum)
+        if self.stage == 1:
+            grads = jax.tree.map(lambda a: a / k, acc)
+            return out, reduce_scatter_rows(self.tx, plan, grads)
+        layout = plan.layout
+        rows = [
+            jnp.concatenate([acc[i] / k for i in b.slots]).astype(d)
+            for b, d in zip(layout.buckets, plan.inner_dtypes, strict=True)
+        ]
+        return out, rows
+
     def _global_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        _check_batch(batch, self.num_shards, self.axis_name)
+        _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
         specs = TrainState(P(), P(), self.tx.state_specs(state.params, self.num_shards))
         batch_specs = jax.tree.map(lambda _: P(self.axis_name), batch)
         step = jax.shard_map(
@@ -174,7 +233,7 @@ class TrainStep:
         return step(state, batch)
 
     def _place(self, batch: PyTree) -> PyTree:
-        _check_batch(batch, self.num_shards, self.axis_name)
+        _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
         return jax.device_put(batch, self._batch_sharding)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
@@ -193,12 +252,21 @@ def make_train_step(
     axis_name: str = "data",
     has_aux: bool = False,
     donate: bool = True,
+    stage: int = 1,
+    accum_steps: int = 1,
 ) -> TrainStep:
-    """Builds a jitted ZeRO-1 training step.
+    """Builds a jitted ZeRO training step.
 
     Each device computes the loss and gradients of ``loss_fn`` on its share of the
     batch, then the sharded optimizer reduce-scatters the gradients, updates its
     slice and all-gathers the new weights.
+
+    With ``accum_steps`` > 1 each device's share is split into that many micro-batches
+    whose gradients are averaged before the update. ``stage`` chooses how: stage 1
+    keeps a full-size fp32 gradient accumulator and reduce-scatters once per step;
+    stage 2 reduce-scatters every micro-batch into a 1/N fp32 accumulator, so no
+    full-size gradient buffer outlives a micro-batch (the same bytes per micro-batch
+    as one all-reduce). Without accumulation both are the same step.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)`` with
@@ -209,6 +277,9 @@ def make_train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over
         devices into ``metrics["aux"]``.
       donate: donate the input state's buffers to the output state.
+      stage: 1 or 2 (ZeRO stage; see above).
+      accum_steps: micro-batches per step; the global batch must divide by
+        ``accum_steps`` times the axis size.
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = train_step(state, batch)``, where
@@ -233,4 +304,8 @@ def make_train_step(
       (1.0, 1)
     """
     _check_setup(tx, mesh, axis_name)
-    return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate)
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}.")
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
+    return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
