@@ -83,7 +83,7 @@ def test_stage2_has_no_full_size_gradient_accumulator(rng):
 def test_bad_stage_and_accumulation_arguments(rng):
     params, mesh = awkward_params(rng), make_mesh(8)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
-    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         zs.make_train_step(awkward_loss, tx, mesh, stage=4)
     with pytest.raises(ValueError, match="accum_steps must be a positive integer"):
         zs.make_train_step(awkward_loss, tx, mesh, accum_steps=0)

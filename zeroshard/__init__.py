@@ -8,6 +8,7 @@ The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition
 from zeroshard.all_gather import all_gather_params
 from zeroshard.checkpoint import CheckpointManager
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from zeroshard.gather import Shard, gather, layer
 from zeroshard.guard import NotElementwiseError
 from zeroshard.instruments import (
     Collective,
@@ -30,6 +31,7 @@ __all__ = [
     "Collective",
     "Layout",
     "NotElementwiseError",
+    "Shard",
     "ShardedState",
     "ShardedTransformation",
     "TrainState",
@@ -40,8 +42,10 @@ __all__ = [
     "collective_dtypes",
     "collectives",
     "from_optax_state",
+    "gather",
     "global_norm",
     "init_train_state",
+    "layer",
     "make_train_step",
     "reduce_scatter_grads",
     "sharded",

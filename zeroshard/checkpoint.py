@@ -31,6 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.gather import full_structs
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation
 from zeroshard.logical import (
@@ -193,8 +194,10 @@ class CheckpointManager:
             "axis_name": tx.axis_name,
             "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
             "master_dtype": None if tx.master_dtype is None else tx.master_dtype.name,
-            "param_tree": str(jax.tree.structure(state.params)),
-            "param_dtypes": {k: v["dtype"] for k, v in _describe(state.params).items()},
+            "param_tree": str(jax.tree.structure(full_structs(state.params))),
+            "param_dtypes": {
+                k: v["dtype"] for k, v in _describe(full_structs(state.params)).items()
+            },
             "params": _describe(params),
             "opt_state": _describe(opt_state),
         }
@@ -213,14 +216,17 @@ class CheckpointManager:
         like: PyTree,
         *,
         step: int | None = None,
+        stage: int = 1,
     ) -> TrainState:
-        """Restores a step onto ``mesh``, whatever the device count it was saved on.
+        """Restores a step onto ``mesh``, whatever the device count and stage it was saved
+        with.
 
         Args:
           mesh: the mesh to lay the state out on; it must have the optimizer's axis.
           like: the parameters (arrays or ``jax.ShapeDtypeStruct``) in their compute
             dtypes: the tree structure, shapes and dtypes to restore into.
           step: the step to restore (default: the latest).
+          stage: the ZeRO stage to lay the state out for (3: params as pieces).
 
         Returns:
           The :class:`zeroshard.TrainState`, laid out as the train step returns it.
@@ -235,6 +241,7 @@ class CheckpointManager:
 
         tx = self._require_tx()
         _check_setup(tx, mesh, tx.axis_name)
+        like = full_structs(like)
         step = self._resolve(step)
         saved = self.metadata(step)
         if saved.get("format") != FORMAT:
@@ -285,6 +292,7 @@ class CheckpointManager:
             axis_name=tx.axis_name,
             param_dtype=jax.tree.map(lambda x: x.dtype, like),
             step=restored["step"],
+            stage=stage,
         )
 
     def wait_until_finished(self) -> None:

@@ -236,36 +236,41 @@ def reduce_scatter_rows(tx: ShardedTransformation, plan: Plan, grads: PyTree) ->
     return [g.astype(d) for g, d in zip(rows, plan.inner_dtypes, strict=True)]
 
 
+def param_rows(
+    tx: ShardedTransformation, plan: Plan, state: ShardedState, params: PyTree
+) -> list[jax.Array]:
+    """This device's rows of the master weights: the master where one is kept, else
+    the rows of the (replicated) parameters themselves."""
+    index = jax.lax.axis_index(tx.axis_name)
+    return [
+        plan.layout.row(params, index, b).astype(d) if m is None else m
+        for b, (m, d) in enumerate(zip(state.master, plan.inner_dtypes, strict=True))
+    ]
+
+
 def update_rows(
     tx: ShardedTransformation,
     plan: Plan,
     grad_rows: list[jax.Array],
     state: ShardedState,
-    params: PyTree,
+    rows: list[jax.Array],
     **extra_args,
 ) -> tuple[list[jax.Array], ShardedState]:
     """The inner update on this device's rows: returns the new rows and state.
 
     Args:
       tx: the sharded transformation.
-      plan: its plan for ``params``.
+      plan: its plan for the parameters.
       grad_rows: this device's rows of the mean gradient.
       state: this device's :class:`ShardedState`.
-      params: the full parameters (their rows are the master where no master is kept).
+      rows: this device's rows of the master weights (see :func:`param_rows`).
       **extra_args: passed on to the inner ``update``.
     """
     layout = plan.layout
-    index = jax.lax.axis_index(tx.axis_name)
-    param_rows = [
-        layout.row(params, index, b).astype(d) if m is None else m
-        for b, (m, d) in enumerate(zip(state.master, plan.inner_dtypes, strict=True))
-    ]
     updates, inner_state = tx.inner.update(
-        layout.split(grad_rows), state.inner_state, layout.split(param_rows), **extra_args
+        layout.split(grad_rows), state.inner_state, layout.split(rows), **extra_args
     )
-    new_rows = [
-        (p + u).astype(p.dtype) for p, u in zip(param_rows, layout.join(updates), strict=True)
-    ]
+    new_rows = [(p + u).astype(p.dtype) for p, u in zip(rows, layout.join(updates), strict=True)]
     master = tuple(
         None if m is None else row for m, row in zip(state.master, new_rows, strict=True)
     )
@@ -287,7 +292,8 @@ def apply_update(
     """
     plan = checked_plan(tx, state, params)
     grad_rows = reduce_scatter_rows(tx, plan, grads)
-    new_rows, state = update_rows(tx, plan, grad_rows, state, params, **extra_args)
+    rows = param_rows(tx, plan, state, params)
+    new_rows, state = update_rows(tx, plan, grad_rows, state, rows, **extra_args)
     return all_gather_params(new_rows, plan.layout, tx.axis_name), state
 
 

@@ -37,9 +37,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.gather import full_structs, is_shard
 from zeroshard.layout import PyTree
 from zeroshard.local_update import Plan, ShardedState, ShardedTransformation
-from zeroshard.train_step import TrainState, _check_setup
+from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
 
 
 def _split_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
@@ -154,14 +155,19 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     """
     mesh = _mesh_of(state)
     num_shards = mesh.shape[tx.axis_name]
-    plan = tx.plan(state.params, num_shards)
+    stage = 3 if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) else 1
+    plan = tx.plan(full_structs(state.params), num_shards)
     layout, axis = plan.layout, tx.axis_name
     params_structs, opt_structs = _logical_structs(plan, tx)
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
-        index = jax.lax.axis_index(axis)
+        if stage == 3:
+            own = layout.join(jax.tree.map(lambda x: x.piece, params, is_leaf=is_shard))
+        else:
+            index = jax.lax.axis_index(axis)
+            own = [layout.row(params, index, b) for b in range(len(layout.buckets))]
         rows = [
-            layout.row(params, index, b).astype(d) if m is None else m
+            own[b].astype(d) if m is None else m
             for b, (m, d) in enumerate(zip(opt_state.master, plan.inner_dtypes, strict=True))
         ]
         pieces = layout.treedef.flatten_up_to(layout.split(rows))
@@ -175,7 +181,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
         ]
         return layout.treedef.unflatten(master), treedef.unflatten(inner)
 
-    in_specs = (P(), tx.state_specs(state.params, num_shards))
+    specs = state_specs(tx, state.params, num_shards, stage)
+    in_specs = (specs.params, specs.opt_state)
     out_specs = (_specs(params_structs, num_shards, axis), _specs(opt_structs, num_shards, axis))
     convert = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
@@ -192,6 +199,7 @@ def from_optax_state(
     axis_name: str = "data",
     param_dtype: Any = None,
     step: int | jax.Array = 0,
+    stage: int = 1,
 ) -> TrainState:
     """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
 
@@ -204,6 +212,7 @@ def from_optax_state(
       param_dtype: compute dtype of the replicated parameters: one dtype, a tree of
         dtypes like ``params``, or ``None`` to keep ``params``' dtypes.
       step: the step counter to resume from.
+      stage: the ZeRO stage to lay the state out for (3: params as pieces).
 
     Returns:
       A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
@@ -235,10 +244,13 @@ def from_optax_state(
         master = tuple(
             None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
         )
-        full = [_gather(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
-        compute = layout.treedef.unflatten(
-            x.astype(s.dtype) for x, s in zip(full, layout.slots, strict=True)
-        )
+        if stage == 3:
+            compute = to_shards(layout, list(rows))
+        else:
+            compute = layout.treedef.unflatten(
+                _gather(x, s.shape, axis_name).astype(s.dtype)
+                for x, s in zip(leaves, layout.slots, strict=True)
+            )
         inner, treedef = jax.tree.flatten(opt_state)
         inner = [
             _from_logical(x, f.shape, axis_name) if sharded else x
@@ -254,7 +266,7 @@ def from_optax_state(
         _specs(opt_structs, num_shards, axis_name),
         P(),
     )
-    out_specs = TrainState(P(), P(), tx.state_specs(compute_structs, num_shards))
+    out_specs = state_specs(tx, compute_structs, num_shards, stage)
     placed = jax.device_put(
         (params, opt_state, jnp.asarray(step, jnp.int32)),
         jax.tree.map(

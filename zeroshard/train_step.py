@@ -16,12 +16,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.all_gather import all_gather_params
-from zeroshard.layout import PyTree
+from zeroshard.gather import Shard, full_structs, is_shard
+from zeroshard.layout import Layout, PyTree
 from zeroshard.local_update import (
+    Plan,
     ShardedState,
     ShardedTransformation,
     checked_plan,
     init_local,
+    param_rows,
     reduce_scatter_rows,
     update_rows,
 )
@@ -62,6 +65,36 @@ def _check_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
         )
 
 
+def _check_stage(stage: int) -> None:
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}.")
+
+
+def to_shards(layout: Layout, rows: list[jax.Array]) -> PyTree:
+    """This device's rows -> a tree of :class:`Shard` pieces in the parameters' dtypes."""
+    pieces = layout.treedef.flatten_up_to(layout.split(rows))
+    return layout.treedef.unflatten(
+        Shard(p.astype(s.dtype), s.shape, s.dtype)
+        for p, s in zip(pieces, layout.slots, strict=True)
+    )
+
+
+def state_specs(
+    tx: ShardedTransformation, params: PyTree, num_shards: int, stage: int
+) -> TrainState:
+    """``PartitionSpec``s of a :class:`TrainState` for ``params`` (full or ``Shard``)."""
+    structs = full_structs(params)
+    opt_specs = tx.state_specs(structs, num_shards)
+    if stage < 3:
+        return TrainState(P(), P(), opt_specs)
+    layout = tx.plan(structs, num_shards).layout
+    param_specs = layout.treedef.unflatten(
+        Shard(P(*(None,) * (len(layout.piece_shape(s)) - 1), tx.axis_name), s.shape, s.dtype)
+        for s in layout.slots
+    )
+    return TrainState(P(), param_specs, opt_specs)
+
+
 def init_train_state(
     params: PyTree,
     tx: ShardedTransformation,
@@ -69,19 +102,22 @@ def init_train_state(
     *,
     axis_name: str = "data",
     param_dtype: Any = None,
+    stage: int = 1,
 ) -> TrainState:
     """Lays a training state out on ``mesh``.
 
     The master weights start from ``params`` as given (full precision), and the
-    replicated compute copy is ``params`` cast to ``param_dtype``.
+    compute copy is ``params`` cast to ``param_dtype``: replicated for stages 1 and 2,
+    a tree of :class:`zeroshard.Shard` pieces (1/N per device) for stage 3.
 
     Args:
       params: the initial parameters (any placement).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh; ``axis_name`` must be one of its axes.
       axis_name: the data-parallel axis.
-      param_dtype: compute dtype of the replicated parameters (e.g. ``jnp.bfloat16``);
-        ``None`` keeps the given dtypes.
+      param_dtype: compute dtype of the parameters (e.g. ``jnp.bfloat16``); ``None``
+        keeps the given dtypes.
+      stage: the ZeRO stage the state is for (1, 2 or 3).
 
     Returns:
       A :class:`TrainState` at step 0.
@@ -91,18 +127,25 @@ def init_train_state(
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
     _check_setup(tx, mesh, axis_name)
+    _check_stage(stage)
+    num_shards = mesh.shape[axis_name]
 
     def local_init(master_params: PyTree) -> TrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
         params = jax.tree.map(cast, master_params)
         opt_state = init_local(tx, params, master_params)
+        if stage == 3:
+            layout = tx.plan(params, num_shards).layout
+            index = jax.lax.axis_index(axis_name)
+            rows = [layout.row(params, index, b) for b in range(len(layout.buckets))]
+            params = to_shards(layout, rows)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
     params = jax.device_put(params, NamedSharding(mesh, P()))
     compute = jax.eval_shape(
         lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params
     )
-    specs = TrainState(P(), P(), tx.state_specs(compute, mesh.shape[axis_name]))
+    specs = state_specs(tx, compute, num_shards, stage)
     # The same out_specs as the step's, so the first step sees the shardings it returns.
     init = jax.shard_map(
         local_init, mesh=mesh, in_specs=P(), out_specs=specs, axis_names={axis_name}
@@ -155,20 +198,34 @@ class TrainStep:
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
 
     def _local_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        axis, tx = self.axis_name, self.tx
-        # Differentiate w.r.t. a varying copy: the gradient of a replicated input
-        # would be all-reduced automatically (DESIGN.md, pitfall 1).
-        local_params = jax.lax.pcast(state.params, axis, to="varying")
-        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
-        plan = checked_plan(tx, state.opt_state, state.params)
-        if self.accum_steps == 1:
-            out, grads = value_and_grad(local_params, batch)
-            rows = reduce_scatter_rows(tx, plan, grads)
+        axis, tx, stage = self.axis_name, self.tx, self.stage
+        plan = checked_plan(tx, state.opt_state, full_structs(state.params))
+        if stage == 3:
+            diff_params = state.params  # pieces: varying already
         else:
-            out, rows = self._accumulate(value_and_grad, local_params, batch, plan)
+            # Differentiate w.r.t. a varying copy: the gradient of a replicated input
+            # would be all-reduced automatically (DESIGN.md, pitfall 1).
+            diff_params = jax.lax.pcast(state.params, axis, to="varying")
+        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        if self.accum_steps > 1:
+            out, rows = self._accumulate(value_and_grad, diff_params, batch, plan)
+        elif stage == 3:
+            out, grads = value_and_grad(diff_params, batch)
+            rows = self._rows(plan, self._pieces(plan, grads))
+        else:
+            out, grads = value_and_grad(diff_params, batch)
+            rows = reduce_scatter_rows(tx, plan, grads)
         loss, aux = out if self.has_aux else (out, None)
-        new_rows, opt_state = update_rows(tx, plan, rows, state.opt_state, state.params)
-        params = all_gather_params(new_rows, plan.layout, axis)
+        if stage == 3:
+            own = self._rows(plan, [jnp.ravel(p.piece) for p in _shards(state.params)], False)
+            master = [own[b] if m is None else m for b, m in enumerate(state.opt_state.master)]
+        else:
+            master = param_rows(tx, plan, state.opt_state, state.params)
+        new_rows, opt_state = update_rows(tx, plan, rows, state.opt_state, master)
+        if stage == 3:
+            params = to_shards(plan.layout, new_rows)
+        else:
+            params = all_gather_params(new_rows, plan.layout, axis)
         metrics = {
             "loss": jax.lax.pmean(loss.astype(jnp.float32), axis),
             "grad_norm": opt_state.grad_norm,
@@ -177,32 +234,51 @@ class TrainStep:
             metrics["aux"] = jax.lax.pmean(aux, axis)
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def _accumulate(self, value_and_grad, local_params, batch, plan):
+    def _pieces(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        """This device's piece of each leaf's mean gradient, 1-D.
+
+        Stage 2 reduce-scatters each leaf; in stage 3 the gradient of a piece arrives
+        reduced already (the transpose of the gather), summed over the devices.
+        """
+        if self.stage == 3:
+            return [jnp.ravel(g.piece) / plan.layout.num_shards for g in _shards(grads)]
+        return reduce_scatter_leaves(grads, plan.layout, self.axis_name, self.tx.reduce_dtype)
+
+    @staticmethod
+    def _rows(plan: Plan, pieces: list[jax.Array], cast: bool = True) -> list[jax.Array]:
+        """1-D pieces, one per leaf -> one row per bucket (in the inner dtypes)."""
+        return [
+            jnp.concatenate([pieces[i] for i in b.slots]).astype(d if cast else b.dtype)
+            for b, d in zip(plan.layout.buckets, plan.inner_dtypes, strict=True)
+        ]
+
+    def _accumulate(self, value_and_grad, params, batch, plan):
         """Mean loss and gradient rows over ``accum_steps`` micro-batches (a scan).
 
-        Stage 1 carries the full local gradient in fp32 and reduce-scatters it once;
-        stage 2 reduce-scatters every micro-batch into a 1/N fp32 accumulator, so no
-        full-size gradient buffer lives across micro-batches.
+        Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
+        Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
+        so no full-size gradient buffer lives across micro-batches.
         """
         k, axis = self.accum_steps, self.axis_name
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        varying_zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axis, to="varying")
+        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axis, to="varying")
         if self.stage == 1:
-            accumulator = jax.tree.map(varying_zeros, local_params)
+            accumulator = jax.tree.map(zeros, params)
         else:
             sizes = [s.piece_size for s in plan.layout.slots]
-            accumulator = [varying_zeros(jax.ShapeDtypeStruct((w,), jnp.float32)) for w in sizes]
+            accumulator = [zeros(jax.ShapeDtypeStruct((w,), jnp.float32)) for w in sizes]
         first = jax.tree.map(lambda x: x[0], micro)
-        out_shape = jax.eval_shape(lambda p: value_and_grad(p, first)[0], local_params)
-        out_zeros = jax.tree.map(varying_zeros, out_shape)
+        out_zeros = jax.tree.map(
+            zeros, jax.eval_shape(lambda p: value_and_grad(p, first)[0], params)
+        )
 
         def body(carry, mb):
             out_sum, acc = carry
-            out, grads = value_and_grad(local_params, mb)
+            out, grads = value_and_grad(params, mb)
             if self.stage == 1:
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             else:
-                pieces = reduce_scatter_leaves(grads, plan.layout, axis, self.tx.reduce_dtype)
+                pieces = self._pieces(plan, grads)
                 acc = [a + p.astype(jnp.float32) for a, p in zip(acc, pieces, strict=True)]
             out_sum = jax.tree.map(lambda s, o: s + o.astype(jnp.float32), out_sum, out)
             return (out_sum, acc), None
@@ -210,18 +286,18 @@ class TrainStep:
         (out_sum, acc), _ = jax.lax.scan(body, (out_zeros, accumulator), micro)
         out = jax.tree.map(lambda s: s / k, out_sum)
         if self.stage == 1:
-            grads = jax.tree.map(lambda a: a / k, acc)
-            return out, reduce_scatter_rows(self.tx, plan, grads)
-        layout = plan.layout
-        rows = [
-            jnp.concatenate([acc[i] / k for i in b.slots]).astype(d)
-            for b, d in zip(layout.buckets, plan.inner_dtypes, strict=True)
-        ]
-        return out, rows
+            return out, reduce_scatter_rows(self.tx, plan, jax.tree.map(lambda a: a / k, acc))
+        return out, self._rows(plan, [a / k for a in acc])
 
     def _global_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
-        specs = TrainState(P(), P(), self.tx.state_specs(state.params, self.num_shards))
+        if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) != (self.stage == 3):
+            raise ValueError(
+                f"this is a stage-{self.stage} step, but the state's params are "
+                f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
+                f"the state with zs.init_train_state(..., stage={self.stage})."
+            )
+        specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
         batch_specs = jax.tree.map(lambda _: P(self.axis_name), batch)
         step = jax.shard_map(
             self._local_step,
@@ -268,6 +344,13 @@ def make_train_step(
     full-size gradient buffer outlives a micro-batch (the same bytes per micro-batch
     as one all-reduce). Without accumulation both are the same step.
 
+    Stage 3 keeps the weights as 1/N pieces too (a state from
+    ``init_train_state(..., stage=3)``): ``loss_fn`` receives a tree of
+    :class:`zeroshard.Shard` and gathers each layer's weights right before use with
+    :func:`zeroshard.gather` or :func:`zeroshard.layer` (which also re-gathers them in the
+    backward pass instead of keeping them). The gather's transpose reduce-scatters
+    the gradients, so they arrive as pieces, and no all-gather closes the step.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)`` with
         ``has_aux``): the mean loss over the batch it is given.
@@ -277,7 +360,7 @@ def make_train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over
         devices into ``metrics["aux"]``.
       donate: donate the input state's buffers to the output state.
-      stage: 1 or 2 (ZeRO stage; see above).
+      stage: 1, 2 or 3 (ZeRO stage; see above).
       accum_steps: micro-batches per step; the global batch must divide by
         ``accum_steps`` times the axis size.
 
@@ -304,8 +387,11 @@ def make_train_step(
       (1.0, 1)
     """
     _check_setup(tx, mesh, axis_name)
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}.")
+    _check_stage(stage)
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
+
+
+def _shards(tree: PyTree) -> list[Shard]:
+    return jax.tree.leaves(tree, is_leaf=is_shard)
