@@ -72,12 +72,14 @@ def test_stage3_bytes_and_collectives(rng):
     params, mesh = make_params(rng, layers), make_mesh(n)
     batch = data(rng, 1)[0]
     tx = zs.sharded(optax.adam(1e-3), axis_name="data")
-    held = {}
+    held, ring = {}, {}
     for stage, loss in ((1, plain_loss), (3, stage3_loss)):
         state = zs.init_train_state(params, tx, mesh, stage=stage)
         held[stage] = zs.state_bytes_per_device(state.params)
         step = zs.make_train_step(loss, tx, mesh, stage=stage)
         lowered = step.lower(state, batch)
+        found = zs.lowered_collectives(lowered.as_text())
+        ring[stage] = sum(c.ring_bytes for c in found if c.result_bytes > 64)
     size = sum(x.size for x in jax.tree.leaves(params))
     # Stage 3 keeps 1/N of the weights per device (plus < N padding per leaf).
     assert held[1] == 4 * size
@@ -86,9 +88,11 @@ def test_stage3_bytes_and_collectives(rng):
     # rematerialised backward, and one reduce-scatter (the gather's transpose); the
     # scalar, gathered outside zs.layer, once each. (XLA's CPU compiler then merges
     # each backward gather with its forward twin: see README, "Stages".)
-    kinds = [k for k, _ in zs.collective_dtypes(lowered.as_text())]
+    kinds = [c.kind for c in found]
     assert kinds.count("all-gather") == 2 * layers + 1
     assert kinds.count("reduce-scatter") == layers + 1
+    # So stage 3 moves 1.5x the bytes of stage 1 (= of a replicated all-reduce).
+    assert ring[3] / ring[1] == pytest.approx(1.5, rel=0.01), ring
 
 
 def test_stage3_collectives_grow_with_layers_not_leaves(rng):

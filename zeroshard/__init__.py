@@ -14,6 +14,7 @@ from zeroshard.instruments import (
     Collective,
     collective_dtypes,
     collectives,
+    lowered_collectives,
     state_bytes_per_device,
     summarize,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "global_norm",
     "init_train_state",
     "layer",
+    "lowered_collectives",
     "make_train_step",
     "reduce_scatter_grads",
     "sharded",

@@ -18,7 +18,8 @@ _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _MLIR_OP = re.compile(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|all_to_all)"?')
-_MLIR_TYPE = re.compile(r":\s*\(tensor<(?:[\dx]*x)?([a-z]+\d*)>")
+_MLIR_RESULT = re.compile(r"->\s*\(?tensor<(?:([\dx]*)x)?([a-z]+\d*)>")
+_MLIR_GROUPS = re.compile(r"replica_groups = dense<[^>]*>\s*:\s*tensor<\d+x(\d+)xi64>")
 
 
 def state_bytes_per_device(tree: PyTree) -> int:
@@ -131,17 +132,29 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def collective_dtypes(stablehlo_text: str) -> list[tuple[str, str]]:
-    """``(kind, operand element type)`` of each collective in a lowered program.
+def lowered_collectives(stablehlo_text: str) -> list[Collective]:
+    """The collectives of a lowered program (``jit(f).lower(...).as_text()``).
 
-    Read the dtypes here, on ``jit(f).lower(...).as_text()``: the compiled CPU HLO
-    reports bf16 collectives as f32.
+    This is the program JAX emits, before XLA optimises it: dtypes are exact (the
+    compiled CPU HLO prints bf16 collectives as f32), and collectives the compiler
+    would merge (e.g. a rematerialised all-gather with its forward twin, on CPU)
+    are all still there. An op inside a loop body is listed once.
     """
     found = []
     for m in _MLIR_OP.finditer(stablehlo_text):
-        t = _MLIR_TYPE.search(stablehlo_text, m.end())
-        found.append((m[1].replace("_", "-"), t[1] if t else "?"))
+        segment = stablehlo_text[m.end() : m.end() + 4000]
+        result = _MLIR_RESULT.search(segment)
+        dims, dtype = (result[1] or "", result[2]) if result else ("", "?")
+        size = math.prod(int(d) for d in dims.split("x") if d)
+        groups = _MLIR_GROUPS.search(segment)
+        n = int(groups[1]) if groups else jax.device_count()
+        found.append(Collective(m[1].replace("_", "-"), dtype, size * _itemsize(dtype), n))
     return found
+
+
+def collective_dtypes(stablehlo_text: str) -> list[tuple[str, str]]:
+    """``(kind, element type)`` of each collective in a lowered program."""
+    return [(c.kind, c.dtype) for c in lowered_collectives(stablehlo_text)]
 
 
 def _itemsize(hlo_dtype: str) -> int:
