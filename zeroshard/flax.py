@@ -20,6 +20,16 @@ Linen::
     state = zs.flax.linen_train_state(model.apply, params, tx, mesh)
     train_step = zs.flax.linen_train_step(loss_fn, tx, mesh)  # loss_fn(params, batch)
     state, metrics = train_step(state, batch)
+
+Stage 3 (weights as 1/N pieces, gathered layer by layer) works on the functional
+:class:`zeroshard.TrainState` from ``zs.init_train_state(params, tx, mesh, stage=3)``;
+these helpers make Flax layers gather their own weights:
+
+- Linen: build the model with ``zs.flax.gathered(nn.Dense)`` (any module class) in
+  place of ``nn.Dense``; each such submodule gathers its parameters when called and
+  re-gathers them in the backward pass.
+- NNX: call a layer as ``zs.flax.nnx_layer(module)(layer_params, x)``, where
+  ``layer_params`` is that layer's ``Shard`` subtree of the state's params.
 """
 
 from __future__ import annotations
@@ -274,3 +284,55 @@ def linen_train_step(
 
     train_step.jitted = jitted
     return train_step
+
+
+# Stage 3: per-layer gathering.
+
+
+def gathered(module_cls: type, axis_name: str = "data") -> type:
+    """A Linen module class whose ``params`` are gathered from pieces when it is called.
+
+    ``nn.map_variables`` applies :func:`zeroshard.gather` to the module's parameters
+    (one all-gather per dtype for the module), and ``nn.remat`` recomputes the gather
+    in the backward pass instead of saving the full weights.
+
+    Args:
+      module_cls: a Linen module class, e.g. ``nn.Dense``.
+      axis_name: the axis the pieces are spread over.
+
+    Returns:
+      A module class taking the same arguments; ``init`` works on full parameters as
+      usual (use them for ``zs.init_train_state(..., stage=3)``).
+    """
+    import flax.linen as nn
+
+    from zeroshard.gather import gather
+
+    mapped = nn.map_variables(
+        module_cls, "params", trans_in_fn=lambda p: gather(p, axis_name), init=True
+    )
+    return nn.remat(mapped)
+
+
+def nnx_layer(module: nnx.Module, axis_name: str = "data") -> Callable[..., Any]:
+    """``fn(layer_params, *args)``: runs an NNX module on gathered weights (stage 3).
+
+    Args:
+      module: the NNX module (its own parameter values are not used: only its
+        structure and non-parameter state).
+      axis_name: the axis the pieces are spread over.
+
+    Returns:
+      A function of the module's ``Shard`` parameters (the pure-dict subtree, as in
+      ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) and the call's arguments. It
+      gathers the weights with one all-gather per dtype and recomputes them in the
+      backward pass (:func:`zeroshard.layer`).
+    """
+    from zeroshard.gather import layer
+
+    graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+
+    def apply(params: PyTree, *args: Any) -> Any:
+        return nnx.merge(graphdef, nnx.State(params), rest)(*args)
+
+    return layer(apply, axis_name)
