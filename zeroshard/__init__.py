@@ -21,6 +21,7 @@ from zeroshard.instruments import (
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
+from zeroshard.planner import MemoryEstimate, estimate_memory
 from zeroshard.reduce_scatter import reduce_scatter_grads
 from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
 
@@ -31,6 +32,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "Collective",
     "Layout",
+    "MemoryEstimate",
     "NotElementwiseError",
     "Shard",
     "ShardedState",
@@ -42,6 +44,7 @@ __all__ = [
     "clip_by_global_norm",
     "collective_dtypes",
     "collectives",
+    "estimate_memory",
     "from_optax_state",
     "gather",
     "global_norm",

@@ -1,4 +1,8 @@
-"""Command line: ``python -m zeroshard inspect DIR [--step K] [--json]``."""
+"""Command line.
+
+- ``python -m zeroshard inspect DIR [--step K] [--json]``: a checkpoint's metadata.
+- ``python -m zeroshard plan --params 7.5e9 --devices 64``: memory per device by stage.
+"""
 
 from __future__ import annotations
 
@@ -43,14 +47,33 @@ def inspect(directory: str, step: int | None, as_json: bool) -> int:
     return 0
 
 
+def plan(count: float, devices: int, param_dtype: str, optimizer: str) -> int:
+    """Prints model-state bytes per device for ZeRO stages 0-3."""
+    from zeroshard.planner import plan_table
+
+    print(
+        f"{count:,.0f} parameters on {devices} devices, {param_dtype} params and grads, "
+        f"{optimizer}, fp32 master where the params are narrower (per device):\n"
+    )
+    print(plan_table(count, devices, param_dtype=param_dtype, optimizer=optimizer))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroshard")
     commands = parser.add_subparsers(dest="command", required=True)
+    plan_cmd = commands.add_parser("plan", help="model-state memory per device, by stage")
+    plan_cmd.add_argument("--params", type=float, required=True, help="e.g. 7.5e9")
+    plan_cmd.add_argument("--devices", type=int, required=True)
+    plan_cmd.add_argument("--param-dtype", default="bfloat16")
+    plan_cmd.add_argument("--optimizer", default="adam", help="adam, sgd, momentum, ...")
     inspect_cmd = commands.add_parser("inspect", help="print a checkpoint's metadata")
     inspect_cmd.add_argument("directory")
     inspect_cmd.add_argument("--step", type=int, default=None, help="default: the latest")
     inspect_cmd.add_argument("--json", action="store_true", help="print the raw record")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan(args.params, args.devices, args.param_dtype, args.optimizer)
     return inspect(args.directory, args.step, args.json)
 
 

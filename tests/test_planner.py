@@ -1,0 +1,85 @@
+"""The memory planner: the ZeRO paper's figures, and the compiler's own numbers."""
+
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import make_mesh
+
+import zeroshard as zs
+
+
+def test_reproduces_the_zero_paper_example():
+    """Rajbhandari et al. (2020), figure 1: 7.5B parameters, 64 devices, K = 12."""
+    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB = 10^9 bytes
+    for stage, gb in paper.items():
+        est = zs.estimate_memory(7.5e9, 64, stage=stage)
+        assert round(est.total / 1e9, 1) == gb, (stage, est)
+    assert (
+        zs.estimate_memory(7.5e9, 64, stage=0).optimizer_state
+        + zs.estimate_memory(7.5e9, 64, stage=0).master
+        == 12 * 7.5e9
+    )
+
+
+def test_optimizer_state_bytes_are_measured_from_an_optax_transform():
+    for name, tx in [
+        ("adam", optax.adam(1e-3)),
+        ("sgd", optax.sgd(0.1)),
+        ("momentum", optax.sgd(0.1, momentum=0.9)),
+    ]:
+        by_name = zs.estimate_memory(1e6, 8, optimizer=name)
+        by_tx = zs.estimate_memory(1e6, 8, optimizer=tx)
+        assert by_name == by_tx, name
+    fp32 = zs.estimate_memory(1e6, 8, param_dtype=jnp.float32)
+    assert fp32.master == 0  # fp32 params are their own master
+
+
+def layered(rng, layers=4, width=256):
+    f = lambda *s: jnp.asarray(rng.normal(size=s) / s[0] ** 0.5, jnp.float32)
+    return {f"l{i}": {"w": f(width, width), "b": jnp.zeros(width)} for i in range(layers)}
+
+
+def loss_fn(params, batch):
+    x = batch["x"]
+    for p in params.values():
+        x = jnp.tanh(x @ p["w"] + p["b"])
+    return jnp.mean(x**2)
+
+
+def stage3_loss(params, batch):
+    x = batch["x"]
+    for p in params.values():
+        x = zs.layer(lambda q, x: jnp.tanh(x @ q["w"] + q["b"]))(p, x)
+    return jnp.mean(x**2)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_compiled_arguments_match_the_planner(stage, param_dtype, rng):
+    """The state a step reads (XLA's argument bytes) is the planner's params +
+    optimizer state + master for the stage, within 10%."""
+    n, params = 8, layered(rng)
+    mesh = make_mesh(n)
+    tx = zs.sharded(optax.adamw(1e-3), axis_name="data")
+    state = zs.init_train_state(params, tx, mesh, param_dtype=param_dtype, stage=stage)
+    step = zs.make_train_step(stage3_loss if stage == 3 else loss_fn, tx, mesh, stage=stage)
+    batch = {"x": jnp.ones((n, 256), param_dtype)}
+    compiled = step.lower(state, batch).compile().memory_analysis()
+    batch_bytes = batch["x"].size * batch["x"].dtype.itemsize / n
+    est = zs.estimate_memory(params, n, stage=stage, param_dtype=param_dtype, optimizer="adamw")
+    planned = est.params + est.optimizer_state + est.master
+    assert compiled.argument_size_in_bytes - batch_bytes == pytest.approx(planned, rel=0.10)
+
+
+def test_plan_command_prints_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "plan", "--params", "7.5e9", "--devices", "64"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "| 1 (optimizer state) |" in out and "31.41 GB" in out and "1.88 GB" in out

@@ -1,0 +1,132 @@
+"""Planner: model-state bytes per device for each ZeRO stage, before running anything.
+
+The ZeRO paper's accounting (Rajbhandari et al., 2020, section 3): with Ψ parameters
+on N devices, mixed-precision Adam keeps 2Ψ bytes of fp16 parameters, 2Ψ of fp16
+gradients and KΨ of optimizer state (K = 12: fp32 master, momentum and variance).
+Baseline data parallelism holds (2 + 2 + K)Ψ per device; stage 1 shards the optimizer
+state, (2 + 2)Ψ + KΨ/N; stage 2 the gradients too, 2Ψ + (2 + K)Ψ/N; stage 3 the
+parameters as well, (2 + 2 + K)Ψ/N. Activations and temporaries are not counted.
+
+zeroshard keeps a master copy only when the parameters are narrower than the master
+dtype, so fp32 parameters have K = the moments alone.
+
+Example:
+    >>> est = estimate_memory(7.5e9, 64, stage=1)
+    >>> round(est.total / 1e9, 1)   # the paper's 31.4 GB
+    31.4
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroshard.layout import PyTree
+
+# Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
+MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
+
+
+class MemoryEstimate(NamedTuple):
+    """Model-state bytes per device, by component (activations not included).
+
+    Attributes:
+      params: weights in the compute dtype.
+      grads: gradients in the compute dtype (the full-size buffer a step holds).
+      optimizer_state: the optimizer's per-parameter buffers.
+      master: fp32 master weights (0 when the parameters are fp32 already).
+    """
+
+    params: float
+    grads: float
+    optimizer_state: float
+    master: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer_state + self.master
+
+
+def _count(params_or_count: PyTree | float) -> float:
+    if isinstance(params_or_count, (int, float)):
+        return float(params_or_count)
+    return float(sum(np.prod(x.shape) for x in jax.tree.leaves(params_or_count)))
+
+
+def _optimizer_bytes(optimizer: Any) -> float:
+    """Bytes of optimizer state per parameter."""
+    if isinstance(optimizer, str):
+        if optimizer not in MOMENTS:
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; one of {sorted(MOMENTS)}, "
+                "a number of fp32 buffers per parameter, or an optax transform."
+            )
+        return 4.0 * MOMENTS[optimizer]
+    if isinstance(optimizer, (int, float)):
+        return 4.0 * optimizer
+    probe = {"p": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    state = jax.eval_shape(optimizer.init, probe)
+    per_element = [x for x in jax.tree.leaves(state) if x.shape == (4096,)]
+    return sum(jnp.dtype(x.dtype).itemsize for x in per_element)
+
+
+def estimate_memory(
+    params_or_count: PyTree | float,
+    num_devices: int,
+    *,
+    stage: int = 1,
+    param_dtype: Any = jnp.bfloat16,
+    master_dtype: Any = jnp.float32,
+    optimizer: Any = "adam",
+) -> MemoryEstimate:
+    """Model-state bytes per device for a ZeRO stage.
+
+    Args:
+      params_or_count: the parameter tree (arrays or ``ShapeDtypeStruct``) or a count.
+      num_devices: devices the state is sharded over (N).
+      stage: 0 (plain data parallelism), 1, 2 or 3.
+      param_dtype: the compute dtype of parameters and gradients.
+      master_dtype: the master weights' dtype (``None``: no master).
+      optimizer: a name (``"adam"``, ``"sgd"``, ...), a number of fp32 buffers per
+        parameter, or an optax transformation (measured with ``jax.eval_shape``).
+
+    Returns:
+      A :class:`MemoryEstimate` in bytes (floats: counts may be fractional per device).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be positive, got {num_devices!r}.")
+    psi, n = _count(params_or_count), num_devices
+    p = jnp.dtype(param_dtype).itemsize
+    has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
+    m = jnp.dtype(master_dtype).itemsize if has_master else 0
+    o = _optimizer_bytes(optimizer)
+    shard = lambda bytes_per_param, from_stage: (
+        psi * bytes_per_param / (n if stage >= from_stage else 1)
+    )
+    return MemoryEstimate(
+        params=shard(p, 3), grads=shard(p, 2), optimizer_state=shard(o, 1), master=shard(m, 1)
+    )
+
+
+def plan_table(count: float, num_devices: int, **kwargs: Any) -> str:
+    """A markdown table of :func:`estimate_memory` for stages 0-3 (GB = 10^9 bytes)."""
+    rows = [
+        "| stage | params | grads | optimizer state | master | total |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    names = {
+        0: "0 (data parallel)",
+        1: "1 (optimizer state)",
+        2: "2 (+ gradients)",
+        3: "3 (+ parameters)",
+    }
+    for stage in range(4):
+        e = estimate_memory(count, num_devices, stage=stage, **kwargs)
+        cells = [e.params, e.grads, e.optimizer_state, e.master, e.total]
+        rows.append(f"| {names[stage]} | " + " | ".join(f"{c / 1e9:.2f} GB" for c in cells) + " |")
+    return "\n".join(rows)
