@@ -138,3 +138,33 @@ def test_using_a_piece_without_gathering_is_a_clear_error(rng):
         step(state, data(rng, 1)[0])
     with pytest.raises(ValueError, match="stage-1 step, but the state's params are pieces"):
         zs.make_train_step(plain_loss, tx, mesh)(state, data(rng, 1)[0])
+
+
+def test_stage3_keeps_no_full_copy_of_the_weights(rng):
+    """Compiled temporaries per added layer: stage 1 holds each layer's full gradient
+    (and more); stage 3 holds neither a layer's gathered weights nor its full gradient
+    beyond that layer's turn, so it grows only by 1/N-sized optimizer temporaries."""
+    n, width, mesh = 8, 256, make_mesh(8)
+    tx = zs.sharded(optax.adamw(1e-3), axis_name="data")
+    layer_bytes = 4 * (width * width + width)
+    memory = {}
+    for layers in (4, 8):
+        params = {
+            "layers": [
+                {"w": jnp.ones((width, width)) / width, "b": jnp.zeros(width)}
+                for _ in range(layers)
+            ],
+            "scale": jnp.float32(1),
+        }
+        for stage, loss in ((1, plain_loss), (3, stage3_loss)):
+            state = zs.init_train_state(params, tx, mesh, stage=stage)
+            step = zs.make_train_step(loss, tx, mesh, stage=stage)
+            batch = {"x": jnp.ones((n, width)), "y": jnp.zeros((n, width))}
+            stats = step.lower(state, batch).compile().memory_analysis()
+            memory[stage, layers] = (stats.argument_size_in_bytes, stats.temp_size_in_bytes)
+    per_layer = {s: (memory[s, 8][1] - memory[s, 4][1]) / 4 for s in (1, 3)}
+    assert per_layer[1] >= layer_bytes, per_layer
+    assert per_layer[3] < 0.5 * layer_bytes, per_layer
+    # Arguments: replicated weights in stage 1, 1/N pieces in stage 3.
+    args_per_layer = {s: (memory[s, 8][0] - memory[s, 4][0]) / 4 for s in (1, 3)}
+    assert args_per_layer[3] < args_per_layer[1] - layer_bytes * (1 - 1 / n) * 0.9

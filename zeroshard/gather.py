@@ -103,20 +103,54 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
 
 
 def layer(fn: Callable[..., Any], axis_name: str = "data") -> Callable[..., Any]:
-    """``fn(gather(params), *args)``, with the gathered weights recomputed in backward.
+    """``fn(gather(params), *args)``, with the weights gathered again in the backward pass.
 
     Args:
       fn: ``fn(full_params, *args)``: one layer's computation.
       axis_name: the axis the pieces are spread over.
 
     Returns:
-      ``wrapped(params, *args)`` taking the layer's ``Shard`` tree. Under
-      ``jax.checkpoint``, only the pieces and ``args`` are saved for the backward
-      pass, which gathers the weights again (the stage-3 memory-for-bandwidth trade).
+      ``wrapped(params, *args)`` taking the layer's ``Shard`` tree. Only the pieces
+      and ``args`` are kept for the backward pass. That pass gathers the weights again
+      and differentiates ``fn``: the stage-3 trade of memory for bandwidth.
     """
 
-    @jax.checkpoint
-    def wrapped(params: PyTree, *args: Any) -> Any:
+    def run(params: PyTree, *args: Any) -> Any:
         return fn(gather(params, axis_name), *args)
 
+    @jax.custom_vjp
+    def wrapped(params: PyTree, *args: Any) -> Any:
+        return run(_after(params, args), *args)
+
+    def forward(params: PyTree, *args: Any) -> tuple[Any, tuple[PyTree, tuple]]:
+        return run(_after(params, args), *args), (params, args)
+
+    def backward(residuals: tuple[PyTree, tuple], cotangent: Any) -> tuple:
+        params, args = residuals
+        _, vjp = jax.vjp(run, _after(params, cotangent), *args)
+        grads, *arg_grads = vjp(cotangent)
+        # The cotangents flowing on to earlier layers wait for this layer's weight
+        # gradients, so each layer's full-size gradient is reduce-scattered (and freed)
+        # before the next one is made.
+        return (grads, *_after(tuple(arg_grads), grads))
+
+    wrapped.defvjp(forward, backward)
     return wrapped
+
+
+def _after(tree: PyTree, anchor: PyTree) -> PyTree:
+    """``tree`` plus an exact zero computed from ``anchor``: the same values, but a data
+    dependency the compiler must respect. It orders the gathers of stage 3 layer by
+    layer (a gather can neither run before its layer is reached, nor be merged with its
+    forward twin, which would keep every layer's weights alive until the backward)."""
+    leaves = [x for x in jax.tree.leaves(anchor) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return tree
+    zero = 0 * jnp.ravel(leaves[0])[0]
+
+    def tie(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return x + zero.astype(jnp.result_type(x))
+        return x
+
+    return jax.tree.map(tie, tree)
