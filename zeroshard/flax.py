@@ -25,11 +25,12 @@ Stage 3 (weights as 1/N pieces, gathered layer by layer) works on the functional
 :class:`zeroshard.TrainState` from ``zs.init_train_state(params, tx, mesh, stage=3)``;
 these helpers make Flax layers gather their own weights:
 
-- Linen: build the model with ``zs.flax.gathered(nn.Dense)`` (any module class) in
-  place of ``nn.Dense``; each such submodule gathers its parameters when called and
-  re-gathers them in the backward pass.
-- NNX: call a layer as ``zs.flax.nnx_layer(module)(layer_params, x)``, where
-  ``layer_params`` is that layer's ``Shard`` subtree of the state's params.
+- Linen: call a layer as ``zs.flax.linen_layer(nn.Dense(256))(params["Dense_0"], x)``;
+- NNX: call a layer as ``zs.flax.nnx_layer(model.layer)(params["layer"], x)``;
+
+where the first argument is that layer's ``Shard`` subtree of the state's params.
+Each gathers the layer's weights (one all-gather per dtype) and gathers them again
+in the backward pass.
 """
 
 from __future__ import annotations
@@ -289,29 +290,21 @@ def linen_train_step(
 # Stage 3: per-layer gathering.
 
 
-def gathered(module_cls: type, axis_name: str = "data") -> type:
-    """A Linen module class whose ``params`` are gathered from pieces when it is called.
-
-    ``nn.map_variables`` applies :func:`zeroshard.gather` to the module's parameters
-    (one all-gather per dtype for the module), and ``nn.remat`` recomputes the gather
-    in the backward pass instead of saving the full weights.
+def linen_layer(module: Any, axis_name: str = "data") -> Callable[..., Any]:
+    """``fn(layer_params, *args)``: applies a Linen module to gathered weights (stage 3).
 
     Args:
-      module_cls: a Linen module class, e.g. ``nn.Dense``.
+      module: an (unbound) Linen module, e.g. ``nn.Dense(256)``.
       axis_name: the axis the pieces are spread over.
 
     Returns:
-      A module class taking the same arguments; ``init`` works on full parameters as
-      usual (use them for ``zs.init_train_state(..., stage=3)``).
+      ``module.apply({"params": gather(layer_params)}, *args)`` as a function of the
+      module's ``Shard`` parameters and the call's arguments, with the weights gathered
+      again in the backward pass (:func:`zeroshard.layer`).
     """
-    import flax.linen as nn
+    from zeroshard.gather import layer
 
-    from zeroshard.gather import gather
-
-    mapped = nn.map_variables(
-        module_cls, "params", trans_in_fn=lambda p: gather(p, axis_name), init=True
-    )
-    return nn.remat(mapped)
+    return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
 
 
 def nnx_layer(module: nnx.Module, axis_name: str = "data") -> Callable[..., Any]:
