@@ -1,8 +1,9 @@
 """Train step: forward and backward on the local batch, then the sharded update.
 
-``init_train_state`` lays the state out on the mesh (parameters replicated in the
-compute dtype, optimizer state and master weights sharded); ``make_train_step``
-returns a jitted ``shard_map`` step that donates the state.
+``init_train_state`` lays the state out on the mesh (optimizer state and master
+weights sharded; parameters in the compute dtype, replicated for stages 1 and 2 and
+sharded for stage 3); ``make_train_step`` returns a jitted ``shard_map`` step for a
+ZeRO stage, with optional gradient accumulation, that donates the state.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: number of steps taken (int32 scalar, replicated).
-      params: the full parameters in the compute dtype, replicated on every device.
+      params: the parameters in the compute dtype: full and replicated on every
+        device (stages 1 and 2), or a tree of :class:`zeroshard.Shard` pieces (stage 3).
       opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
         per device.
     """
