@@ -109,3 +109,21 @@ def assert_within_bf16_rounding(actual, expected, initial) -> None:
         movement = np.max(np.abs(e - i))
         assert movement > 0, jax.tree_util.keystr(path)
         assert np.max(np.abs(a - e)) <= 2**-7 * movement + 1e-7, jax.tree_util.keystr(path)
+
+
+def layered_params(rng: np.random.Generator, layers: int = 4, width: int = 256) -> dict:
+    """A stack of ``layers`` dense ``width`` x ``width`` layers."""
+    f = lambda *s: jnp.asarray(rng.normal(size=s) / s[0] ** 0.5, jnp.float32)
+    return {f"l{i}": {"w": f(width, width), "b": jnp.zeros(width)} for i in range(layers)}
+
+
+def layered_loss(params: dict, batch: dict, stage: int = 1) -> jax.Array:
+    """The stack's loss; with ``stage=3`` each layer gathers its pieces (zs.layer)."""
+    import zeroshard as zs
+
+    dense = lambda p, x: jnp.tanh(x @ p["w"] + p["b"])
+    apply = zs.layer(dense) if stage == 3 else dense
+    x = batch["x"]
+    for p in params.values():
+        x = apply(p, x)
+    return jnp.mean((x - batch["y"]) ** 2)

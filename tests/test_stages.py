@@ -9,6 +9,8 @@ from helpers import (
     awkward_loss,
     awkward_params,
     batches,
+    layered_loss,
+    layered_params,
     make_mesh,
     reference_run,
 )
@@ -51,27 +53,15 @@ def test_accumulated_metrics_are_the_global_batch_ones(rng):
         assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-6)
 
 
-def wide_params(rng, layers=4, width=256):
-    f = lambda *s: jnp.asarray(rng.normal(size=s) / s[0] ** 0.5, jnp.float32)
-    return {f"l{i}": {"w": f(width, width), "b": jnp.zeros(width)} for i in range(layers)}
-
-
-def wide_loss(params, batch):
-    x = batch["x"]
-    for layer in params.values():
-        x = jnp.tanh(x @ layer["w"] + layer["b"])
-    return jnp.mean((x - batch["y"]) ** 2)
-
-
 def test_stage2_has_no_full_size_gradient_accumulator(rng):
     n, k, width = 8, 4, 256
-    params, mesh = wide_params(rng, width=width), make_mesh(n)
+    params, mesh = layered_params(rng, width=width), make_mesh(n)
     batch = {"x": jnp.ones((n * k * 2, width)), "y": jnp.zeros((n * k * 2, width))}
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     state = zs.init_train_state(params, tx, mesh)
     temp = {}
     for stage in (1, 2):
-        step = zs.make_train_step(wide_loss, tx, mesh, stage=stage, accum_steps=k)
+        step = zs.make_train_step(layered_loss, tx, mesh, stage=stage, accum_steps=k)
         temp[stage] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     # Stage 1 carries a full fp32 gradient accumulator across micro-batches; stage 2 a
