@@ -233,6 +233,7 @@ def plot(results, path):
             ylabel="MB per device (arguments + temp)",
             title=f"width {width}, {rows[0]['params']:,} params",
         )
+        ax.minorticks_off()
         ax.set_xticks(sorted({r["devices"] for r in rows}), sorted({r["devices"] for r in rows}))
     axes[0][0].legend()
     fig.tight_layout()
