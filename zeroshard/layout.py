@@ -131,6 +131,13 @@ class Layout:
         """Shape of one device's piece of ``slot``: the leaf's rank, ones then the piece."""
         return (1,) * (len(slot.shape) - 1) + (slot.piece_size,)
 
+    def full_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
+        """A tree of ``ShapeDtypeStruct`` full leaves (bucket ``b`` in ``dtypes[b]``)."""
+        return self.treedef.unflatten(
+            jax.ShapeDtypeStruct(s.shape, s.dtype if dtypes is None else dtypes[s.bucket])
+            for s in self.slots
+        )
+
     def piece_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
         return self.treedef.unflatten(

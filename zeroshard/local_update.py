@@ -95,9 +95,7 @@ def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
         for b in layout.buckets
     )
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, layout.buckets, strict=True)]
-    full = layout.treedef.unflatten(
-        jax.ShapeDtypeStruct(s.shape, inner_dtypes[s.bucket]) for s in layout.slots
-    )
+    full = layout.full_structs(inner_dtypes)
     pieces = layout.piece_structs(inner_dtypes)
     full_state = jax.eval_shape(tx.inner.init, full)
     piece_state = jax.eval_shape(tx.inner.init, pieces)

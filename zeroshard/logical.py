@@ -97,10 +97,7 @@ def _from_logical(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> j
 
 def _logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
     """``ShapeDtypeStruct`` trees of the logical params (master dtype) and inner state."""
-    layout = plan.layout
-    params = layout.treedef.unflatten(
-        jax.ShapeDtypeStruct(s.shape, plan.inner_dtypes[s.bucket]) for s in layout.slots
-    )
+    params = plan.layout.full_structs(plan.inner_dtypes)
     return params, jax.eval_shape(tx.inner.init, params)
 
 

@@ -219,7 +219,7 @@ class TrainStep:
             rows = reduce_scatter_rows(tx, plan, grads)
         loss, aux = out if self.has_aux else (out, None)
         if stage == 3:
-            own = self._rows(plan, [jnp.ravel(p.piece) for p in _shards(state.params)], False)
+            own = plan.layout.join(jax.tree.map(lambda x: x.piece, state.params, is_leaf=is_shard))
             master = [own[b] if m is None else m for b, m in enumerate(state.opt_state.master)]
         else:
             master = param_rows(tx, plan, state.opt_state, state.params)
@@ -247,12 +247,10 @@ class TrainStep:
         return reduce_scatter_leaves(grads, plan.layout, self.axis_name, self.tx.reduce_dtype)
 
     @staticmethod
-    def _rows(plan: Plan, pieces: list[jax.Array], cast: bool = True) -> list[jax.Array]:
-        """1-D pieces, one per leaf -> one row per bucket (in the inner dtypes)."""
-        return [
-            jnp.concatenate([pieces[i] for i in b.slots]).astype(d if cast else b.dtype)
-            for b, d in zip(plan.layout.buckets, plan.inner_dtypes, strict=True)
-        ]
+    def _rows(plan: Plan, pieces: list[jax.Array]) -> list[jax.Array]:
+        """1-D pieces, one per leaf -> one row per bucket, in the inner dtypes."""
+        rows = plan.layout.join(plan.layout.treedef.unflatten(pieces))
+        return [r.astype(d) for r, d in zip(rows, plan.inner_dtypes, strict=True)]
 
     def _accumulate(self, value_and_grad, params, batch, plan):
         """Mean loss and gradient rows over ``accum_steps`` micro-batches (a scan).
