@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation, init_local
-from zeroshard.train_step import _check_batch, _check_setup
+from zeroshard.train_step import _check_batch, _check_setup, step_metrics
 
 
 def _replicated_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -60,13 +60,6 @@ def _replicated_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> P
         axis_names={axis_name},
     )
     return jax.jit(copy)(jax.device_put(tree, NamedSharding(mesh, P())))
-
-
-def _metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axis_name: str) -> dict:
-    metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axis_name), "grad_norm": grad_norm}
-    if aux is not None:
-        metrics["aux"] = jax.lax.pmean(aux, axis_name)
-    return metrics
 
 
 # NNX.
@@ -127,7 +120,7 @@ class NNXTrainStep:
             loss, aux = out if self.has_aux else (out, None)
             optimizer.update(model, grads)
             grad_norm = nnx.as_pure(optimizer.opt_state).grad_norm
-            return nnx.state((model, optimizer)), _metrics(loss, aux, grad_norm, axis)
+            return nnx.state((model, optimizer)), step_metrics(loss, aux, grad_norm, axis)
 
         step = jax.shard_map(
             local,
@@ -262,7 +255,7 @@ def linen_train_step(
         out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, batch)
         loss, aux = out if has_aux else (out, None)
         state = state.apply_gradients(grads=grads)
-        return state, _metrics(loss, aux, state.opt_state.grad_norm, axis_name)
+        return state, step_metrics(loss, aux, state.opt_state.grad_norm, axis_name)
 
     def global_step(state, batch):
         _check_batch(batch, num_shards, axis_name)

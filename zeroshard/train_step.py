@@ -155,6 +155,15 @@ def init_train_state(
     return jax.jit(init)(params)
 
 
+def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axis_name: str) -> dict:
+    """A step's metrics: the global mean loss, the gradient norm, and ``aux`` averaged
+    over devices (when there is one)."""
+    metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axis_name), "grad_norm": grad_norm}
+    if aux is not None:
+        metrics["aux"] = jax.lax.pmean(aux, axis_name)
+    return metrics
+
+
 def _check_batch(batch: PyTree, num_shards: int, axis_name: str, accum_steps: int = 1) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
@@ -228,12 +237,7 @@ class TrainStep:
             params = to_shards(plan.layout, new_rows)
         else:
             params = all_gather_params(new_rows, plan.layout, axis)
-        metrics = {
-            "loss": jax.lax.pmean(loss.astype(jnp.float32), axis),
-            "grad_norm": opt_state.grad_norm,
-        }
-        if self.has_aux:
-            metrics["aux"] = jax.lax.pmean(aux, axis)
+        metrics = step_metrics(loss, aux, opt_state.grad_norm, axis)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _pieces(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
