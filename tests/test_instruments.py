@@ -95,8 +95,9 @@ def test_collectives_of_the_compiled_step(rng):
     step = zs.make_train_step(mlp_loss, tx, mesh)
     found = zs.collectives(step.lower(state, batch).compile().as_text())
     kinds = zs.summarize(found)
-    assert kinds["reduce-scatter"]["count"] == 1  # one bucket, however many leaves
-    assert kinds["all-gather"]["count"] == 1
+    leaves = len(jax.tree.leaves(params))
+    assert kinds["reduce-scatter"]["count"] == leaves  # one per leaf, none packed
+    assert kinds["all-gather"]["count"] == leaves
     assert all(c.kind != "all-reduce" for c in large(found)), found  # scalars only
     assert all(c.result_bytes <= 16 for c in found if c.kind == "all-reduce")
 
@@ -120,18 +121,21 @@ def test_collective_dtypes_on_the_lowered_program(reduce_dtype, expected_rs, rng
     step = zs.make_train_step(mlp_loss, tx, mesh)
     batch = {"x": jnp.ones((8, 7)), "y": jnp.ones((8, 5))}
     dtypes = zs.collective_dtypes(step.lower(state, batch).as_text())
-    assert [d for k, d in dtypes if k == "reduce-scatter"] == [expected_rs]
-    assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"]  # compute dtype on the wire
+    leaves = len(jax.tree.leaves(params))
+    assert [d for k, d in dtypes if k == "reduce-scatter"] == [expected_rs] * leaves
+    assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"] * leaves  # compute dtype
 
 
-def test_two_dtype_buckets_two_collectives_each(rng):
+def test_mixed_dtypes_each_leaf_on_the_wire_in_its_own_dtype(rng):
     params, mesh = awkward_params(rng, small_dtype=jnp.bfloat16), make_mesh(8)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     state = zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(awkward_loss, tx, mesh)
-    kinds = zs.summarize(zs.collectives(step.lower(state, batches(rng, 1)[0]).compile().as_text()))
-    assert kinds["reduce-scatter"]["count"] == 2
-    assert kinds["all-gather"]["count"] == 2
+    dtypes = zs.collective_dtypes(step.lower(state, batches(rng, 1)[0]).as_text())
+    names = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}
+    expected = sorted(names[jnp.dtype(x.dtype)] for x in jax.tree.leaves(params))
+    assert sorted(d for k, d in dtypes if k == "reduce-scatter") == expected
+    assert sorted(d for k, d in dtypes if k == "all-gather") == expected
 
 
 def test_state_bytes_of_abstract_and_live_arrays_agree(rng):

@@ -19,40 +19,29 @@ def tree(rng):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_pack_unpack_round_trip(n, rng):
-    t = tree(rng)
-    layout = Layout.from_tree(t, n)
-    back = layout.unpack(layout.pack(t))
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(t), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_rows_split_join_and_padding(n, rng):
+def test_pieces_rows_split_join_and_padding(n, rng):
     t = tree(rng)
     layout = Layout.from_tree(t, n)
     assert [b.dtype for b in layout.buckets] == [jnp.float32, jnp.bfloat16]
-    matrices = layout.pack(t)
-    for b, bucket in enumerate(layout.buckets):
-        assert matrices[b].shape == (n, bucket.row_size)
-        # Less than n padding elements per leaf.
-        real = sum(layout.slots[i].size for i in bucket.slots)
-        assert 0 <= n * bucket.row_size - real < n * len(bucket.slots)
-        # Padding is zero: the matrix sums to the leaves' sum.
-        leaves = jax.tree.leaves(t)
-        total = sum(float(jnp.sum(leaves[i].astype(jnp.float32))) for i in bucket.slots)
-        np.testing.assert_allclose(
-            float(jnp.sum(matrices[b].astype(jnp.float32))), total, rtol=1e-5
-        )
+    per_device = [layout.pieces(t, d) for d in range(n)]
+    for i, (leaf, slot) in enumerate(zip(jax.tree.leaves(t), layout.slots, strict=True)):
+        blocks = np.concatenate([np.asarray(p[i]) for p in per_device])
+        assert blocks.shape == (n * slot.piece_size,) and blocks.dtype == leaf.dtype
+        assert 0 <= blocks.size - leaf.size < n  # less than n padding elements per leaf
+        np.testing.assert_array_equal(blocks[: leaf.size].reshape(leaf.shape), leaf)
+        assert not blocks[leaf.size :].any()  # padding is zero
     for d in range(n):
         rows = [layout.row(t, d, b) for b in range(len(layout.buckets))]
-        for row, m in zip(rows, matrices, strict=True):
-            np.testing.assert_array_equal(row, m[d])
+        assert [r.shape for r in rows] == [(b.row_size,) for b in layout.buckets]
+        for a, b in zip(layout.rows(per_device[d]), rows, strict=True):
+            np.testing.assert_array_equal(a, b)
         pieces = layout.split(rows)
         for piece, slot in zip(jax.tree.leaves(pieces), layout.slots, strict=True):
             assert piece.shape == layout.piece_shape(slot)
             assert piece.ndim == max(len(slot.shape), 1)  # the leaf's rank, scalars 1
+        shaped = jax.tree.leaves(layout.shaped(per_device[d]))
+        for a, b in zip(shaped, jax.tree.leaves(pieces), strict=True):
+            np.testing.assert_array_equal(a, b)
         for a, b in zip(layout.join(pieces), rows, strict=True):
             np.testing.assert_array_equal(a, b)
 

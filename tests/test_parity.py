@@ -79,13 +79,15 @@ def test_parity_global_norm_clipping_that_clips(n, rng):
 def sharded_master(state, params, n):
     """The master weights as full fp32 leaves (fp32 params are their own master)."""
     layout = zs.Layout.from_tree(params, n)
-    host = jax.tree.map(np.asarray, state.params)
-    packed = layout.pack(host, [jnp.float32] * len(layout.buckets))
-    matrices = [
-        packed[b] if row is None else np.asarray(row).reshape(n, -1)
-        for b, row in enumerate(state.opt_state.master)
-    ]
-    return layout.unpack(matrices, cast=False)
+    leaves = []
+    for leaf, s in zip(jax.tree.leaves(state.params), layout.slots, strict=True):
+        row = state.opt_state.master[s.bucket]
+        if row is None:
+            leaves.append(np.asarray(leaf, np.float32))
+            continue
+        block = np.asarray(row).reshape(n, -1)[:, s.offset : s.offset + s.piece_size]
+        leaves.append(block.reshape(-1)[: s.size].reshape(s.shape))
+    return layout.treedef.unflatten(leaves)
 
 
 @pytest.mark.parametrize("n", [1, 8])

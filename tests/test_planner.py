@@ -38,18 +38,19 @@ def test_optimizer_state_bytes_are_measured_from_an_optax_transform():
     assert fp32.master == 0  # fp32 params are their own master
 
 
+@pytest.mark.parametrize("width", [256, 512, 1024])  # the benchmarks/compare.py models
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_compiled_arguments_match_the_planner(stage, param_dtype, rng):
+def test_compiled_arguments_match_the_planner(stage, param_dtype, width, rng):
     """The state a step reads (XLA's argument bytes) is the planner's params +
     optimizer state + master for the stage, within 10%."""
-    n, params = 8, layered_params(rng)
+    n, params = 8, layered_params(rng, width=width)
     mesh = make_mesh(n)
     tx = zs.sharded(optax.adamw(1e-3), axis_name="data")
     state = zs.init_train_state(params, tx, mesh, param_dtype=param_dtype, stage=stage)
     loss_fn = functools.partial(layered_loss, stage=stage)
     step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
-    batch = {"x": jnp.ones((n, 256), param_dtype), "y": jnp.zeros((n, 256), param_dtype)}
+    batch = {"x": jnp.ones((n, width), param_dtype), "y": jnp.zeros((n, width), param_dtype)}
     compiled = step.lower(state, batch).compile().memory_analysis()
     batch_bytes = 2 * batch["x"].size * batch["x"].dtype.itemsize / n
     est = zs.estimate_memory(params, n, stage=stage, param_dtype=param_dtype, optimizer="adamw")

@@ -20,7 +20,11 @@ import zeroshard as zs
 
 
 def test_update_in_a_hand_written_shard_map_loop(rng):
-    """init inside shard_map; apply_updates gives exactly the make_train_step weights."""
+    """init inside shard_map; apply_updates gives the make_train_step weights.
+
+    ``p + (new - p)`` is exact while a weight stays within a factor two of its old
+    value (Sterbenz); otherwise it is off by one rounding, so allow one ulp per step.
+    """
     n, params, data = 4, awkward_params(rng), batches(rng, 3)
     mesh = make_mesh(n)
     tx = zs.sharded(optax.adamw(1e-2), axis_name="data")
@@ -49,7 +53,7 @@ def test_update_in_a_hand_written_shard_map_loop(rng):
     for batch in data:
         state, _ = train_step(state, batch)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(state.params), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_max_ulp(a, b, maxulp=len(data))
     assert_trees_close(p, reference_run(awkward_loss, optax.adamw(1e-2), params, data), 1e-5)
 
 

@@ -143,9 +143,10 @@ def test_using_a_piece_without_gathering_is_a_clear_error(rng):
 
 
 def test_stage3_keeps_no_full_copy_of_the_weights(rng):
-    """Compiled temporaries per added layer: stage 1 holds each layer's full gradient
-    (and more); stage 3 holds neither a layer's gathered weights nor its full gradient
-    beyond that layer's turn, so it grows only by 1/N-sized optimizer temporaries."""
+    """Per added layer, stage 1 takes the layer's full weights as arguments and stage 3
+    only its 1/N piece; stage 3's temporaries hold neither a layer's gathered weights
+    nor its full gradient beyond that layer's turn, so they grow by less than half a
+    layer."""
     n, width, mesh = 8, 256, make_mesh(8)
     tx = zs.sharded(optax.adamw(1e-3), axis_name="data")
     layer_bytes = 4 * (width * width + width)
@@ -164,9 +165,8 @@ def test_stage3_keeps_no_full_copy_of_the_weights(rng):
             batch = {"x": jnp.ones((n, width)), "y": jnp.zeros((n, width))}
             stats = step.lower(state, batch).compile().memory_analysis()
             memory[stage, layers] = (stats.argument_size_in_bytes, stats.temp_size_in_bytes)
-    per_layer = {s: (memory[s, 8][1] - memory[s, 4][1]) / 4 for s in (1, 3)}
-    assert per_layer[1] >= layer_bytes, per_layer
-    assert per_layer[3] < 0.5 * layer_bytes, per_layer
+    temp_per_layer = (memory[3, 8][1] - memory[3, 4][1]) / 4
+    assert temp_per_layer < 0.5 * layer_bytes, temp_per_layer
     # Arguments: replicated weights in stage 1, 1/N pieces in stage 3.
     args_per_layer = {s: (memory[s, 8][0] - memory[s, 4][0]) / 4 for s in (1, 3)}
     assert args_per_layer[3] < args_per_layer[1] - layer_bytes * (1 - 1 / n) * 0.9

@@ -1,4 +1,4 @@
-"""All-gather: every device's updated row -> the full parameters on every device."""
+"""All-gather: every device's updated pieces -> the full parameters on every device."""
 
 from __future__ import annotations
 
@@ -9,21 +9,24 @@ import jax
 from zeroshard.layout import Layout, PyTree
 
 
-def all_gather_params(rows: Sequence[jax.Array], layout: Layout, axis_name: str) -> PyTree:
-    """Gathers the rows of every device into full, replicated parameters.
+def all_gather_params(pieces: Sequence[jax.Array], layout: Layout, axis_name: str) -> PyTree:
+    """Gathers every device's pieces into full, replicated parameters.
 
-    One ``all_gather`` per dtype bucket, in the bucket's (compute) dtype.
+    One ``all_gather`` per leaf, in the leaf's (compute) dtype: the gathered pieces are
+    the leaf itself (a reshape, plus a slice where the leaf was padded), so nothing is
+    copied out of a packed buffer. XLA's collective combiners (GPU, TPU) merge small
+    gathers again.
 
     Args:
-      rows: this device's row of each bucket (any dtype; cast to the bucket's).
+      pieces: this device's 1-D piece of each leaf (any dtype; cast to the leaf's).
       layout: the parameters' layout.
       axis_name: the mesh axis the rows are spread over.
 
     Returns:
       The full parameter tree, invariant over ``axis_name`` (usable with ``P()``).
     """
-    matrices = [
-        jax.lax.all_gather(row.astype(b.dtype), axis_name, tiled=False, to="invarying")
-        for row, b in zip(rows, layout.buckets, strict=True)
-    ]
-    return layout.unpack(matrices)
+    leaves = []
+    for piece, s in zip(pieces, layout.slots, strict=True):
+        full = jax.lax.all_gather(piece.astype(s.dtype), axis_name, tiled=True, to="invarying")
+        leaves.append(full[: s.size].reshape(s.shape))
+    return layout.treedef.unflatten(leaves)

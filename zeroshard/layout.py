@@ -3,8 +3,9 @@
 Every floating-point leaf is raveled, padded to a multiple of ``num_shards`` and cut
 into ``num_shards`` equal contiguous pieces; device ``d`` owns piece ``d`` of every
 leaf. Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end,
-are that device's *row* of the bucket, so a bucket is an ``(num_shards, row_size)``
-matrix and one reduce-scatter or all-gather moves the whole bucket at once.
+are that device's *row* of the bucket (how the master weights are stored). The
+collectives of a step move each leaf's pieces directly (one per leaf), so no
+gradient or weight is copied into or out of a packed buffer.
 
 Owning a piece of every leaf (rather than a contiguous run of a single raveled
 buffer) keeps the tree structure visible to the inner optimizer: it sees a pytree
@@ -162,52 +163,20 @@ class Layout:
                     f"but the parameter has shape {slot.shape}."
                 )
 
-    # Full leaves <-> (num_shards, piece) blocks.
+    # Full leaves -> this device's pieces and rows.
 
-    def _blocks(self, tree: PyTree, dtype: Any = None) -> list[jax.Array]:
-        blocks = []
+    def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
+        """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves)."""
+        pieces = []
         for leaf, s in zip(self.treedef.flatten_up_to(tree), self.slots, strict=True):
-            flat = jnp.ravel(leaf if dtype is None else leaf.astype(dtype))
-            flat = jnp.pad(flat, (0, self.num_shards * s.piece_size - s.size))
-            blocks.append(flat.reshape(self.num_shards, s.piece_size))
-        return blocks
-
-    def pack(self, tree: PyTree, dtypes: Sequence[Any] | None = None) -> tuple[jax.Array, ...]:
-        """Full leaves -> one ``(num_shards, row_size)`` matrix per bucket."""
-        blocks = self._blocks(tree)
-        return tuple(
-            jnp.concatenate(
-                [blocks[i].astype(b.dtype if dtypes is None else dtypes[k]) for i in b.slots],
-                axis=1,
-            )
-            for k, b in enumerate(self.buckets)
-        )
-
-    def unpack(self, matrices: Sequence[jax.Array], cast: bool = True) -> PyTree:
-        """One ``(num_shards, row_size)`` matrix per bucket -> full leaves.
-
-        With ``cast`` the leaves take the parameters' dtypes, else the matrices'.
-        """
-        return self.treedef.unflatten(
-            self.unpack_leaf(matrices[s.bucket], s, cast) for s in self.slots
-        )
-
-    def unpack_leaf(self, matrix: jax.Array, slot: Slot, cast: bool = True) -> jax.Array:
-        """The full leaf of ``slot`` from its bucket's ``(num_shards, row_size)`` matrix."""
-        block = matrix[:, slot.offset : slot.offset + slot.piece_size]
-        leaf = block.reshape(-1)[: slot.size].reshape(slot.shape)
-        return leaf.astype(slot.dtype) if cast else leaf
+            flat = jnp.pad(jnp.ravel(leaf), (0, self.num_shards * s.piece_size - s.size))
+            pieces.append(jax.lax.dynamic_slice_in_dim(flat, index * s.piece_size, s.piece_size))
+        return pieces
 
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
         """Device ``index``'s row of bucket ``bucket``, cut from full leaves."""
-        b = self.buckets[bucket]
-        leaves = self.treedef.flatten_up_to(tree)
-        pieces = []
-        for i in b.slots:
-            s = self.slots[i]
-            flat = jnp.pad(jnp.ravel(leaves[i]), (0, self.num_shards * s.piece_size - s.size))
-            pieces.append(jax.lax.dynamic_slice_in_dim(flat, index * s.piece_size, s.piece_size))
-        return jnp.concatenate(pieces)
+        pieces = self.pieces(tree, index)
+        return jnp.concatenate([pieces[i] for i in self.buckets[bucket].slots])
 
     # Rows <-> trees of pieces (what the inner optimizer sees).
 
@@ -220,5 +189,14 @@ class Layout:
 
     def join(self, pieces: PyTree) -> tuple[jax.Array, ...]:
         """A tree of pieces -> one row per bucket (the inverse of :meth:`split`)."""
-        leaves = self.treedef.flatten_up_to(pieces)
-        return tuple(jnp.concatenate([jnp.ravel(leaves[i]) for i in b.slots]) for b in self.buckets)
+        return self.rows(self.treedef.flatten_up_to(pieces))
+
+    def rows(self, pieces: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """Pieces, one per leaf in leaf order -> one row per bucket."""
+        return tuple(jnp.concatenate([jnp.ravel(pieces[i]) for i in b.slots]) for b in self.buckets)
+
+    def shaped(self, pieces: Sequence[jax.Array]) -> PyTree:
+        """1-D pieces, one per leaf -> the tree of pieces the inner optimizer sees."""
+        return self.treedef.unflatten(
+            p.reshape(self.piece_shape(s)) for p, s in zip(pieces, self.slots, strict=True)
+        )

@@ -19,7 +19,7 @@ from zeroshard.all_gather import all_gather_params
 from zeroshard.clipping import global_norm
 from zeroshard.guard import check_elementwise
 from zeroshard.layout import Layout, PyTree
-from zeroshard.reduce_scatter import reduce_scatter_grads
+from zeroshard.reduce_scatter import reduce_scatter_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,11 @@ class Plan:
     def inner_dtypes(self) -> list[Any]:
         """Dtype the inner optimizer works in, per bucket."""
         return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
+
+    def to_inner(self, pieces: list[jax.Array]) -> list[jax.Array]:
+        """Per-leaf pieces cast to the dtype the inner optimizer works in."""
+        dtypes = self.inner_dtypes
+        return [p.astype(dtypes[s.bucket]) for p, s in zip(pieces, self.layout.slots, strict=True)]
 
 
 class ShardedState(NamedTuple):
@@ -168,12 +173,12 @@ def init_local(
     plan = tx.plan(params, jax.lax.axis_size(tx.axis_name))
     source = params if master_params is None else master_params
     plan.layout.check_matches(source, "master_params")
-    index = jax.lax.axis_index(tx.axis_name)
-    rows = [plan.layout.row(source, index, b).astype(d) for b, d in enumerate(plan.inner_dtypes)]
+    pieces = plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(tx.axis_name)))
+    rows = plan.layout.rows(pieces)
     master = tuple(
         None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
     )
-    inner_state = tx.inner.init(plan.layout.split(rows))
+    inner_state = tx.inner.init(plan.layout.shaped(pieces))
     return ShardedState(inner_state, master, jnp.zeros((), jnp.float32))
 
 
@@ -227,53 +232,59 @@ def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree)
     return plan
 
 
-def reduce_scatter_rows(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> list[jax.Array]:
-    """This device's rows of the mean gradient, in the inner optimizer's dtypes."""
+def reduce_scatter_pieces(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> list[jax.Array]:
+    """This device's 1-D piece of each leaf's mean gradient, in the inner dtypes."""
     plan.layout.check_matches(grads, "gradients")
-    rows = reduce_scatter_grads(grads, plan.layout, tx.axis_name, tx.reduce_dtype)
-    return [g.astype(d) for g, d in zip(rows, plan.inner_dtypes, strict=True)]
+    return plan.to_inner(reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype))
 
 
-def param_rows(
-    tx: ShardedTransformation, plan: Plan, state: ShardedState, params: PyTree
-) -> list[jax.Array]:
-    """This device's rows of the master weights: the master where one is kept, else
-    the rows of the (replicated) parameters themselves."""
-    index = jax.lax.axis_index(tx.axis_name)
+def master_pieces(plan: Plan, state: ShardedState, own: list[jax.Array]) -> list[jax.Array]:
+    """This device's pieces of the master weights, one per leaf (1-D, inner dtypes).
+
+    Args:
+      plan: the plan for the parameters.
+      state: this device's :class:`ShardedState`.
+      own: this device's pieces of the parameters themselves (used where no separate
+        master is kept).
+    """
     return [
-        plan.layout.row(params, index, b).astype(d) if m is None else m
-        for b, (m, d) in enumerate(zip(state.master, plan.inner_dtypes, strict=True))
+        p.astype(plan.inner_dtypes[s.bucket])
+        if state.master[s.bucket] is None
+        else state.master[s.bucket][s.offset : s.offset + s.piece_size]
+        for p, s in zip(own, plan.layout.slots, strict=True)
     ]
 
 
-def update_rows(
+def update_pieces(
     tx: ShardedTransformation,
     plan: Plan,
-    grad_rows: list[jax.Array],
+    grad_pieces: list[jax.Array],
     state: ShardedState,
-    rows: list[jax.Array],
+    pieces: list[jax.Array],
     **extra_args,
 ) -> tuple[list[jax.Array], ShardedState]:
-    """The inner update on this device's rows: returns the new rows and state.
+    """The inner update on this device's pieces: returns the new pieces and state.
 
     Args:
       tx: the sharded transformation.
       plan: its plan for the parameters.
-      grad_rows: this device's rows of the mean gradient.
+      grad_pieces: this device's pieces of the mean gradient (1-D, per leaf).
       state: this device's :class:`ShardedState`.
-      rows: this device's rows of the master weights (see :func:`param_rows`).
+      pieces: this device's pieces of the master weights (see :func:`master_pieces`).
       **extra_args: passed on to the inner ``update``.
     """
     layout = plan.layout
     updates, inner_state = tx.inner.update(
-        layout.split(grad_rows), state.inner_state, layout.split(rows), **extra_args
+        layout.shaped(grad_pieces), state.inner_state, layout.shaped(pieces), **extra_args
     )
-    new_rows = [(p + u).astype(p.dtype) for p, u in zip(rows, layout.join(updates), strict=True)]
-    master = tuple(
-        None if m is None else row for m, row in zip(state.master, new_rows, strict=True)
-    )
-    grad_norm = global_norm(grad_rows, tx.axis_name)
-    return new_rows, ShardedState(inner_state, master, grad_norm)
+    new = [
+        (p + jnp.ravel(u)).astype(p.dtype)
+        for p, u in zip(pieces, layout.treedef.flatten_up_to(updates), strict=True)
+    ]
+    rows = layout.rows(new) if any(m is not None for m in state.master) else None
+    master = tuple(None if m is None else rows[b] for b, m in enumerate(state.master))
+    grad_norm = global_norm(grad_pieces, tx.axis_name)
+    return new, ShardedState(inner_state, master, grad_norm)
 
 
 def apply_update(
@@ -289,10 +300,11 @@ def apply_update(
       **extra_args: passed on to the inner ``update``.
     """
     plan = checked_plan(tx, state, params)
-    grad_rows = reduce_scatter_rows(tx, plan, grads)
-    rows = param_rows(tx, plan, state, params)
-    new_rows, state = update_rows(tx, plan, grad_rows, state, rows, **extra_args)
-    return all_gather_params(new_rows, plan.layout, tx.axis_name), state
+    grad_pieces = reduce_scatter_pieces(tx, plan, grads)
+    own = plan.layout.pieces(params, jax.lax.axis_index(tx.axis_name))
+    pieces = master_pieces(plan, state, own)
+    new, state = update_pieces(tx, plan, grad_pieces, state, pieces, **extra_args)
+    return all_gather_params(new, plan.layout, tx.axis_name), state
 
 
 def sharded(
@@ -306,7 +318,7 @@ def sharded(
 
     ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
     ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
-    gradients, one collective per dtype bucket, runs ``inner`` on this device's slice
+    gradients, one collective per leaf, runs ``inner`` on this device's slice
     only, and all-gathers the new weights in the parameters' dtype. The returned
     updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
     gathered weights (exactly whenever each new weight lies within a factor two of the

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.gather import full_structs, is_shard
 from zeroshard.layout import PyTree
-from zeroshard.local_update import Plan, ShardedState, ShardedTransformation
+from zeroshard.local_update import Plan, ShardedState, ShardedTransformation, master_pieces
 from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
 
 
@@ -159,15 +159,10 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
         if stage == 3:
-            own = layout.join(jax.tree.map(lambda x: x.piece, params, is_leaf=is_shard))
+            own = [jnp.ravel(x.piece) for x in jax.tree.leaves(params, is_leaf=is_shard)]
         else:
-            index = jax.lax.axis_index(axis)
-            own = [layout.row(params, index, b) for b in range(len(layout.buckets))]
-        rows = [
-            own[b].astype(d) if m is None else m
-            for b, (m, d) in enumerate(zip(opt_state.master, plan.inner_dtypes, strict=True))
-        ]
-        pieces = layout.treedef.flatten_up_to(layout.split(rows))
+            own = layout.pieces(params, jax.lax.axis_index(axis))
+        pieces = master_pieces(plan, opt_state, own)
         master = [_to_logical(p, s.shape, axis) for p, s in zip(pieces, layout.slots, strict=True)]
         inner, treedef = jax.tree.flatten(opt_state.inner_state)
         inner = [
@@ -237,12 +232,12 @@ def from_optax_state(
         pieces = [
             _from_logical(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)
         ]
-        rows = layout.join(layout.treedef.unflatten(pieces))
+        rows = layout.rows(pieces)
         master = tuple(
             None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
         )
         if stage == 3:
-            compute = to_shards(layout, list(rows))
+            compute = to_shards(layout, pieces)
         else:
             compute = layout.treedef.unflatten(
                 _gather(x, s.shape, axis_name).astype(s.dtype)

@@ -25,11 +25,10 @@ from zeroshard.local_update import (
     ShardedTransformation,
     checked_plan,
     init_local,
-    param_rows,
-    reduce_scatter_rows,
-    update_rows,
+    master_pieces,
+    reduce_scatter_pieces,
+    update_pieces,
 )
-from zeroshard.reduce_scatter import reduce_scatter_leaves
 
 
 class TrainState(NamedTuple):
@@ -72,11 +71,10 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}.")
 
 
-def to_shards(layout: Layout, rows: list[jax.Array]) -> PyTree:
-    """This device's rows -> a tree of :class:`Shard` pieces in the parameters' dtypes."""
-    pieces = layout.treedef.flatten_up_to(layout.split(rows))
+def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
+    """This device's 1-D pieces -> a tree of :class:`Shard` pieces in the parameters' dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype), s.shape, s.dtype)
+        Shard(p.astype(s.dtype).reshape(layout.piece_shape(s)), s.shape, s.dtype)
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
@@ -138,9 +136,7 @@ def init_train_state(
         opt_state = init_local(tx, params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
-            index = jax.lax.axis_index(axis_name)
-            rows = [layout.row(params, index, b) for b in range(len(layout.buckets))]
-            params = to_shards(layout, rows)
+            params = to_shards(layout, layout.pieces(params, jax.lax.axis_index(axis_name)))
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
     params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -219,45 +215,37 @@ class TrainStep:
             diff_params = jax.lax.pcast(state.params, axis, to="varying")
         value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
         if self.accum_steps > 1:
-            out, rows = self._accumulate(value_and_grad, diff_params, batch, plan)
-        elif stage == 3:
-            out, grads = value_and_grad(diff_params, batch)
-            rows = self._rows(plan, self._pieces(plan, grads))
+            out, grad_pieces = self._accumulate(value_and_grad, diff_params, batch, plan)
         else:
             out, grads = value_and_grad(diff_params, batch)
-            rows = reduce_scatter_rows(tx, plan, grads)
+            grad_pieces = self._pieces(plan, grads)
         loss, aux = out if self.has_aux else (out, None)
         if stage == 3:
-            own = plan.layout.join(jax.tree.map(lambda x: x.piece, state.params, is_leaf=is_shard))
-            master = [own[b] if m is None else m for b, m in enumerate(state.opt_state.master)]
+            own = [jnp.ravel(x.piece) for x in _shards(state.params)]
         else:
-            master = param_rows(tx, plan, state.opt_state, state.params)
-        new_rows, opt_state = update_rows(tx, plan, rows, state.opt_state, master)
+            own = plan.layout.pieces(state.params, jax.lax.axis_index(axis))
+        pieces = master_pieces(plan, state.opt_state, own)
+        new, opt_state = update_pieces(tx, plan, grad_pieces, state.opt_state, pieces)
         if stage == 3:
-            params = to_shards(plan.layout, new_rows)
+            params = to_shards(plan.layout, new)
         else:
-            params = all_gather_params(new_rows, plan.layout, axis)
+            params = all_gather_params(new, plan.layout, axis)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, axis)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _pieces(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        """This device's piece of each leaf's mean gradient, 1-D.
+        """This device's piece of each leaf's mean gradient, 1-D, in the inner dtypes.
 
-        Stage 2 reduce-scatters each leaf; in stage 3 the gradient of a piece arrives
-        reduced already (the transpose of the gather), summed over the devices.
+        Stages 1 and 2 reduce-scatter each leaf; in stage 3 the gradient of a piece
+        arrives reduced already (the transpose of the gather), summed over the devices.
         """
         if self.stage == 3:
-            return [jnp.ravel(g.piece) / plan.layout.num_shards for g in _shards(grads)]
-        return reduce_scatter_leaves(grads, plan.layout, self.axis_name, self.tx.reduce_dtype)
-
-    @staticmethod
-    def _rows(plan: Plan, pieces: list[jax.Array]) -> list[jax.Array]:
-        """1-D pieces, one per leaf -> one row per bucket, in the inner dtypes."""
-        rows = plan.layout.join(plan.layout.treedef.unflatten(pieces))
-        return [r.astype(d) for r, d in zip(rows, plan.inner_dtypes, strict=True)]
+            n = plan.layout.num_shards
+            return plan.to_inner([jnp.ravel(g.piece) / n for g in _shards(grads)])
+        return reduce_scatter_pieces(self.tx, plan, grads)
 
     def _accumulate(self, value_and_grad, params, batch, plan):
-        """Mean loss and gradient rows over ``accum_steps`` micro-batches (a scan).
+        """Mean loss and gradient pieces over ``accum_steps`` micro-batches (a scan).
 
         Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
         Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
@@ -290,8 +278,8 @@ class TrainStep:
         (out_sum, acc), _ = jax.lax.scan(body, (out_zeros, accumulator), micro)
         out = jax.tree.map(lambda s: s / k, out_sum)
         if self.stage == 1:
-            return out, reduce_scatter_rows(self.tx, plan, jax.tree.map(lambda a: a / k, acc))
-        return out, self._rows(plan, [a / k for a in acc])
+            return out, self._pieces(plan, jax.tree.map(lambda a: a / k, acc))
+        return out, plan.to_inner([a / k for a in acc])
 
     def _global_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
