@@ -11,7 +11,8 @@ On disk a step holds two orbax items:
   block of every leaf that has a dimension divisible by the device count (see
   :mod:`zeroshard.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
-  compute and master dtypes, every leaf's path and shape), readable without loading
+  compute and master dtypes, every leaf's path and shape, the count of skipped
+  non-finite steps), readable without loading
   arrays: ``python -m zeroshard inspect DIR``.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
@@ -190,6 +191,7 @@ class CheckpointManager:
             "optax_version": optax.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "step": step,
+            "skipped_steps": int(state.opt_state.skipped),
             "num_shards": mesh.shape[tx.axis_name],
             "axis_name": tx.axis_name,
             "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
@@ -293,6 +295,7 @@ class CheckpointManager:
             param_dtype=jax.tree.map(lambda x: x.dtype, like),
             step=restored["step"],
             stage=stage,
+            skipped=saved.get("skipped_steps", 0),
         )
 
     def wait_until_finished(self) -> None:

@@ -16,7 +16,8 @@ _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collectiv
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MLIR_OP = re.compile(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|all_to_all)"?')
 _MLIR_RESULT = re.compile(r"->\s*\(?tensor<(?:([\dx]*)x)?([a-z]+\d*)>")
 _MLIR_GROUPS = re.compile(r"replica_groups = dense<[^>]*>\s*:\s*tensor<\d+x(\d+)xi64>")
@@ -60,12 +61,15 @@ class Collective:
       dtype: element type as the HLO prints it (CPU prints bf16 collectives as f32).
       result_bytes: bytes of the result on one device.
       group_size: devices taking part in each group.
+      axes: the mesh axes each group spans, e.g. ``("data",)``, when the HLO names
+        them or :func:`collectives` was given the mesh; empty when unknown.
     """
 
     kind: str
     dtype: str
     result_bytes: int
     group_size: int
+    axes: tuple[str, ...] = ()
 
     @property
     def ring_bytes(self) -> float:
@@ -82,13 +86,17 @@ class Collective:
         return (n - 1) / n * b
 
 
-def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+def collectives(
+    hlo_text: str, num_devices: int | None = None, mesh: jax.sharding.Mesh | None = None
+) -> list[Collective]:
     """Lists the collectives of a compiled HLO module.
 
     Args:
       hlo_text: ``jit(f).lower(...).compile().as_text()``.
       num_devices: group size to assume when the HLO lists no replica groups
         (default: ``jax.device_count()``).
+      mesh: the mesh the program runs on; with it each collective is attributed to
+        the mesh axes its groups span (:attr:`Collective.axes`).
 
     Returns:
       One :class:`Collective` per collective instruction (async pairs counted once).
@@ -105,18 +113,43 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
             math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
             for dtype, dims in shapes
         )
-        if g := _GROUPS_LIST.search(line):
-            n = len(g[1].split(","))
-        elif g := _GROUPS_IOTA.search(line):
-            n = int(g[2])
-        else:
-            n = num_devices or jax.device_count()
-        found.append(Collective(m["kind"], shapes[0][0] if shapes else "?", nbytes, n))
+        n, axes = _group(line, mesh)
+        n = n or num_devices or jax.device_count()
+        found.append(Collective(m["kind"], shapes[0][0] if shapes else "?", nbytes, n, axes))
     return found
 
 
-def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
-    """Counts, result bytes and ring bytes per collective kind.
+def _group(line: str, mesh: jax.sharding.Mesh | None) -> tuple[int | None, tuple[str, ...]]:
+    """Group size and spanned mesh axes of one collective's ``replica_groups``.
+
+    XLA prints groups as lists (``{{0,1},{2,3}}``), as iota ranges
+    (``[2,4]<=[2,4]T(1,0)``), or (newer versions) by mesh axis
+    (``mesh['replica'=2,'data'=4] {'data'}``). Device ids are positions in the mesh.
+    """
+    if g := _GROUPS_MESH.search(line):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", g[1]))
+        axes = tuple(re.findall(r"'([^']+)'", g[2]))
+        return math.prod(int(sizes[a]) for a in axes), axes
+    if g := _GROUPS_LIST.search(line):
+        group = [int(d) for d in g[1].split(",") if d]
+    elif g := _GROUPS_IOTA.search(line):
+        dims = [int(d) for d in g[3].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if g[4]:
+            ids = ids.transpose([int(d) for d in g[4].split(",")])
+        group = list(ids.reshape(int(g[1]), int(g[2]))[0])
+    else:
+        return None, ()
+    if mesh is None:
+        return len(group), ()
+    coords = np.unravel_index(group, mesh.devices.shape)
+    axes = tuple(a for a, c in zip(mesh.axis_names, coords, strict=True) if len(set(c)) > 1)
+    return len(group), axes
+
+
+def summarize(found: list[Collective], per_axis: bool = False) -> dict[str, dict[str, float]]:
+    """Counts, result bytes and ring bytes per collective kind (``per_axis``: per kind
+    and mesh axes, keyed like ``"all-reduce over replica"``).
 
     Example:
       >>> summarize([Collective("all-reduce", "f32", 400, 4)])
@@ -126,9 +159,10 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
         lambda: {"count": 0, "bytes": 0, "ring_bytes": 0}
     )
     for c in found:
-        out[c.kind]["count"] += 1
-        out[c.kind]["bytes"] += c.result_bytes
-        out[c.kind]["ring_bytes"] += c.ring_bytes
+        key = f"{c.kind} over {'+'.join(c.axes) or '?'}" if per_axis else c.kind
+        out[key]["count"] += 1
+        out[key]["bytes"] += c.result_bytes
+        out[key]["ring_bytes"] += c.ring_bytes
     return dict(out)
 
 

@@ -16,7 +16,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.all_gather import all_gather_params
-from zeroshard.clipping import global_norm
 from zeroshard.guard import check_elementwise
 from zeroshard.layout import Layout, PyTree
 from zeroshard.reduce_scatter import reduce_scatter_leaves
@@ -57,20 +56,32 @@ class ShardedState(NamedTuple):
       master: per dtype bucket, this device's row of master weights, or ``None`` where
         the parameters are already in the master dtype (their slice is the master).
       grad_norm: global L2 norm of the mean gradient at the last update, before any
-        clipping.
+        clipping (``nan`` or ``inf`` when that gradient was not finite).
+      skipped: number of updates skipped because the mean gradient was not finite
+        (int32; see ``skip_nonfinite`` in :func:`sharded`).
     """
 
     inner_state: optax.OptState
     master: tuple[jax.Array | None, ...]
     grad_norm: jax.Array
+    skipped: jax.Array
 
 
 class ShardedTransformation(optax.GradientTransformationExtraArgs):
     """The transformation :func:`sharded` returns: an optax one that also knows its axis.
 
     Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
-    ``master_dtype`` and ``reduce_dtype`` as given to :func:`sharded`.
+    ``replica_axis``, ``master_dtype``, ``reduce_dtype`` and ``skip_nonfinite`` as given
+    to :func:`sharded`.
     """
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: the replica axis (if any), then the
+        sharding axis."""
+        return (
+            (self.axis_name,) if self.replica_axis is None else (self.replica_axis, self.axis_name)
+        )
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """The (cached) :class:`Plan` for ``params`` over ``num_shards`` devices."""
@@ -89,7 +100,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
             for leaf, sharded in zip(leaves, plan.state_sharded, strict=True)
         ]
         master = tuple(None if m is None else P(self.axis_name) for m in plan.master_dtypes)
-        return ShardedState(treedef.unflatten(specs), master, P())
+        return ShardedState(treedef.unflatten(specs), master, P(), P())
 
 
 def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
@@ -179,7 +190,7 @@ def init_local(
         None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
     )
     inner_state = tx.inner.init(plan.layout.shaped(pieces))
-    return ShardedState(inner_state, master, jnp.zeros((), jnp.float32))
+    return ShardedState(inner_state, master, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
 
 
 def init_global(
@@ -233,9 +244,21 @@ def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree)
 
 
 def reduce_scatter_pieces(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> list[jax.Array]:
-    """This device's 1-D piece of each leaf's mean gradient, in the inner dtypes."""
+    """This device's 1-D piece of each leaf's mean gradient, in the inner dtypes.
+
+    The local gradients are reduce-scattered over ``tx.axis_name``; with a replica axis
+    the pieces are then averaged over it (an all-reduce of 1/N of the gradient).
+    """
     plan.layout.check_matches(grads, "gradients")
-    return plan.to_inner(reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype))
+    pieces = reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype)
+    return plan.to_inner(mean_over_replicas(tx, pieces))
+
+
+def mean_over_replicas(tx: ShardedTransformation, pieces: list[jax.Array]) -> list[jax.Array]:
+    """``pieces`` averaged over ``tx.replica_axis`` (unchanged without one)."""
+    if tx.replica_axis is None:
+        return pieces
+    return jax.lax.pmean(pieces, tx.replica_axis)
 
 
 def master_pieces(plan: Plan, state: ShardedState, own: list[jax.Array]) -> list[jax.Array]:
@@ -281,10 +304,25 @@ def update_pieces(
         (p + jnp.ravel(u)).astype(p.dtype)
         for p, u in zip(pieces, layout.treedef.flatten_up_to(updates), strict=True)
     ]
+    grad_norm, finite = _norm_and_finite(grad_pieces, tx.axis_name)
+    skipped = state.skipped
+    if tx.skip_nonfinite:
+        keep = lambda a, b: jnp.where(finite, a, b)
+        new = [keep(a, b) for a, b in zip(new, pieces, strict=True)]
+        inner_state = jax.tree.map(keep, inner_state, state.inner_state)
+        skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
     rows = layout.rows(new) if any(m is not None for m in state.master) else None
     master = tuple(None if m is None else rows[b] for b, m in enumerate(state.master))
-    grad_norm = global_norm(grad_pieces, tx.axis_name)
-    return new, ShardedState(inner_state, master, grad_norm)
+    return new, ShardedState(inner_state, master, grad_norm, skipped)
+
+
+def _norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """The global L2 norm of the pieces and whether every element on every device is
+    finite: one scalar all-reduce, so every device takes the same decision."""
+    squares = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in pieces), jnp.float32(0))
+    bad = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in pieces), jnp.int32(0))
+    squares, bad = jax.lax.psum((squares, bad), axis_name)
+    return jnp.sqrt(squares), bad == 0
 
 
 def apply_update(
@@ -313,6 +351,8 @@ def sharded(
     axis_name: str = "data",
     master_dtype: Any = jnp.float32,
     reduce_dtype: Any = None,
+    replica_axis: str | None = None,
+    skip_nonfinite: bool = True,
 ) -> ShardedTransformation:
     """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
 
@@ -339,6 +379,17 @@ def sharded(
         Parameters already in ``master_dtype`` (or wider) need no copy.
       reduce_dtype: dtype of the gradient reduce-scatter; ``None`` uses the
         gradients' own dtype.
+      replica_axis: an optional second data-parallel mesh axis to *replicate* the
+        state over (hierarchical sharding, as in HSDP / MiCS): the batch is split
+        over both axes, the state only over ``axis_name``. The gradients are
+        reduce-scattered over ``axis_name`` and their 1/N pieces all-reduced over
+        ``replica_axis``, so e.g. with ``axis_name`` within a host and
+        ``replica_axis`` across hosts the slow links carry 1/N of the gradient.
+      skip_nonfinite: skip the update on every device when any element of the mean
+        gradient is ``nan`` or ``inf`` (a NaN on one device's local gradient reaches
+        the mean): the state, master and weights stay as they were and
+        ``state.skipped`` counts the step. The decision rides on the gradient-norm
+        all-reduce, so all devices agree. ``False`` applies every update.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -374,8 +425,14 @@ def sharded(
         raise TypeError(
             f"zs.sharded expects an optax GradientTransformation, got {type(inner).__name__}."
         )
-    if not isinstance(axis_name, str):
-        raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}.")
+    for name, axis in (("axis_name", axis_name), ("replica_axis", replica_axis)):
+        if not isinstance(axis, str) and not (name == "replica_axis" and axis is None):
+            raise TypeError(f"{name} must be a mesh axis name (str), got {axis!r}.")
+    if replica_axis == axis_name:
+        raise ValueError(
+            f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
+            "sharded over axis_name and replicated over replica_axis."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: PyTree) -> ShardedState:
@@ -392,5 +449,7 @@ def sharded(
     tx.axis_name = axis_name
     tx.master_dtype = None if master_dtype is None else jnp.dtype(master_dtype)
     tx.reduce_dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    tx.replica_axis = replica_axis
+    tx.skip_nonfinite = bool(skip_nonfinite)
     tx._plans = {}
     return tx

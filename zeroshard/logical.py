@@ -192,6 +192,7 @@ def from_optax_state(
     param_dtype: Any = None,
     step: int | jax.Array = 0,
     stage: int = 1,
+    skipped: int | jax.Array = 0,
 ) -> TrainState:
     """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
 
@@ -205,6 +206,7 @@ def from_optax_state(
         dtypes like ``params``, or ``None`` to keep ``params``' dtypes.
       step: the step counter to resume from.
       stage: the ZeRO stage to lay the state out for (3: params as pieces).
+      skipped: the count of skipped non-finite steps to resume from.
 
     Returns:
       A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
@@ -227,7 +229,7 @@ def from_optax_state(
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
 
-    def local(params: PyTree, opt_state: PyTree, step: jax.Array) -> TrainState:
+    def local(params: PyTree, opt_state: PyTree, step: jax.Array, skipped: jax.Array):
         leaves = layout.treedef.flatten_up_to(params)
         pieces = [
             _from_logical(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)
@@ -250,17 +252,19 @@ def from_optax_state(
                 inner, jax.tree.leaves(opt_structs), plan.state_sharded, strict=True
             )
         ]
-        opt = ShardedState(treedef.unflatten(inner), master, jnp.zeros((), jnp.float32))
+        grad_norm = jnp.zeros((), jnp.float32)
+        opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped)
         return TrainState(step, compute, opt)
 
     in_specs = (
         _specs(params_structs, num_shards, axis_name),
         _specs(opt_structs, num_shards, axis_name),
         P(),
+        P(),
     )
     out_specs = state_specs(tx, compute_structs, num_shards, stage)
     placed = jax.device_put(
-        (params, opt_state, jnp.asarray(step, jnp.int32)),
+        (params, opt_state, jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32)),
         jax.tree.map(
             lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
         ),

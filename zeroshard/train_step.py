@@ -8,6 +8,7 @@ ZeRO stage, with optional gradient accumulation, that donates the state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,9 +27,10 @@ from zeroshard.local_update import (
     checked_plan,
     init_local,
     master_pieces,
-    reduce_scatter_pieces,
+    mean_over_replicas,
     update_pieces,
 )
+from zeroshard.reduce_scatter import reduce_scatter_leaves
 
 
 class TrainState(NamedTuple):
@@ -64,6 +66,45 @@ def _check_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
             f"the optimizer was built with axis_name={tx.axis_name!r} but the step uses "
             f"axis_name={axis_name!r}; use the same axis for both."
         )
+    if tx.replica_axis is not None and tx.replica_axis not in mesh.axis_names:
+        raise ValueError(
+            f"the optimizer replicates over replica_axis={tx.replica_axis!r}, but the mesh "
+            f"has no such axis (its axes: {tuple(mesh.axis_names)})."
+        )
+
+
+def _check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
+    """Refuses, with the fix, a mesh whose other Explicit axes this jax cannot lower a
+    reduce-scatter next to (DESIGN.md, pitfall 4: jax 0.12.0.1); probed, not assumed."""
+    explicit = [
+        a
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if a not in axes and t == jax.sharding.AxisType.Explicit
+    ]
+    if not explicit:
+        return
+    n = math.prod(mesh.shape[a] for a in axes)
+    probe = jax.shard_map(
+        lambda x: jax.lax.psum_scatter(x, axes, tiled=True),
+        mesh=mesh,
+        in_specs=P(axes),
+        out_specs=P(axes),
+        axis_names=set(axes),
+    )
+    try:
+        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
+        jax.jit(probe).lower(x)
+    except ValueError as e:
+        types = ", ".join(
+            "AxisType.Auto" if a in explicit else f"AxisType.{t.name}"
+            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        )
+        raise ValueError(
+            f"mesh axes {explicit} are AxisType.Explicit, and jax {jax.__version__} cannot "
+            f"lower a reduce-scatter over {axes} inside shard_map while another axis is "
+            "Explicit. Make the other axes Auto: jax.make_mesh(shape, names, "
+            f"axis_types=({types}))."
+        ) from e
 
 
 def _check_stage(stage: int) -> None:
@@ -151,21 +192,26 @@ def init_train_state(
     return jax.jit(init)(params)
 
 
-def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axis_name: str) -> dict:
+def step_metrics(
+    loss: jax.Array, aux: Any, grad_norm: jax.Array, axis_name: str | tuple[str, ...]
+) -> dict:
     """A step's metrics: the global mean loss, the gradient norm, and ``aux`` averaged
-    over devices (when there is one)."""
+    over the batch axes (when there is one)."""
     metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axis_name), "grad_norm": grad_norm}
     if aux is not None:
         metrics["aux"] = jax.lax.pmean(aux, axis_name)
     return metrics
 
 
-def _check_batch(batch: PyTree, num_shards: int, axis_name: str, accum_steps: int = 1) -> None:
+def _check_batch(
+    batch: PyTree, num_shards: int, axis_name: str | tuple[str, ...], accum_steps: int = 1
+) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("the batch is empty: pass a pytree of arrays with a batch dimension.")
     parts = num_shards * accum_steps
-    what = f"the {num_shards} devices of axis {axis_name!r}"
+    noun = "axes" if isinstance(axis_name, tuple) else "axis"
+    what = f"the {num_shards} devices of {noun} {axis_name!r}"
     if accum_steps > 1:
         what += f" times accum_steps={accum_steps}"
     for path, x in leaves:
@@ -201,24 +247,29 @@ class TrainStep:
         self.axis_name, self.has_aux = axis_name, has_aux
         self.stage, self.accum_steps = stage, accum_steps
         self.num_shards = mesh.shape[axis_name]
-        self._batch_sharding = NamedSharding(mesh, P(axis_name))
+        axes = tx.batch_axes
+        self.batch_axes = axes if len(axes) > 1 else axis_name
+        self.batch_parts = math.prod(mesh.shape[a] for a in axes)
+        self._batch_sharding = NamedSharding(mesh, P(self.batch_axes))
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
 
     def _local_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         axis, tx, stage = self.axis_name, self.tx, self.stage
         plan = checked_plan(tx, state.opt_state, full_structs(state.params))
-        if stage == 3:
-            diff_params = state.params  # pieces: varying already
-        else:
-            # Differentiate w.r.t. a varying copy: the gradient of a replicated input
-            # would be all-reduced automatically (DESIGN.md, pitfall 1).
-            diff_params = jax.lax.pcast(state.params, axis, to="varying")
+        # Differentiate w.r.t. a copy varying over the batch axes: the gradient of an
+        # invariant input would be all-reduced automatically (DESIGN.md, pitfall 1).
+        # Stage-3 pieces vary over the sharding axis already.
+        varying = tx.replica_axis if stage == 3 else self.batch_axes
+        diff_params = (
+            state.params if varying is None else jax.lax.pcast(state.params, varying, to="varying")
+        )
         value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
         if self.accum_steps > 1:
             out, grad_pieces = self._accumulate(value_and_grad, diff_params, batch, plan)
         else:
             out, grads = value_and_grad(diff_params, batch)
-            grad_pieces = self._pieces(plan, grads)
+            grad_pieces = self._scatter(plan, grads)
+        grad_pieces = plan.to_inner(mean_over_replicas(tx, grad_pieces))
         loss, aux = out if self.has_aux else (out, None)
         if stage == 3:
             own = [jnp.ravel(x.piece) for x in _shards(state.params)]
@@ -230,19 +281,19 @@ class TrainStep:
             params = to_shards(plan.layout, new)
         else:
             params = all_gather_params(new, plan.layout, axis)
-        metrics = step_metrics(loss, aux, opt_state.grad_norm, axis)
+        metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def _pieces(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        """This device's piece of each leaf's mean gradient, 1-D, in the inner dtypes.
+    def _scatter(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        """This device's piece of each leaf's gradient, 1-D, averaged over the sharding
+        axis (the replica axis, if any, is averaged afterwards, once per step).
 
         Stages 1 and 2 reduce-scatter each leaf; in stage 3 the gradient of a piece
         arrives reduced already (the transpose of the gather), summed over the devices.
         """
         if self.stage == 3:
-            n = plan.layout.num_shards
-            return plan.to_inner([jnp.ravel(g.piece) / n for g in _shards(grads)])
-        return reduce_scatter_pieces(self.tx, plan, grads)
+            return [jnp.ravel(g.piece) / plan.layout.num_shards for g in _shards(grads)]
+        return reduce_scatter_leaves(grads, plan.layout, self.axis_name, self.tx.reduce_dtype)
 
     def _accumulate(self, value_and_grad, params, batch, plan):
         """Mean loss and gradient pieces over ``accum_steps`` micro-batches (a scan).
@@ -270,7 +321,7 @@ class TrainStep:
             if self.stage == 1:
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             else:
-                pieces = self._pieces(plan, grads)
+                pieces = self._scatter(plan, grads)
                 acc = [a + p.astype(jnp.float32) for a, p in zip(acc, pieces, strict=True)]
             out_sum = jax.tree.map(lambda s, o: s + o.astype(jnp.float32), out_sum, out)
             return (out_sum, acc), None
@@ -278,11 +329,11 @@ class TrainStep:
         (out_sum, acc), _ = jax.lax.scan(body, (out_zeros, accumulator), micro)
         out = jax.tree.map(lambda s: s / k, out_sum)
         if self.stage == 1:
-            return out, self._pieces(plan, jax.tree.map(lambda a: a / k, acc))
-        return out, plan.to_inner([a / k for a in acc])
+            return out, self._scatter(plan, jax.tree.map(lambda a: a / k, acc))
+        return out, [a / k for a in acc]
 
     def _global_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
+        _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) != (self.stage == 3):
             raise ValueError(
                 f"this is a stage-{self.stage} step, but the state's params are "
@@ -290,18 +341,18 @@ class TrainStep:
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
         specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
-        batch_specs = jax.tree.map(lambda _: P(self.axis_name), batch)
+        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
         step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
             in_specs=(specs, batch_specs),
             out_specs=(specs, P()),
-            axis_names={self.axis_name},
+            axis_names=set(self.tx.batch_axes),
         )
         return step(state, batch)
 
     def _place(self, batch: PyTree) -> PyTree:
-        _check_batch(batch, self.num_shards, self.axis_name, self.accum_steps)
+        _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         return jax.device_put(batch, self._batch_sharding)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
@@ -380,6 +431,7 @@ def make_train_step(
     """
     _check_setup(tx, mesh, axis_name)
     _check_stage(stage)
+    _check_other_axes(mesh, tx.batch_axes)
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)

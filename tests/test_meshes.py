@@ -1,0 +1,128 @@
+"""2-D meshes: hierarchical sharding (a replica axis) and an axis left to the user."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, awkward_loss, awkward_params, batches, reference_run
+from jax.sharding import AxisType
+
+import zeroshard as zs
+
+
+def hsdp_mesh(replicas: int = 2, shards: int = 4) -> jax.sharding.Mesh:
+    return jax.make_mesh((replicas, shards), ("replica", "data"))
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adamw(1e-2)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hierarchical_sharding_matches_plain_optax(inner, stage, rng):
+    params, data = awkward_params(rng), batches(rng, 3)
+    mesh = hsdp_mesh()
+    tx = zs.sharded(inner, axis_name="data", replica_axis="replica")
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh, stage=stage)
+    for batch in data:
+        before = jax.tree.map(np.asarray, state.params)  # the step donates the state
+        state, metrics = step(state, batch)
+    assert_trees_close(state.params, reference_run(awkward_loss, inner, params, data), 1e-5)
+    loss, grads = jax.value_and_grad(awkward_loss)(before, data[-1])
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+
+
+def test_hierarchical_state_is_sharded_within_and_replicated_across(rng):
+    params = awkward_params(rng)
+    mesh = hsdp_mesh()
+    tx = zs.sharded(optax.adam(1e-3), axis_name="data", replica_axis="replica")
+    state = zs.init_train_state(params, tx, mesh)
+    mu = state.opt_state.inner_state[0].mu["dense"]["w"]
+    assert mu.sharding.spec == jax.P(None, "data")
+    assert mu.addressable_shards[0].data.shape == (1, -(-91 // 4))  # 1/4, not 1/8
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    one_axis = zs.init_train_state(params, zs.sharded(optax.adam(1e-3)), mesh4)
+    assert zs.state_bytes_per_device(state.opt_state) == zs.state_bytes_per_device(
+        one_axis.opt_state
+    )
+
+
+def test_hierarchical_collective_bytes_per_axis(rng):
+    """Reduce-scatter and all-gather of whole leaves within "data"; across "replica"
+    only an all-reduce of each device's 1/4 pieces (and scalars)."""
+    params = awkward_params(rng)
+    mesh = hsdp_mesh()
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh)
+    hlo = step.lower(state, batches(rng, 1)[0]).compile().as_text()
+    kinds = zs.summarize(zs.collectives(hlo, mesh=mesh), per_axis=True)
+    leaves = jax.tree.leaves(params)
+    piece_bytes = sum(4 * -(-x.size // 4) for x in leaves)
+    assert kinds["reduce-scatter over data"]["count"] == len(leaves)
+    assert kinds["reduce-scatter over data"]["bytes"] == piece_bytes
+    assert kinds["all-gather over data"]["count"] == len(leaves)
+    assert kinds["all-gather over data"]["bytes"] == sum(4 * 4 * -(-x.size // 4) for x in leaves)
+    assert kinds["all-reduce over replica"]["bytes"] == piece_bytes  # 1/4 of the gradient
+    assert kinds["all-reduce over replica"]["ring_bytes"] == piece_bytes  # 2(r-1)/r, r = 2
+    assert {k for k in kinds if "replica" in k} == {
+        "all-reduce over replica",
+        "all-reduce over replica+data",  # the scalar loss
+    }
+    assert kinds["all-reduce over replica+data"]["bytes"] == 4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_other_mesh_axis_is_left_alone(stage, rng):
+    """A ("data", "model") mesh with an Auto model axis: zeroshard shards over "data"
+    and keeps everything replicated over "model"; the result is plain optax's."""
+    params, data = awkward_params(rng), batches(rng, 3)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    inner = optax.sgd(0.1)
+    tx = zs.sharded(inner, axis_name="data")
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+
+    def loss_fn(p, batch):
+        return awkward_loss(zs.gather(p) if stage == 3 else p, batch)
+
+    step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+    for batch in data:
+        state, _ = step(state, batch)
+    params_out = state.params if stage < 3 else zs.to_optax_state(state, tx)[0]
+    assert_trees_close(params_out, reference_run(awkward_loss, inner, params, data), 1e-5)
+
+
+def test_explicit_other_axis_works_or_is_refused_clearly(rng):
+    """jax 0.12.0.1 cannot lower a reduce-scatter next to another Explicit axis
+    (DESIGN.md pitfall 4): the step says so and how to fix it; elsewhere it trains."""
+    params, data = awkward_params(rng), batches(rng, 1)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))  # both Explicit
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    state = zs.init_train_state(params, tx, mesh)
+    try:
+        step = zs.make_train_step(awkward_loss, tx, mesh)
+    except ValueError as e:
+        assert "AxisType.Auto" in str(e) and "'model'" in str(e)
+        return
+    state, _ = step(state, data[0])
+    assert_trees_close(
+        state.params, reference_run(awkward_loss, optax.sgd(0.1), params, data), 1e-5
+    )
+
+
+def test_replica_axis_errors(rng):
+    with pytest.raises(ValueError, match="must differ"):
+        zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="data")
+    with pytest.raises(TypeError, match="replica_axis must be a mesh axis name"):
+        zs.sharded(optax.sgd(0.1), replica_axis=3)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="hosts")
+    with pytest.raises(ValueError, match="no such axis"):
+        zs.make_train_step(awkward_loss, tx, hsdp_mesh())
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
+    mesh = hsdp_mesh()
+    state = zs.init_train_state(awkward_params(rng), tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh)
+    with pytest.raises(
+        ValueError, match=r"divisible by the 8 devices of axes \('replica', 'data'\)"
+    ):
+        step(state, batches(rng, 1, size=12)[0])
+    np.testing.assert_equal(int(state.step), 0)

@@ -1,0 +1,134 @@
+"""A non-finite gradient on one device: every device skips the step, agreed."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    assert_trees_close,
+    awkward_loss,
+    awkward_params,
+    batches,
+    make_mesh,
+    reference_run,
+)
+
+import zeroshard as zs
+
+SETUPS = {
+    "data-8": (lambda: make_mesh(8), None, 1),
+    "data-8-stage3": (lambda: make_mesh(8), None, 3),
+    "replica-2-data-4": (lambda: jax.make_mesh((2, 4), ("replica", "data")), "replica", 1),
+}
+
+
+def poison(batch: dict, row: int, value: float) -> dict:
+    """``batch`` with one bad element in row ``row`` (a row only one device gets)."""
+    bad = {k: np.array(v) for k, v in batch.items()}
+    bad["x" if np.isnan(value) else "y"][row, 0] = value
+    return bad
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_replicas_identical(tree) -> None:
+    """Every device's copy of every replicated leaf is bitwise the same."""
+    for leaf in jax.tree.leaves(tree):
+        if leaf.sharding.is_fully_replicated:
+            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+            for s in shards[1:]:
+                np.testing.assert_array_equal(s, shards[0])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_a_bad_gradient_on_one_device_skips_the_step_everywhere(setup, bad, rng):
+    make, replica_axis, stage = SETUPS[setup]
+    mesh = make()
+    params, data = awkward_params(rng), batches(rng, 4)
+    inner = optax.adamw(1e-2)
+    tx = zs.sharded(inner, axis_name="data", replica_axis=replica_axis)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+
+    def loss_fn(p, batch):
+        return awkward_loss(zs.gather(p) if stage == 3 else p, batch)
+
+    step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+    state, _ = step(state, data[0])
+    before = host(state)
+    # Rows 10-11 of 16 go to device 5 only (device (1, 1) of the 2 x 4 mesh).
+    state, metrics = step(state, poison(data[1], 10, bad))
+    assert not np.isfinite(float(metrics["grad_norm"]))
+    assert int(state.opt_state.skipped) == 1
+    assert int(state.step) == 2  # the step counter counts batches consumed
+    after = host(state)
+    for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(
+        jax.tree.leaves(after.opt_state.inner_state),
+        jax.tree.leaves(before.opt_state.inner_state),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert_replicas_identical(state)
+    # Training then continues as if the bad batch had never come.
+    for batch in data[2:]:
+        state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["grad_norm"]))
+    assert int(state.opt_state.skipped) == 1
+    clean = [data[0], *data[2:]]
+    expected = reference_run(awkward_loss, inner, params, clean)
+    final = state.params if stage < 3 else zs.to_optax_state(state, tx)[0]
+    assert_trees_close(final, expected, 1e-5)
+
+
+def test_without_skipping_the_nan_reaches_the_weights(rng):
+    mesh, params, data = make_mesh(8), awkward_params(rng), batches(rng, 1)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", skip_nonfinite=False)
+    state = zs.init_train_state(params, tx, mesh)
+    state, _ = zs.make_train_step(awkward_loss, tx, mesh)(state, poison(data[0], 10, np.nan))
+    assert int(state.opt_state.skipped) == 0
+    assert np.isnan(np.asarray(state.params["dense"]["w"])).all()
+
+
+def test_skip_count_survives_a_checkpoint(rng, tmp_path):
+    mesh, params, data = make_mesh(8), awkward_params(rng), batches(rng, 1)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    state = zs.init_train_state(params, tx, mesh)
+    state, _ = zs.make_train_step(awkward_loss, tx, mesh)(state, poison(data[0], 3, np.nan))
+    with zs.CheckpointManager(tmp_path / "ckpt", tx) as ckpt:
+        ckpt.save(state)
+        ckpt.wait_until_finished()
+        assert ckpt.metadata()["skipped_steps"] == 1
+        restored = ckpt.restore(make_mesh(4), params)
+    assert int(restored.opt_state.skipped) == 1
+
+
+def test_skipping_in_a_hand_written_shard_map_loop(rng):
+    """tx.update alone (inside a user's shard_map) skips too: zero updates."""
+    mesh, params, data = make_mesh(8), awkward_params(rng), batches(rng, 1)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    specs = tx.state_specs(params, 8)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+
+    def step(p, opt_state, batch):
+        grads = jax.grad(awkward_loss)(jax.lax.pcast(p, "data", to="varying"), batch)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    step = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(jax.P(), specs, jax.P("data")),
+            out_specs=(jax.P(), specs),
+        )
+    )
+    batch = jax.device_put(poison(data[0], 10, np.nan), jax.NamedSharding(mesh, jax.P("data")))
+    new, opt_state = step(params, opt_state, batch)
+    assert int(opt_state.skipped) == 1
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
