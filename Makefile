@@ -25,12 +25,12 @@ test: venv
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check zeroshard tests benchmarks
-	$(BIN)/ruff format --check zeroshard tests benchmarks
+	$(BIN)/ruff check zeroshard tests benchmarks examples
+	$(BIN)/ruff format --check zeroshard tests benchmarks examples
 
 format: venv
-	$(BIN)/ruff format zeroshard tests benchmarks
-	$(BIN)/ruff check --fix zeroshard tests benchmarks
+	$(BIN)/ruff format zeroshard tests benchmarks examples
+	$(BIN)/ruff check --fix zeroshard tests benchmarks examples
 
 clean:
 	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info
