@@ -47,7 +47,18 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation, init_local
-from zeroshard.train_step import _check_batch, _check_setup, step_metrics
+from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup, step_metrics
+
+
+def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
+    _check_setup(tx, mesh, axis_name)
+    if tx.replica_axis is not None:
+        raise ValueError(
+            "the Flax steps shard over one axis; for hierarchical sharding "
+            f"(replica_axis={tx.replica_axis!r}) use zs.make_train_step with the params "
+            "from nnx.split / the Linen variables."
+        )
+    _check_other_axes(mesh, (axis_name,))
 
 
 def _replicated_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -85,7 +96,7 @@ def nnx_optimizer(
     Returns:
       ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
     """
-    _check_setup(tx, mesh, axis_name)
+    _check_flax_setup(tx, mesh, axis_name)
     nnx.update(model, _replicated_copy(nnx.state(model), mesh, axis_name))
     with jax.set_mesh(mesh):
         return nnx.Optimizer(model, tx, wrt=wrt)
@@ -196,7 +207,7 @@ def linen_train_state(
     Returns:
       A Flax ``TrainState``: params replicated, ``opt_state`` 1/N per device.
     """
-    _check_setup(tx, mesh, axis_name)
+    _check_flax_setup(tx, mesh, axis_name)
 
     def local(master: PyTree) -> linen_train_state_lib.TrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
@@ -247,7 +258,7 @@ def linen_train_step(
     Returns:
       ``train_step(state, batch) -> (state, metrics)``.
     """
-    _check_setup(tx, mesh, axis_name)
+    _check_flax_setup(tx, mesh, axis_name)
     num_shards = mesh.shape[axis_name]
 
     def local(state, batch):
