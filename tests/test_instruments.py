@@ -83,21 +83,23 @@ def large(found):
     return [c for c in found if c.result_bytes > 64]
 
 
-def test_collectives_of_the_compiled_step(rng):
+@pytest.mark.parametrize("pack_bytes", [1 << 20, 0])
+def test_collectives_of_the_compiled_step(pack_bytes, rng):
     n = 8
     params, mesh = mlp_params(rng), make_mesh(n)
     batch = {
         "x": jnp.asarray(rng.normal(size=(16, 7)), jnp.float32),
         "y": jnp.asarray(rng.normal(size=(16, 5)), jnp.float32),
     }
-    tx = zs.sharded(optax.adam(1e-3), axis_name="data")
+    tx = zs.sharded(optax.adam(1e-3), axis_name="data", pack_bytes=pack_bytes)
     state = zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(mlp_loss, tx, mesh)
     found = zs.collectives(step.lower(state, batch).compile().as_text())
     kinds = zs.summarize(found)
-    leaves = len(jax.tree.leaves(params))
-    assert kinds["reduce-scatter"]["count"] == leaves  # one per leaf, none packed
-    assert kinds["all-gather"]["count"] == leaves
+    # Every leaf is small: packed into one collective each way, or one per leaf.
+    expected = 1 if pack_bytes else len(jax.tree.leaves(params))
+    assert kinds["reduce-scatter"]["count"] == expected
+    assert kinds["all-gather"]["count"] == expected
     assert all(c.kind != "all-reduce" for c in large(found)), found  # scalars only
     assert all(c.result_bytes <= 16 for c in found if c.kind == "all-reduce")
 
@@ -121,19 +123,21 @@ def test_collective_dtypes_on_the_lowered_program(reduce_dtype, expected_rs, rng
     step = zs.make_train_step(mlp_loss, tx, mesh)
     batch = {"x": jnp.ones((8, 7)), "y": jnp.ones((8, 5))}
     dtypes = zs.collective_dtypes(step.lower(state, batch).as_text())
-    leaves = len(jax.tree.leaves(params))
-    assert [d for k, d in dtypes if k == "reduce-scatter"] == [expected_rs] * leaves
-    assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"] * leaves  # compute dtype
+    assert [d for k, d in dtypes if k == "reduce-scatter"] == [expected_rs]  # one, packed
+    assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"]  # compute dtype
 
 
-def test_mixed_dtypes_each_leaf_on_the_wire_in_its_own_dtype(rng):
+@pytest.mark.parametrize("pack_bytes", [1 << 20, 0])
+def test_mixed_dtypes_each_leaf_on_the_wire_in_its_own_dtype(pack_bytes, rng):
     params, mesh = awkward_params(rng, small_dtype=jnp.bfloat16), make_mesh(8)
-    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", pack_bytes=pack_bytes)
     state = zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(awkward_loss, tx, mesh)
     dtypes = zs.collective_dtypes(step.lower(state, batches(rng, 1)[0]).as_text())
     names = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}
-    expected = sorted(names[jnp.dtype(x.dtype)] for x in jax.tree.leaves(params))
+    per_leaf = sorted(names[jnp.dtype(x.dtype)] for x in jax.tree.leaves(params))
+    # All leaves are small: one collective per dtype when packed, else one per leaf.
+    expected = ["bf16", "f32"] if pack_bytes else per_leaf
     assert sorted(d for k, d in dtypes if k == "reduce-scatter") == expected
     assert sorted(d for k, d in dtypes if k == "all-gather") == expected
 

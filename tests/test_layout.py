@@ -46,6 +46,27 @@ def test_pieces_rows_split_join_and_padding(n, rng):
             np.testing.assert_array_equal(a, b)
 
 
+def test_groups_pack_small_leaves_per_dtype_and_leave_large_ones_alone():
+    t = {
+        "a": jnp.zeros(300, jnp.float32),  # 1,200 B
+        "b": jnp.zeros(10, jnp.float32),
+        "c": jnp.zeros(700, jnp.bfloat16),  # 1,400 B
+        "d": jnp.zeros(200, jnp.float32),  # 800 B
+        "e": jnp.zeros(3, jnp.bfloat16),
+    }
+    layout = Layout.from_tree(t, 4)
+    names = [s.path for s in layout.slots]
+    named = lambda groups: [[names[i] for i in g] for g in groups]
+    assert named(layout.groups(1000)) == [["['b']", "['d']"], ["['a']"], ["['e']"], ["['c']"]]
+    assert named(layout.groups(0)) == [[n] for n in ("['a']", "['b']", "['d']", "['c']", "['e']")]
+    assert named(layout.groups(1 << 20)) == [["['a']", "['b']", "['d']"], ["['c']", "['e']"]]
+    for groups in (layout.groups(1000), layout.groups(0)):
+        for g in groups:
+            cols = layout.columns(g)
+            assert [c[0] for c in cols] == list(g) and cols[0][1] == 0
+            assert [c[2] - c[1] for c in cols] == [layout.slots[i].piece_size for i in g]
+
+
 def test_layout_is_static_and_hashable(rng):
     t = tree(rng)
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)

@@ -5,28 +5,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from zeroshard.layout import Layout, PyTree
 
 
-def all_gather_params(pieces: Sequence[jax.Array], layout: Layout, axis_name: str) -> PyTree:
+def all_gather_params(
+    pieces: Sequence[jax.Array], layout: Layout, axis_name: str, pack_bytes: int = 0
+) -> PyTree:
     """Gathers every device's pieces into full, replicated parameters.
 
-    One ``all_gather`` per leaf, in the leaf's (compute) dtype: the gathered pieces are
-    the leaf itself (a reshape, plus a slice where the leaf was padded), so nothing is
-    copied out of a packed buffer. XLA's collective combiners (GPU, TPU) merge small
-    gathers again.
+    In the parameters' (compute) dtypes, with the collectives of
+    :func:`zeroshard.reduce_scatter.reduce_scatter_leaves`: one ``all_gather`` per leaf
+    of ``pack_bytes`` or more, whose result is the leaf itself (a reshape, plus a
+    slice where the leaf was padded), and one per dtype for the smaller leaves.
 
     Args:
       pieces: this device's 1-D piece of each leaf (any dtype; cast to the leaf's).
       layout: the parameters' layout.
-      axis_name: the mesh axis the rows are spread over.
+      axis_name: the mesh axis the pieces are spread over.
+      pack_bytes: leaves smaller than this share one collective per dtype.
 
     Returns:
       The full parameter tree, invariant over ``axis_name`` (usable with ``P()``).
     """
-    leaves = []
-    for piece, s in zip(pieces, layout.slots, strict=True):
-        full = jax.lax.all_gather(piece.astype(s.dtype), axis_name, tiled=True, to="invarying")
-        leaves.append(full[: s.size].reshape(s.shape))
+    leaves: list[jax.Array] = [None] * len(layout.slots)
+    for group in layout.groups(pack_bytes):
+        own = [pieces[i].astype(layout.slots[i].dtype) for i in group]
+        row = own[0] if len(own) == 1 else jnp.concatenate(own)
+        full = jax.lax.all_gather(row, axis_name, tiled=False, to="invarying")  # (N, row)
+        for i, start, stop in layout.columns(group):
+            s = layout.slots[i]
+            leaves[i] = full[:, start:stop].reshape(-1)[: s.size].reshape(s.shape)
     return layout.treedef.unflatten(leaves)

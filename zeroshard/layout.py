@@ -4,8 +4,8 @@ Every floating-point leaf is raveled, padded to a multiple of ``num_shards`` and
 into ``num_shards`` equal contiguous pieces; device ``d`` owns piece ``d`` of every
 leaf. Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end,
 are that device's *row* of the bucket (how the master weights are stored). The
-collectives of a step move each leaf's pieces directly (one per leaf), so no
-gradient or weight is copied into or out of a packed buffer.
+collectives of a step move a large leaf's pieces directly, with no copy into or out
+of a packed buffer; small leaves of one dtype share one collective (:meth:`groups`).
 
 Owning a piece of every leaf (rather than a contiguous run of a single raveled
 buffer) keeps the tree structure visible to the inner optimizer: it sees a pytree
@@ -127,6 +127,24 @@ class Layout:
             Bucket(d, tuple(m), o) for d, m, o in zip(dtypes, members, offsets, strict=True)
         )
         return cls(treedef, tuple(slots), buckets, num_shards)
+
+    def groups(self, pack_bytes: int) -> tuple[tuple[int, ...], ...]:
+        """The leaves that share one collective: per bucket, every leaf smaller than
+        ``pack_bytes`` packed together, and each larger leaf on its own."""
+        groups = []
+        for b in self.buckets:
+            small = tuple(i for i in b.slots if self.slots[i].size * b.dtype.itemsize < pack_bytes)
+            groups += [small] if small else []
+            groups += [(i,) for i in b.slots if i not in small]
+        return tuple(groups)
+
+    def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """``(leaf, start, stop)`` of each leaf's piece in a group's packed row."""
+        out, start = [], 0
+        for i in group:
+            out.append((i, start, start + self.slots[i].piece_size))
+            start += self.slots[i].piece_size
+        return out
 
     def piece_shape(self, slot: Slot) -> tuple[int, ...]:
         """Shape of one device's piece of ``slot``: the leaf's rank, ones then the piece."""

@@ -71,8 +71,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     """The transformation :func:`sharded` returns: an optax one that also knows its axis.
 
     Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
-    ``replica_axis``, ``master_dtype``, ``reduce_dtype`` and ``skip_nonfinite`` as given
-    to :func:`sharded`.
+    ``replica_axis``, ``master_dtype``, ``reduce_dtype``, ``skip_nonfinite`` and
+    ``pack_bytes`` as given to :func:`sharded`.
     """
 
     @property
@@ -250,7 +250,7 @@ def reduce_scatter_pieces(tx: ShardedTransformation, plan: Plan, grads: PyTree) 
     the pieces are then averaged over it (an all-reduce of 1/N of the gradient).
     """
     plan.layout.check_matches(grads, "gradients")
-    pieces = reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype)
+    pieces = reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype, tx.pack_bytes)
     return plan.to_inner(mean_over_replicas(tx, pieces))
 
 
@@ -342,7 +342,7 @@ def apply_update(
     own = plan.layout.pieces(params, jax.lax.axis_index(tx.axis_name))
     pieces = master_pieces(plan, state, own)
     new, state = update_pieces(tx, plan, grad_pieces, state, pieces, **extra_args)
-    return all_gather_params(new, plan.layout, tx.axis_name), state
+    return all_gather_params(new, plan.layout, tx.axis_name, tx.pack_bytes), state
 
 
 def sharded(
@@ -353,12 +353,14 @@ def sharded(
     reduce_dtype: Any = None,
     replica_axis: str | None = None,
     skip_nonfinite: bool = True,
+    pack_bytes: int = 1 << 20,
 ) -> ShardedTransformation:
     """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
 
     ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
     ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
-    gradients, one collective per leaf, runs ``inner`` on this device's slice
+    gradients (one collective per large leaf, one per dtype for the small ones; see
+    ``pack_bytes``), runs ``inner`` on this device's slice
     only, and all-gathers the new weights in the parameters' dtype. The returned
     updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
     gathered weights (exactly whenever each new weight lies within a factor two of the
@@ -390,6 +392,10 @@ def sharded(
         the mean): the state, master and weights stay as they were and
         ``state.skipped`` counts the step. The decision rides on the gradient-norm
         all-reduce, so all devices agree. ``False`` applies every update.
+      pack_bytes: each leaf of at least this many bytes has its own reduce-scatter and
+        all-gather, with no copy into or out of a packed buffer; smaller leaves of
+        one dtype share one, so they do not each pay a collective's fixed cost.
+        ``0``: one collective per leaf.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -433,6 +439,8 @@ def sharded(
             f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
             "sharded over axis_name and replicated over replica_axis."
         )
+    if not isinstance(pack_bytes, int) or pack_bytes < 0:
+        raise ValueError(f"pack_bytes must be a non-negative int, got {pack_bytes!r}.")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: PyTree) -> ShardedState:
@@ -451,5 +459,6 @@ def sharded(
     tx.reduce_dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
     tx.replica_axis = replica_axis
     tx.skip_nonfinite = bool(skip_nonfinite)
+    tx.pack_bytes = int(pack_bytes)
     tx._plans = {}
     return tx

@@ -11,45 +11,53 @@ from zeroshard.layout import Layout, PyTree
 
 
 def reduce_scatter_grads(
-    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None
+    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None, pack_bytes: int = 0
 ) -> tuple[jax.Array, ...]:
     """Averages local gradients over ``axis_name``, keeping only this device's row.
 
-    One ``psum_scatter`` per leaf (see :func:`reduce_scatter_leaves`); the pieces are
-    laid end to end into one row per dtype bucket. Padding elements are zero, so they
-    stay zero.
+    The collectives are those of :func:`reduce_scatter_leaves`; the pieces are laid
+    end to end into one row per dtype bucket. Padding elements are zero, so they stay
+    zero.
 
     Args:
       grads: this device's local, unreduced gradients (the parameters' tree).
       layout: the parameters' layout.
       axis_name: the mesh axis the batch is split over.
       reduce_dtype: dtype the collective runs in; ``None`` keeps each leaf's dtype.
+      pack_bytes: leaves smaller than this share one collective per dtype.
 
     Returns:
       One ``(row_size,)`` array per bucket: this device's slice of the mean gradient,
       in ``reduce_dtype`` (or the bucket's dtype).
     """
-    pieces = reduce_scatter_leaves(grads, layout, axis_name, reduce_dtype)
-    return tuple(jnp.concatenate([pieces[i] for i in b.slots]) for b in layout.buckets)
+    return layout.rows(reduce_scatter_leaves(grads, layout, axis_name, reduce_dtype, pack_bytes))
 
 
 def reduce_scatter_leaves(
-    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None
+    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None, pack_bytes: int = 0
 ) -> list[jax.Array]:
-    """This device's piece of each leaf's mean gradient, one ``psum_scatter`` per leaf.
+    """This device's piece of each leaf's mean gradient.
 
-    A collective per leaf needs no copy of the gradients into a packed buffer, and
-    each can start as soon as backward has produced its leaf, overlapping the rest of
-    backward. XLA's collective combiners (GPU, TPU) merge small ones again.
+    One ``psum_scatter`` per leaf of ``pack_bytes`` or more: it needs no copy of the
+    gradient into a packed buffer, and can start as soon as backward has produced the
+    leaf, overlapping the rest of backward. Smaller leaves of one dtype are packed
+    into one ``psum_scatter``, so a model's many biases and norms do not pay a
+    collective's fixed cost each (see :meth:`Layout.groups`).
 
     Returns:
       One 1-D piece per leaf, in ``reduce_dtype`` or the gradient's dtype.
     """
-    pieces = []
-    for leaf, s in zip(layout.treedef.flatten_up_to(grads), layout.slots, strict=True):
-        flat = jnp.ravel(leaf).astype(reduce_dtype or leaf.dtype)
-        flat = jnp.pad(flat, (0, layout.num_shards * s.piece_size - s.size))
-        block = flat.reshape(layout.num_shards, s.piece_size)
-        summed = jax.lax.psum_scatter(block, axis_name, scatter_dimension=0, tiled=True)
-        pieces.append(summed[0] / layout.num_shards)
+    leaves = layout.treedef.flatten_up_to(grads)
+    n = layout.num_shards
+    pieces: list[jax.Array] = [None] * len(leaves)
+    for group in layout.groups(pack_bytes):
+        blocks = []
+        for i in group:
+            s = layout.slots[i]
+            flat = jnp.ravel(leaves[i]).astype(reduce_dtype or leaves[i].dtype)
+            blocks.append(jnp.pad(flat, (0, n * s.piece_size - s.size)).reshape(n, s.piece_size))
+        matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+        row = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)[0] / n
+        for i, start, stop in layout.columns(group):
+            pieces[i] = row[start:stop]
     return pieces

@@ -280,7 +280,7 @@ class TrainStep:
         if stage == 3:
             params = to_shards(plan.layout, new)
         else:
-            params = all_gather_params(new, plan.layout, axis)
+            params = all_gather_params(new, plan.layout, axis, tx.pack_bytes)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -293,7 +293,10 @@ class TrainStep:
         """
         if self.stage == 3:
             return [jnp.ravel(g.piece) / plan.layout.num_shards for g in _shards(grads)]
-        return reduce_scatter_leaves(grads, plan.layout, self.axis_name, self.tx.reduce_dtype)
+        tx = self.tx
+        return reduce_scatter_leaves(
+            grads, plan.layout, tx.axis_name, tx.reduce_dtype, tx.pack_bytes
+        )
 
     def _accumulate(self, value_and_grad, params, batch, plan):
         """Mean loss and gradient pieces over ``accum_steps`` micro-batches (a scan).
