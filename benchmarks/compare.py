@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
+    )
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -117,7 +120,8 @@ def main() -> None:
             (copy(params), opt),
             lambda s: s[1],
         )
-        tx = zs.sharded(inner, axis_name="data")
+        pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+        tx = zs.sharded(inner, axis_name="data", **pack)
         for stage in (1, 2, 3):
             step = zs.make_train_step(make_loss(stage), tx, mesh, stage=stage)
             out[f"zeroshard-{stage}"] = (

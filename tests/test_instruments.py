@@ -83,7 +83,7 @@ def large(found):
     return [c for c in found if c.result_bytes > 64]
 
 
-@pytest.mark.parametrize("pack_bytes", [1 << 20, 0])
+@pytest.mark.parametrize("pack_bytes", [1 << 18, 0])
 def test_collectives_of_the_compiled_step(pack_bytes, rng):
     n = 8
     params, mesh = mlp_params(rng), make_mesh(n)
@@ -127,7 +127,7 @@ def test_collective_dtypes_on_the_lowered_program(reduce_dtype, expected_rs, rng
     assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"]  # compute dtype
 
 
-@pytest.mark.parametrize("pack_bytes", [1 << 20, 0])
+@pytest.mark.parametrize("pack_bytes", [1 << 18, 0])
 def test_mixed_dtypes_each_leaf_on_the_wire_in_its_own_dtype(pack_bytes, rng):
     params, mesh = awkward_params(rng, small_dtype=jnp.bfloat16), make_mesh(8)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data", pack_bytes=pack_bytes)

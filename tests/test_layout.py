@@ -46,7 +46,7 @@ def test_pieces_rows_split_join_and_padding(n, rng):
             np.testing.assert_array_equal(a, b)
 
 
-def test_groups_pack_small_leaves_per_dtype_and_leave_large_ones_alone():
+def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():
     t = {
         "a": jnp.zeros(300, jnp.float32),  # 1,200 B
         "b": jnp.zeros(10, jnp.float32),
@@ -58,6 +58,7 @@ def test_groups_pack_small_leaves_per_dtype_and_leave_large_ones_alone():
     names = [s.path for s in layout.slots]
     named = lambda groups: [[names[i] for i in g] for g in groups]
     assert named(layout.groups(1000)) == [["['b']", "['d']"], ["['a']"], ["['e']"], ["['c']"]]
+    assert named(layout.groups(820)) == [["['b']"], ["['d']"], ["['a']"], ["['e']"], ["['c']"]]
     assert named(layout.groups(0)) == [[n] for n in ("['a']", "['b']", "['d']", "['c']", "['e']")]
     assert named(layout.groups(1 << 20)) == [["['a']", "['b']", "['d']"], ["['c']", "['e']"]]
     for groups in (layout.groups(1000), layout.groups(0)):

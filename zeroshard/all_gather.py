@@ -18,7 +18,7 @@ def all_gather_params(
     In the parameters' (compute) dtypes, with the collectives of
     :func:`zeroshard.reduce_scatter.reduce_scatter_leaves`: one ``all_gather`` per leaf
     of ``pack_bytes`` or more, whose result is the leaf itself (a reshape, plus a
-    slice where the leaf was padded), and one per dtype for the smaller leaves.
+    slice where the leaf was padded), and one per packed group of smaller leaves.
 
     Args:
       pieces: this device's 1-D piece of each leaf (any dtype; cast to the leaf's).

@@ -5,7 +5,7 @@ into ``num_shards`` equal contiguous pieces; device ``d`` owns piece ``d`` of ev
 leaf. Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end,
 are that device's *row* of the bucket (how the master weights are stored). The
 collectives of a step move a large leaf's pieces directly, with no copy into or out
-of a packed buffer; small leaves of one dtype share one collective (:meth:`groups`).
+of a packed buffer; small leaves of one dtype are packed together (:meth:`groups`).
 
 Owning a piece of every leaf (rather than a contiguous run of a single raveled
 buffer) keeps the tree structure visible to the inner optimizer: it sees a pytree
@@ -129,13 +129,20 @@ class Layout:
         return cls(treedef, tuple(slots), buckets, num_shards)
 
     def groups(self, pack_bytes: int) -> tuple[tuple[int, ...], ...]:
-        """The leaves that share one collective: per bucket, every leaf smaller than
-        ``pack_bytes`` packed together, and each larger leaf on its own."""
+        """The leaves that share one collective: each leaf of at least ``pack_bytes``
+        alone, and the smaller leaves of each dtype packed together, in leaf order, into
+        groups of at most ``pack_bytes`` (so no packed copy is larger)."""
         groups = []
         for b in self.buckets:
-            small = tuple(i for i in b.slots if self.slots[i].size * b.dtype.itemsize < pack_bytes)
-            groups += [small] if small else []
-            groups += [(i,) for i in b.slots if i not in small]
+            nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in b.slots}
+            run: list[int] = []
+            for i in (i for i in b.slots if nbytes[i] < pack_bytes):
+                if run and sum(nbytes[j] for j in run) + nbytes[i] > pack_bytes:
+                    groups.append(tuple(run))
+                    run = []
+                run.append(i)
+            groups += [tuple(run)] if run else []
+            groups += [(i,) for i in b.slots if nbytes[i] >= pack_bytes]
         return tuple(groups)
 
     def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:

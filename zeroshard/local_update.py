@@ -353,7 +353,7 @@ def sharded(
     reduce_dtype: Any = None,
     replica_axis: str | None = None,
     skip_nonfinite: bool = True,
-    pack_bytes: int = 1 << 20,
+    pack_bytes: int = 1 << 18,
 ) -> ShardedTransformation:
     """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
 
@@ -394,8 +394,8 @@ def sharded(
         all-reduce, so all devices agree. ``False`` applies every update.
       pack_bytes: each leaf of at least this many bytes has its own reduce-scatter and
         all-gather, with no copy into or out of a packed buffer; smaller leaves of
-        one dtype share one, so they do not each pay a collective's fixed cost.
-        ``0``: one collective per leaf.
+        one dtype are packed together, up to ``pack_bytes`` per collective, so they
+        do not each pay a collective's fixed cost. ``0``: one collective per leaf.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).

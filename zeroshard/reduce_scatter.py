@@ -41,8 +41,8 @@ def reduce_scatter_leaves(
     One ``psum_scatter`` per leaf of ``pack_bytes`` or more: it needs no copy of the
     gradient into a packed buffer, and can start as soon as backward has produced the
     leaf, overlapping the rest of backward. Smaller leaves of one dtype are packed
-    into one ``psum_scatter``, so a model's many biases and norms do not pay a
-    collective's fixed cost each (see :meth:`Layout.groups`).
+    together, up to ``pack_bytes`` per ``psum_scatter``, so a model's many biases and
+    norms do not pay a collective's fixed cost each (see :meth:`Layout.groups`).
 
     Returns:
       One 1-D piece per leaf, in ``reduce_dtype`` or the gradient's dtype.
