@@ -24,7 +24,8 @@ def all_gather_params(
       pieces: this device's 1-D piece of each leaf (any dtype; cast to the leaf's).
       layout: the parameters' layout.
       axis_name: the mesh axis the pieces are spread over.
-      pack_bytes: leaves smaller than this share one collective per dtype.
+      pack_bytes: leaves smaller than this are packed per dtype, up to this many
+        bytes per collective.
 
     Returns:
       The full parameter tree, invariant over ``axis_name`` (usable with ``P()``).

@@ -24,7 +24,8 @@ def reduce_scatter_grads(
       layout: the parameters' layout.
       axis_name: the mesh axis the batch is split over.
       reduce_dtype: dtype the collective runs in; ``None`` keeps each leaf's dtype.
-      pack_bytes: leaves smaller than this share one collective per dtype.
+      pack_bytes: leaves smaller than this are packed per dtype, up to this many
+        bytes per collective.
 
     Returns:
       One ``(row_size,)`` array per bucket: this device's slice of the mean gradient,
