@@ -120,13 +120,16 @@ def test_nnx_step_rejects_an_indivisible_batch(rng):
         zf.nnx_train_step(nnx_loss, mesh, axis_name="model")
 
 
-def test_flax_steps_refuse_a_replica_axis():
+def test_flax_steps_refuse_a_replica_axis_and_loss_scaling():
     mesh = jax.make_mesh((2, 4), ("replica", "data"))
     tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
-    with pytest.raises(ValueError, match="use zs.make_train_step"):
+    with pytest.raises(ValueError, match=r"replica_axis=\.\.\.\); use zs.make_train_step"):
         zf.nnx_optimizer(NNXModel(nnx.Rngs(0)), tx, mesh)
     with pytest.raises(ValueError, match="use zs.make_train_step"):
         zf.linen_train_step(lambda p, b: 0.0, tx, mesh)
+    tx = zs.sharded(optax.sgd(0.1), loss_scale=zs.DynamicLossScale())
+    with pytest.raises(ValueError, match=r"loss_scale=\.\.\.\); use zs.make_train_step"):
+        zf.nnx_optimizer(NNXModel(nnx.Rngs(0)), tx, make_mesh(8))
 
 
 # Stage 3: Flax layers that gather their own weights.

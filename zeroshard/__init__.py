@@ -21,6 +21,7 @@ from zeroshard.instruments import (
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
+from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.planner import MemoryEstimate, estimate_memory
 from zeroshard.reduce_scatter import reduce_scatter_grads
 from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
@@ -31,7 +32,9 @@ __all__ = [
     "CheckpointManager",
     "ClipByGlobalNormState",
     "Collective",
+    "DynamicLossScale",
     "Layout",
+    "LossScaleState",
     "MemoryEstimate",
     "NotElementwiseError",
     "Shard",

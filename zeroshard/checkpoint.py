@@ -12,7 +12,7 @@ On disk a step holds two orbax items:
   :mod:`zeroshard.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape, the count of skipped
-  non-finite steps), readable without loading
+  non-finite steps, the loss scale), readable without loading
   arrays: ``python -m zeroshard inspect DIR``.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
@@ -42,6 +42,7 @@ from zeroshard.logical import (
     logical_spec,
     to_optax_state,
 )
+from zeroshard.loss_scale import LossScaleState
 from zeroshard.train_step import TrainState, _check_setup
 
 STATE_ITEM = "state"
@@ -184,6 +185,7 @@ class CheckpointManager:
             )
         params, opt_state = to_optax_state(state, tx)
         mesh = _mesh_of(state)
+        scale = state.opt_state.loss_scale
         metadata = {
             "format": FORMAT,
             "zeroshard_version": _version(),
@@ -192,6 +194,7 @@ class CheckpointManager:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "step": step,
             "skipped_steps": int(state.opt_state.skipped),
+            "loss_scale": None if scale is None else [float(scale.scale), int(scale.good_steps)],
             "num_shards": mesh.shape[tx.axis_name],
             "axis_name": tx.axis_name,
             "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
@@ -296,6 +299,7 @@ class CheckpointManager:
             step=restored["step"],
             stage=stage,
             skipped=saved.get("skipped_steps", 0),
+            loss_scale=_loss_scale(saved.get("loss_scale")) if tx.loss_scale else None,
         )
 
     def wait_until_finished(self) -> None:
@@ -314,6 +318,13 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _loss_scale(saved: list | None) -> LossScaleState | None:
+    """The loss scale's state from its metadata record (``[scale, good_steps]``)."""
+    if saved is None:
+        return None
+    return LossScaleState(jnp.float32(saved[0]), jnp.int32(saved[1]))
 
 
 def _version() -> str:

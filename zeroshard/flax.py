@@ -52,12 +52,12 @@ from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup, 
 
 def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
     _check_setup(tx, mesh, axis_name)
-    if tx.replica_axis is not None:
-        raise ValueError(
-            "the Flax steps shard over one axis; for hierarchical sharding "
-            f"(replica_axis={tx.replica_axis!r}) use zs.make_train_step with the params "
-            "from nnx.split / the Linen variables."
-        )
+    for option, value in (("replica_axis", tx.replica_axis), ("loss_scale", tx.loss_scale)):
+        if value is not None:
+            raise ValueError(
+                f"the Flax steps do not support zs.sharded(..., {option}=...); use "
+                "zs.make_train_step with the params from nnx.split / the Linen variables."
+            )
     _check_other_axes(mesh, (axis_name,))
 
 

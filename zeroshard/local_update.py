@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.all_gather import all_gather_params
 from zeroshard.guard import check_elementwise
 from zeroshard.layout import Layout, PyTree
+from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.reduce_scatter import reduce_scatter_leaves
 
 
@@ -59,20 +60,22 @@ class ShardedState(NamedTuple):
         clipping (``nan`` or ``inf`` when that gradient was not finite).
       skipped: number of updates skipped because the mean gradient was not finite
         (int32; see ``skip_nonfinite`` in :func:`sharded`).
+      loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
     """
 
     inner_state: optax.OptState
     master: tuple[jax.Array | None, ...]
     grad_norm: jax.Array
     skipped: jax.Array
+    loss_scale: LossScaleState | None = None
 
 
 class ShardedTransformation(optax.GradientTransformationExtraArgs):
     """The transformation :func:`sharded` returns: an optax one that also knows its axis.
 
     Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
-    ``replica_axis``, ``master_dtype``, ``reduce_dtype``, ``skip_nonfinite`` and
-    ``pack_bytes`` as given to :func:`sharded`.
+    ``replica_axis``, ``master_dtype``, ``reduce_dtype``, ``skip_nonfinite``,
+    ``pack_bytes`` and ``loss_scale`` as given to :func:`sharded`.
     """
 
     @property
@@ -100,7 +103,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
             for leaf, sharded in zip(leaves, plan.state_sharded, strict=True)
         ]
         master = tuple(None if m is None else P(self.axis_name) for m in plan.master_dtypes)
-        return ShardedState(treedef.unflatten(specs), master, P(), P())
+        scale = None if self.loss_scale is None else LossScaleState(P(), P())
+        return ShardedState(treedef.unflatten(specs), master, P(), P(), scale)
 
 
 def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
@@ -190,7 +194,9 @@ def init_local(
         None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
     )
     inner_state = tx.inner.init(plan.layout.shaped(pieces))
-    return ShardedState(inner_state, master, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    scale = None if tx.loss_scale is None else tx.loss_scale.init()
+    zero = jnp.zeros((), jnp.float32)
+    return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale)
 
 
 def init_global(
@@ -297,6 +303,8 @@ def update_pieces(
       **extra_args: passed on to the inner ``update``.
     """
     layout = plan.layout
+    if tx.loss_scale is not None:  # the gradients are of the scaled loss
+        grad_pieces = [(g / state.loss_scale.scale).astype(g.dtype) for g in grad_pieces]
     updates, inner_state = tx.inner.update(
         layout.shaped(grad_pieces), state.inner_state, layout.shaped(pieces), **extra_args
     )
@@ -313,7 +321,8 @@ def update_pieces(
         skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
     rows = layout.rows(new) if any(m is not None for m in state.master) else None
     master = tuple(None if m is None else rows[b] for b, m in enumerate(state.master))
-    return new, ShardedState(inner_state, master, grad_norm, skipped)
+    scale = None if tx.loss_scale is None else tx.loss_scale.adjust(state.loss_scale, finite)
+    return new, ShardedState(inner_state, master, grad_norm, skipped, scale)
 
 
 def _norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
@@ -354,6 +363,7 @@ def sharded(
     replica_axis: str | None = None,
     skip_nonfinite: bool = True,
     pack_bytes: int = 1 << 18,
+    loss_scale: DynamicLossScale | None = None,
 ) -> ShardedTransformation:
     """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
 
@@ -396,6 +406,12 @@ def sharded(
         all-gather, with no copy into or out of a packed buffer; smaller leaves of
         one dtype are packed together, up to ``pack_bytes`` per collective, so they
         do not each pay a collective's fixed cost. ``0``: one collective per leaf.
+      loss_scale: dynamic loss scaling for fp16 compute (needs ``skip_nonfinite``):
+        :func:`zeroshard.make_train_step` multiplies the loss by
+        ``state.loss_scale.scale`` before differentiating, and the update divides the
+        gradients by it; a non-finite step halves it on every device, and
+        ``growth_interval`` finite steps double it. In a hand-written step, multiply
+        the loss by ``opt_state.loss_scale.scale`` yourself.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -439,6 +455,8 @@ def sharded(
             f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
             "sharded over axis_name and replicated over replica_axis."
         )
+    if loss_scale is not None:
+        _check_loss_scale(loss_scale, skip_nonfinite)
     if not isinstance(pack_bytes, int) or pack_bytes < 0:
         raise ValueError(f"pack_bytes must be a non-negative int, got {pack_bytes!r}.")
     inner = optax.with_extra_args_support(inner)
@@ -460,5 +478,24 @@ def sharded(
     tx.replica_axis = replica_axis
     tx.skip_nonfinite = bool(skip_nonfinite)
     tx.pack_bytes = int(pack_bytes)
+    tx.loss_scale = loss_scale
     tx._plans = {}
     return tx
+
+
+def _check_loss_scale(loss_scale: DynamicLossScale, skip_nonfinite: bool) -> None:
+    if not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a zs.DynamicLossScale, got {type(loss_scale).__name__}."
+        )
+    if not skip_nonfinite:
+        raise ValueError(
+            "loss_scale needs skip_nonfinite=True: a scale that is too large overflows the "
+            "gradients, and that step must be skipped while the scale halves."
+        )
+    c = loss_scale
+    if not (c.initial > 0 and c.minimum > 0 and c.factor > 1 and c.growth_interval >= 1):
+        raise ValueError(
+            "DynamicLossScale needs initial > 0, minimum > 0, factor > 1 and "
+            f"growth_interval >= 1; got {loss_scale}."
+        )

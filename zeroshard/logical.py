@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.gather import full_structs, is_shard
 from zeroshard.layout import PyTree
 from zeroshard.local_update import Plan, ShardedState, ShardedTransformation, master_pieces
+from zeroshard.loss_scale import LossScaleState
 from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
 
 
@@ -193,6 +194,7 @@ def from_optax_state(
     step: int | jax.Array = 0,
     stage: int = 1,
     skipped: int | jax.Array = 0,
+    loss_scale: LossScaleState | None = None,
 ) -> TrainState:
     """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
 
@@ -207,6 +209,8 @@ def from_optax_state(
       step: the step counter to resume from.
       stage: the ZeRO stage to lay the state out for (3: params as pieces).
       skipped: the count of skipped non-finite steps to resume from.
+      loss_scale: the dynamic loss scale's state to resume from (default: its initial
+        state, when ``tx`` scales the loss).
 
     Returns:
       A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
@@ -229,7 +233,7 @@ def from_optax_state(
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
 
-    def local(params: PyTree, opt_state: PyTree, step: jax.Array, skipped: jax.Array):
+    def local(params: PyTree, opt_state: PyTree, step: jax.Array, skipped: jax.Array, scale):
         leaves = layout.treedef.flatten_up_to(params)
         pieces = [
             _from_logical(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)
@@ -253,7 +257,7 @@ def from_optax_state(
             )
         ]
         grad_norm = jnp.zeros((), jnp.float32)
-        opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped)
+        opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped, scale)
         return TrainState(step, compute, opt)
 
     in_specs = (
@@ -261,10 +265,14 @@ def from_optax_state(
         _specs(opt_structs, num_shards, axis_name),
         P(),
         P(),
+        P(),
     )
     out_specs = state_specs(tx, compute_structs, num_shards, stage)
+    if tx.loss_scale is not None and loss_scale is None:
+        loss_scale = tx.loss_scale.init()
+    counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     placed = jax.device_put(
-        (params, opt_state, jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32)),
+        (params, opt_state, *counters, loss_scale),
         jax.tree.map(
             lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
         ),

@@ -263,7 +263,10 @@ class TrainStep:
         diff_params = (
             state.params if varying is None else jax.lax.pcast(state.params, varying, to="varying")
         )
-        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        loss_fn, scale = self.loss_fn, state.opt_state.loss_scale
+        if scale is not None:  # dynamic loss scaling: differentiate the scaled loss
+            loss_fn = _scaled(loss_fn, scale.scale, self.has_aux)
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=self.has_aux)
         if self.accum_steps > 1:
             out, grad_pieces = self._accumulate(value_and_grad, diff_params, batch, plan)
         else:
@@ -271,6 +274,8 @@ class TrainStep:
             grad_pieces = self._scatter(plan, grads)
         grad_pieces = plan.to_inner(mean_over_replicas(tx, grad_pieces))
         loss, aux = out if self.has_aux else (out, None)
+        if scale is not None:
+            loss = loss / scale.scale
         if stage == 3:
             own = [jnp.ravel(x.piece) for x in _shards(state.params)]
         else:
@@ -438,6 +443,18 @@ def make_train_step(
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
+
+
+def _scaled(loss_fn: Callable[..., Any], scale: jax.Array, has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn`` with its loss multiplied by ``scale`` (in float32)."""
+
+    def scaled(params: PyTree, batch: PyTree) -> Any:
+        out = loss_fn(params, batch)
+        if has_aux:
+            return out[0].astype(jnp.float32) * scale, out[1]
+        return out.astype(jnp.float32) * scale
+
+    return scaled
 
 
 def _shards(tree: PyTree) -> list[Shard]:
