@@ -402,12 +402,17 @@ def make_train_step(
     backward pass instead of keeping them). The gather's transpose reduce-scatters
     the gradients, so they arrive as pieces, and no all-gather closes the step.
 
+    With ``zs.sharded(..., loss_scale=...)`` the step differentiates the loss times
+    the current scale; the reported loss is unscaled.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)`` with
         ``has_aux``): the mean loss over the batch it is given.
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
-      axis_name: the axis the batch's leading dimension is split over.
+      axis_name: the axis the state is sharded over; the batch's leading dimension
+        is split over it, and over ``tx.replica_axis`` too when the optimizer has one
+        (hierarchical sharding). Other mesh axes are left to ``loss_fn``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over
         devices into ``metrics["aux"]``.
       donate: donate the input state's buffers to the output state.
@@ -422,8 +427,9 @@ def make_train_step(
 
     Raises:
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
-      ValueError: if ``mesh`` has no ``axis_name``; at call time, if a batch leaf's
-        leading dimension is not divisible by the axis size.
+      ValueError: if ``mesh`` has no ``axis_name`` (or no ``tx.replica_axis``), or has
+        another Explicit axis this jax cannot lower the step next to; at call time,
+        if a batch leaf's leading dimension is not divisible by the batch axes' size.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
