@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-at", type=int, default=None, help="save after this step")
     parser.add_argument("--restore", action="store_true", help="resume from --ckpt's latest")
     parser.add_argument("--out", default=None, help="process 0 writes losses and state here")
+    parser.add_argument(
+        "--nan-at", type=int, default=None, help="put a NaN in the last process's rows of this step"
+    )
     parser.add_argument("--timeout", type=int, default=60, help="seconds to wait for peers")
     args = parser.parse_args(argv)
     if args.restore and not args.ckpt:
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             "x": data.normal(size=(size, 16)).astype(np.float32),
             "y": data.normal(size=(size, 4)).astype(np.float32),
         }
+        if step + 1 == args.nan_at:  # a row that only the last device reads
+            full["x"][-1, 0] = np.nan
         rows = batch_sharding.addressable_devices_indices_map((size,)).values()
         start, stop = min(r[0].start for r in rows), max(r[0].stop for r in rows)
         return {
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         state, metrics = step(state, global_batch(i))
         losses.append(float(metrics["loss"]))  # replicated: readable on every process
         if jax.process_index() == 0:
-            print(f"step {i + 1}: loss {losses[-1]:.6f}", flush=True)
+            skipped = int(state.opt_state.skipped)
+            print(f"step {i + 1}: loss {losses[-1]:.6f}, skipped {skipped}", flush=True)
         if ckpt is not None and args.save_at == i + 1:
             ckpt.save(state)
     if ckpt is not None:
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             flat = jax.tree_util.tree_leaves_with_path(logical)
             arrays = {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
-            np.savez(args.out, losses=np.asarray(losses), **arrays)
+            skipped = np.asarray(int(state.opt_state.skipped))
+            np.savez(args.out, losses=np.asarray(losses), skipped=skipped, **arrays)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ def assert_same_run(actual: dict, expected: dict, first_step: int = 0) -> None:
     """Same losses and final state, up to the summation order of the collectives."""
     np.testing.assert_allclose(actual["losses"], expected["losses"][first_step:], rtol=1e-6)
     assert set(actual) == set(expected)
+    assert actual["skipped"] == expected["skipped"]
     for key in expected:
-        if key != "losses":
+        if key not in ("losses", "skipped"):
             scale = max(np.max(np.abs(expected[key])), 1e-30)
             np.testing.assert_allclose(actual[key], expected[key], atol=1e-6 * scale, err_msg=key)
 
@@ -104,6 +105,18 @@ def test_hierarchical_across_two_processes(single, tmp_path):
     hsdp = launch(tmp_path, "hsdp", 2, "--mesh", "replica-data", "--ckpt", ckpt, "--save-at", "3")
     assert_same_run(hsdp, one)
     assert_same_run(launch(tmp_path, "resume", 1, "--ckpt", ckpt, "--restore"), one, SAVE_AT)
+
+
+def test_a_nan_on_one_process_is_skipped_by_both(single, tmp_path):
+    """A NaN in the rows of process 1's last device at step 3: both processes skip
+    that step (as one process with 8 devices does), then train on identically."""
+    nan = ["--nan-at", "3"]
+    two = launch(tmp_path, "two-nan", 2, *nan)
+    one = launch(tmp_path, "one-nan", 1, *nan)
+    assert int(two["skipped"]) == 1
+    assert np.isnan(two["losses"][2]) and np.isfinite(two["losses"][3:]).all()
+    np.testing.assert_allclose(two["losses"][:2], single[1]["losses"][:2], rtol=1e-6)
+    assert_same_run(two, one)  # NaN losses compare equal
 
 
 def test_a_missing_peer_fails_the_run_instead_of_hanging():
