@@ -36,6 +36,20 @@ def test_hierarchical_sharding_matches_plain_optax(inner, stage, rng):
     assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hierarchical_sharding_with_accumulation(stage, rng):
+    """Micro-batches per device, then one all-reduce over the replicas per step."""
+    params, data = awkward_params(rng), batches(rng, 2, size=32)
+    mesh = hsdp_mesh()
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh, stage=stage, accum_steps=2)
+    for batch in data:
+        state, _ = step(state, batch)
+    expected = reference_run(awkward_loss, optax.sgd(0.1), params, data)
+    assert_trees_close(state.params, expected, 1e-5)
+
+
 def test_hierarchical_state_is_sharded_within_and_replicated_across(rng):
     params = awkward_params(rng)
     mesh = hsdp_mesh()

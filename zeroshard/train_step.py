@@ -310,9 +310,9 @@ class TrainStep:
         Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
         so no full-size gradient buffer lives across micro-batches.
         """
-        k, axis = self.accum_steps, self.axis_name
+        k, axes = self.accum_steps, self.tx.batch_axes
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axis, to="varying")
+        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
         if self.stage == 1:
             accumulator = jax.tree.map(zeros, params)
         else:
