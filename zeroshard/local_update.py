@@ -369,7 +369,7 @@ def sharded(
 
     ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
     ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
-    gradients (one collective per large leaf, one per dtype for the small ones; see
+    gradients (one collective per large leaf, small ones packed; see
     ``pack_bytes``), runs ``inner`` on this device's slice
     only, and all-gathers the new weights in the parameters' dtype. The returned
     updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
