@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         tx = zs.sharded(optax.adamw(1e-2), axis_name="data", replica_axis="replica")
     rng = np.random.default_rng(0)  # the same initial params on every process
     params = {
-        "hidden": {"w": rng.normal(size=(16, 64)).astype(np.float32) / 4, "b": np.zeros(64)},
-        "out": {"w": rng.normal(size=(64, 4)).astype(np.float32) / 8, "b": np.zeros(4)},
+        "hidden": {"w": rng.normal(size=(16, 64)) / 4, "b": np.zeros(64)},
+        "out": {"w": rng.normal(size=(64, 4)) / 8, "b": np.zeros(4)},
     }
     params = jax.tree.map(lambda x: x.astype(np.float32), params)
 

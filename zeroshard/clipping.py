@@ -22,8 +22,13 @@ def global_norm(tree: PyTree, axis_name: str) -> jax.Array:
     Returns:
       The global norm, a float32 scalar equal on every device.
     """
+    return jnp.sqrt(jax.lax.psum(local_squares(tree), axis_name))
+
+
+def local_squares(tree: PyTree) -> jax.Array:
+    """The sum of the squares of this device's elements of ``tree``, in float32."""
     squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(jax.lax.psum(sum(squares, jnp.float32(0)), axis_name))
+    return sum(squares, jnp.float32(0))
 
 
 # Stateless, and the same state type as optax's clip, so a zeroshard chain's state has

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.all_gather import all_gather_params
+from zeroshard.clipping import local_squares
 from zeroshard.guard import check_elementwise
 from zeroshard.layout import Layout, PyTree
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
@@ -328,7 +329,7 @@ def update_pieces(
 def _norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
     """The global L2 norm of the pieces and whether every element on every device is
     finite: one scalar all-reduce, so every device takes the same decision."""
-    squares = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in pieces), jnp.float32(0))
+    squares = local_squares(pieces)
     bad = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in pieces), jnp.int32(0))
     squares, bad = jax.lax.psum((squares, bad), axis_name)
     return jnp.sqrt(squares), bad == 0
