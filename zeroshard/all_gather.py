@@ -18,7 +18,8 @@ def all_gather_params(
     In the parameters' (compute) dtypes, with the collectives of
     :func:`zeroshard.reduce_scatter.reduce_scatter_leaves`: one ``all_gather`` per leaf
     of ``pack_bytes`` or more, whose result is the leaf itself (a reshape, plus a
-    slice where the leaf was padded), and one per packed group of smaller leaves.
+    slice where the leaf was padded, and a transpose for stacked layers), and one per
+    packed group of smaller leaves.
 
     Args:
       pieces: this device's 1-D piece of each leaf (any dtype; cast to the leaf's).
@@ -36,6 +37,5 @@ def all_gather_params(
         row = own[0] if len(own) == 1 else jnp.concatenate(own)
         full = jax.lax.all_gather(row, axis_name, tiled=False, to="invarying")  # (N, row)
         for i, start, stop in layout.columns(group):
-            s = layout.slots[i]
-            leaves[i] = full[:, start:stop].reshape(-1)[: s.size].reshape(s.shape)
+            leaves[i] = layout.slots[i].uncut(full[:, start:stop])
     return layout.treedef.unflatten(leaves)

@@ -16,11 +16,18 @@ Example:
     ...     for p in params["layers"]:
     ...         x = zs.layer(lambda w, x: jnp.tanh(x @ w["w"] + w["b"]))(p, x)
     ...     return jnp.mean((x - batch["y"]) ** 2)
+
+Stacked layers (``zs.sharded(inner, stacked=["blocks"])``, a leading layer axis)
+are cut layer by layer, so a scan over them gathers one layer per iteration::
+
+    def loss_fn(params, batch):
+        block = zs.layer(lambda w, x: jnp.tanh(x @ w["w"]))
+        x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), batch["x"], params["blocks"])
+        return jnp.mean((x - batch["y"]) ** 2)
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, Slot
 
 
 @jax.tree_util.register_pytree_node_class
@@ -37,16 +44,59 @@ class Shard:
 
     Attributes:
       piece: the piece, shaped ``(1, ..., 1, ceil(size / N))`` on a device (inside
-        ``shard_map``); outside, the global array of all pieces.
-      shape: the parameter's full shape (static).
+        ``shard_map``), or ``(layers, 1, ..., width)`` for a stacked leaf; outside,
+        the global array of all pieces.
+      shape: the parameter's shape. For a stacked parameter scanned over (or
+        indexed) along its layer axes, the shape of the layer the piece now holds.
       dtype: the parameter's dtype (static).
+      stacked: the number of leading layer axes the piece still holds (static).
     """
 
-    def __init__(self, piece: Any, shape: tuple[int, ...], dtype: Any):
-        self.piece, self.shape, self.dtype = piece, tuple(shape), np.dtype(dtype)
+    def __init__(self, piece: Any, shape: tuple[int, ...], dtype: Any, stacked: int = 0):
+        self.piece, self.dtype = piece, np.dtype(dtype)
+        self._shape, self._stacked = tuple(shape), int(stacked)
+
+    @property
+    def _dropped(self) -> int:
+        """Leading axes taken off the piece (by a scan or an index) since it was laid out."""
+        ndim = getattr(self.piece, "ndim", None)
+        return 0 if ndim is None else len(self._shape) - max(ndim, 1) + (not self._shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape[max(0, min(self._dropped, self._stacked)) :]
+
+    @property
+    def stacked(self) -> int:
+        return self._stacked - max(0, min(self._dropped, self._stacked))
+
+    def slot(self, num_shards: int) -> Slot:
+        """The piece's geometry over ``num_shards`` devices.
+
+        Raises:
+          ValueError: if the piece lost axes that are not stacked layer axes, or does
+            not have the shape the layout gives it (e.g. it was scanned over, indexed
+            or vmapped in a way the layout does not support).
+        """
+        dropped = self._dropped
+        slot = Slot("", self.shape, self.dtype, 0, 0, num_shards, self.stacked)
+        if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
+            how = (
+                f"laid out with {self._stacked} stacked layer axes"
+                if self._stacked
+                else "not laid out as stacked layers"
+            )
+            raise ValueError(
+                f"a stage-3 parameter of shape {self._shape} has a piece of shape "
+                f"{tuple(self.piece.shape)} here, but it is {how}, so this piece cannot be "
+                "gathered (was it scanned over, indexed or vmapped?). To scan over stacked "
+                "layers, mark them: zs.sharded(inner, stacked=['<name of the stacked "
+                "subtree>']), and scan over the leading axis of that subtree."
+            )
+        return slot
 
     def tree_flatten(self):
-        return (self.piece,), (self.shape, self.dtype)
+        return (self.piece,), (self._shape, self.dtype, self._stacked)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -60,7 +110,8 @@ class Shard:
 
     def __repr__(self) -> str:
         piece = getattr(self.piece, "shape", self.piece)
-        return f"Shard(shape={self.shape}, dtype={self.dtype.name}, piece={piece})"
+        stacked = f", stacked={self.stacked}" if self.stacked else ""
+        return f"Shard(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
 
 
 def is_shard(x: Any) -> bool:
@@ -76,7 +127,8 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
     """Replaces every :class:`Shard` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
-    parameters' dtype. Inside ``shard_map`` over ``axis_name`` only.
+    parameters' dtype. Inside ``shard_map`` over ``axis_name`` only. A stacked
+    parameter gathers all its layers; inside a scan over its layer axis, one layer.
 
     Args:
       tree: a pytree whose leaves are ``Shard`` (other leaves pass through).
@@ -85,9 +137,15 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
     Returns:
       The same tree with full arrays for the shards. Differentiating through it
       reduce-scatters the cotangents back onto the pieces.
+
+    Raises:
+      ValueError: if a piece cannot be gathered in the layout it has here (e.g. a
+        parameter not marked stacked was scanned over).
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
+    n = jax.lax.axis_size(axis_name)
+    slots = {i: leaves[i].slot(n) for i in shards}
     out = list(leaves)
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
@@ -95,9 +153,7 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
         rows = jax.lax.all_gather(jnp.concatenate(pieces), axis_name)  # (N, sum of pieces)
         offset = 0
         for i, piece in zip(group, pieces, strict=True):
-            block = rows[:, offset : offset + piece.size]
-            shape = leaves[i].shape
-            out[i] = block.reshape(-1)[: math.prod(shape)].reshape(shape)
+            out[i] = slots[i].uncut(rows[:, offset : offset + piece.size])
             offset += piece.size
     return treedef.unflatten(out)
 

@@ -1,27 +1,39 @@
 """Partition: how a parameter tree maps onto N equal slices, one per device.
 
-Every floating-point leaf is raveled, padded to a multiple of ``num_shards`` and cut
-into ``num_shards`` equal contiguous pieces; device ``d`` owns piece ``d`` of every
-leaf. Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end,
-are that device's *row* of the bucket (how the master weights are stored). The
+Each floating-point leaf has a *placement*, held by its :class:`Slot` together with
+the geometry that cuts a leaf into pieces and puts the pieces back together:
+
+- **sliced** (the default): the leaf is raveled, padded to a multiple of
+  ``num_shards`` and cut into ``num_shards`` equal contiguous pieces; device ``d``
+  owns piece ``d``.
+- **stacked**: a leaf of stacked layers (a leading layer axis, as ``jax.lax.scan``,
+  ``nnx.scan`` or ``nn.scan`` over layers use) is cut layer by layer: each layer is
+  raveled, padded and cut into ``num_shards`` pieces, and device ``d`` owns piece
+  ``d`` of *every* layer. Scanning over a stage-3 parameter then hands each
+  iteration this device's piece of one layer (see :mod:`zeroshard.gather`).
+
+Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end, are
+that device's *row* of the bucket (how the master weights are stored). The
 collectives of a step move a large leaf's pieces directly, with no copy into or out
 of a packed buffer; small leaves of one dtype are packed together (:meth:`groups`).
 
-Owning a piece of every leaf (rather than a contiguous run of a single raveled
-buffer) keeps the tree structure visible to the inner optimizer: it sees a pytree
-shaped like the parameters whose leaves are this device's pieces. Each piece keeps
-its leaf's rank (shape ``(1, ..., 1, piece_size)``), so the common ``p.ndim > 1``
-weight-decay masks select the same leaves as on full parameters. Memory per device
-is ``ceil(size / num_shards)`` elements per leaf: the padding is less than
-``num_shards`` elements per leaf.
+Owning a piece of every leaf keeps the tree structure visible to the inner
+optimizer: it sees a pytree shaped like the parameters whose leaves are this
+device's pieces. Each piece keeps its leaf's rank (shape ``(1, ..., 1, width)``, or
+``(layers, 1, ..., width)`` for a stacked leaf), so the common ``p.ndim > 1``
+weight-decay masks select the same leaves as on full parameters. The padding is less
+than ``num_shards`` elements per leaf (per layer, for stacked leaves).
 
 Example:
     >>> import jax.numpy as jnp
     >>> layout = Layout.from_tree({"w": jnp.zeros((3, 5)), "b": jnp.zeros(5)}, 4)
     >>> [(s.path, s.piece_size) for s in layout.slots]
     [("['b']", 2), ("['w']", 4)]
-    >>> layout.piece_shape(layout.slots[1])
+    >>> layout.slots[1].piece_shape
     (1, 4)
+    >>> stacked = Layout.from_tree({"w": jnp.zeros((3, 5))}, 4, stacked=["w"])
+    >>> stacked.slots[0].placement, stacked.slots[0].piece_shape
+    ('stacked', (3, 2))
     >>> [(b.dtype.name, b.row_size) for b in layout.buckets]
     [('float32', 6)]
 """
@@ -30,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -39,10 +51,15 @@ import numpy as np
 
 PyTree = Any
 
+Stacked = Collection[str] | Callable[[str, Any], int] | None
+"""Which leaves hold stacked layers: ``None`` (none), a collection of names (every
+leaf below a dict key or attribute of that name has one leading layer axis), or a
+function ``(path, leaf) -> int`` giving the number of leading layer axes."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """Where one parameter leaf lives in its bucket.
+    """One parameter leaf: its placement and where its pieces live.
 
     Attributes:
       path: the leaf's key path, as ``jax.tree_util.keystr`` prints it.
@@ -50,7 +67,8 @@ class Slot:
       dtype: the leaf's dtype.
       bucket: index of the dtype bucket holding the leaf.
       offset: first column of the leaf's piece in the bucket row.
-      piece_size: elements per device, ``ceil(size / num_shards)``.
+      num_shards: the number of devices the leaf is cut over.
+      stacked: the number of leading layer axes (0: a sliced leaf).
     """
 
     path: str
@@ -58,11 +76,94 @@ class Slot:
     dtype: np.dtype
     bucket: int
     offset: int
-    piece_size: int
+    num_shards: int
+    stacked: int = 0
+
+    @property
+    def placement(self) -> str:
+        """``"sliced"`` or ``"stacked"``."""
+        return "stacked" if self.stacked else "sliced"
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def layers(self) -> int:
+        """Layers cut separately: 1 for a sliced leaf."""
+        return math.prod(self.shape[: self.stacked])
+
+    @property
+    def width(self) -> int:
+        """Elements per device of one layer: ``ceil(layer size / num_shards)``."""
+        return -(-math.prod(self.shape[self.stacked :]) // self.num_shards)
+
+    @property
+    def piece_size(self) -> int:
+        """Elements per device."""
+        return self.layers * self.width
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """Shape of one device's piece: the leaf's rank, the layer axes, ones, the width."""
+        k = self.stacked
+        return (*self.shape[:k], *(1,) * (len(self.shape) - k - 1), self.width)
+
+    def _padded(self, leaf: jax.Array) -> jax.Array:
+        """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
+        rows = jnp.reshape(leaf, (self.layers, -1))
+        return jnp.pad(rows, ((0, 0), (0, self.num_shards * self.width - rows.shape[1])))
+
+    def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
+        """Device ``index``'s 1-D piece of the full ``leaf``."""
+        cols = jax.lax.dynamic_slice_in_dim(self._padded(leaf), index * self.width, self.width, 1)
+        return cols.reshape(-1)
+
+    def blocks(self, leaf: jax.Array) -> jax.Array:
+        """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for
+        device ``d`` (what a reduce-scatter scatters)."""
+        n, padded = self.num_shards, self._padded(leaf)
+        if self.layers == 1:
+            return padded.reshape(n, self.width)
+        return padded.reshape(self.layers, n, self.width).swapaxes(0, 1).reshape(n, -1)
+
+    def uncut(self, pieces: jax.Array) -> jax.Array:
+        """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
+        device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
+        n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
+        rows = pieces.reshape(n, self.layers, self.width)
+        rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
+        return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
+
+
+def stacked_dims(tree: PyTree, stacked: Stacked) -> tuple[int, ...]:
+    """The number of leading layer axes of each leaf of ``tree`` (see :data:`Stacked`).
+
+    Raises:
+      ValueError: if a leaf marked stacked has no axis besides its layer axes.
+    """
+    path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if stacked is None:
+        return (0,) * len(path_leaves)
+    if isinstance(stacked, str):
+        stacked = (stacked,)
+    names = None if callable(stacked) else frozenset(stacked)
+    dims = []
+    for path, leaf in path_leaves:
+        name = jax.tree_util.keystr(path)
+        if names is None:
+            k = int(stacked(name, leaf))
+        else:
+            keys = {str(getattr(p, "key", getattr(p, "name", None))) for p in path}
+            k = int(bool(keys & names))
+        if k and len(leaf.shape) <= k:
+            raise ValueError(
+                f"leaf {name} of shape {tuple(leaf.shape)} is marked stacked with {k} layer "
+                "axes but has no axis besides them; keep per-layer scalars as shape (layers, 1)"
+                " or leave the leaf out of `stacked`."
+            )
+        dims.append(k)
+    return tuple(dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +189,17 @@ class Layout:
     num_shards: int
 
     @classmethod
-    def from_tree(cls, tree: PyTree, num_shards: int) -> Layout:
+    def from_tree(cls, tree: PyTree, num_shards: int, stacked: Stacked = None) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
+        Args:
+          tree: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+          num_shards: the number of devices.
+          stacked: which leaves hold stacked layers (see :data:`Stacked`).
+
         Raises:
-          ValueError: if the tree has no leaves.
+          ValueError: if the tree has no leaves, or a stacked leaf has no axis
+            besides its layer axes.
           TypeError: if a leaf is not floating point.
         """
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -105,6 +212,7 @@ class Layout:
         offsets: list[int] = []
         members: list[list[int]] = []
         slots = []
+        dims = stacked_dims(tree, stacked)
         for i, (path, leaf) in enumerate(path_leaves):
             dtype = np.dtype(leaf.dtype)
             name = jax.tree_util.keystr(path)
@@ -119,9 +227,9 @@ class Layout:
                 offsets.append(0)
                 members.append([])
             b = dtypes.index(dtype)
-            piece = -(-math.prod(leaf.shape) // num_shards)
-            slots.append(Slot(name, tuple(leaf.shape), dtype, b, offsets[b], piece))
-            offsets[b] += piece
+            slot = Slot(name, tuple(leaf.shape), dtype, b, offsets[b], num_shards, dims[i])
+            slots.append(slot)
+            offsets[b] += slot.piece_size
             members[b].append(i)
         buckets = tuple(
             Bucket(d, tuple(m), o) for d, m, o in zip(dtypes, members, offsets, strict=True)
@@ -154,8 +262,8 @@ class Layout:
         return out
 
     def piece_shape(self, slot: Slot) -> tuple[int, ...]:
-        """Shape of one device's piece of ``slot``: the leaf's rank, ones then the piece."""
-        return (1,) * (len(slot.shape) - 1) + (slot.piece_size,)
+        """Shape of one device's piece of ``slot`` (:attr:`Slot.piece_shape`)."""
+        return slot.piece_shape
 
     def full_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves (bucket ``b`` in ``dtypes[b]``)."""
@@ -167,9 +275,7 @@ class Layout:
     def piece_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
         return self.treedef.unflatten(
-            jax.ShapeDtypeStruct(
-                self.piece_shape(s), s.dtype if dtypes is None else dtypes[s.bucket]
-            )
+            jax.ShapeDtypeStruct(s.piece_shape, s.dtype if dtypes is None else dtypes[s.bucket])
             for s in self.slots
         )
 
@@ -192,11 +298,8 @@ class Layout:
 
     def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
         """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves)."""
-        pieces = []
-        for leaf, s in zip(self.treedef.flatten_up_to(tree), self.slots, strict=True):
-            flat = jnp.pad(jnp.ravel(leaf), (0, self.num_shards * s.piece_size - s.size))
-            pieces.append(jax.lax.dynamic_slice_in_dim(flat, index * s.piece_size, s.piece_size))
-        return pieces
+        leaves = self.treedef.flatten_up_to(tree)
+        return [s.cut(leaf, index) for leaf, s in zip(leaves, self.slots, strict=True)]
 
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
         """Device ``index``'s row of bucket ``bucket``, cut from full leaves."""
@@ -208,7 +311,7 @@ class Layout:
     def split(self, rows: Sequence[jax.Array]) -> PyTree:
         """One row per bucket -> a tree of this device's pieces."""
         return self.treedef.unflatten(
-            rows[s.bucket][s.offset : s.offset + s.piece_size].reshape(self.piece_shape(s))
+            rows[s.bucket][s.offset : s.offset + s.piece_size].reshape(s.piece_shape)
             for s in self.slots
         )
 
@@ -223,5 +326,5 @@ class Layout:
     def shaped(self, pieces: Sequence[jax.Array]) -> PyTree:
         """1-D pieces, one per leaf -> the tree of pieces the inner optimizer sees."""
         return self.treedef.unflatten(
-            p.reshape(self.piece_shape(s)) for p, s in zip(pieces, self.slots, strict=True)
+            p.reshape(s.piece_shape) for p, s in zip(pieces, self.slots, strict=True)
         )

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.all_gather import all_gather_params
 from zeroshard.clipping import local_squares
 from zeroshard.guard import check_elementwise
-from zeroshard.layout import Layout, PyTree
+from zeroshard.layout import Layout, PyTree, Stacked
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.reduce_scatter import reduce_scatter_leaves
 
@@ -31,13 +31,19 @@ class Plan:
       layout: the parameters' layout over ``num_shards`` devices.
       master_dtypes: per bucket, the dtype of the master row kept in the state, or
         ``None`` where the parameters themselves are precise enough to be the master.
-      state_sharded: per leaf of the inner state, whether it holds per-element values
-        (a slice, sharded over the axis) or is replicated (counts, hyperparameters).
+      state_slots: per leaf of the inner state, the index of a parameter slot whose
+        pieces it is shaped like (a per-element leaf, sharded over the axis), or
+        ``None`` for a replicated leaf (counts, hyperparameters).
     """
 
     layout: Layout
     master_dtypes: tuple[Any, ...]
-    state_sharded: tuple[bool, ...]
+    state_slots: tuple[int | None, ...]
+
+    @property
+    def state_sharded(self) -> tuple[bool, ...]:
+        """Per leaf of the inner state, whether it is per-element (sharded)."""
+        return tuple(i is not None for i in self.state_slots)
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -76,7 +82,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
     ``replica_axis``, ``master_dtype``, ``reduce_dtype``, ``skip_nonfinite``,
-    ``pack_bytes`` and ``loss_scale`` as given to :func:`sharded`.
+    ``pack_bytes``, ``loss_scale`` and ``stacked`` as given to :func:`sharded`.
     """
 
     @property
@@ -89,7 +95,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """The (cached) :class:`Plan` for ``params`` over ``num_shards`` devices."""
-        layout = Layout.from_tree(params, num_shards)
+        layout = Layout.from_tree(params, num_shards, self.stacked)
         if layout not in self._plans:
             self._plans[layout] = _make_plan(self, layout)
         return self._plans[layout]
@@ -134,14 +140,16 @@ def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
         for p in jax.tree.leaves(pieces)
     )
     longer_leaves = jax.tree.leaves(jax.eval_shape(tx.inner.init, longer))
-    per_element = {(s.shape, layout.piece_shape(s)) for s in layout.slots}
-    state_sharded = []
+    per_element = {}
+    for i, s in enumerate(layout.slots):
+        per_element.setdefault((s.shape, s.piece_shape), i)
+    state_slots = []
     for (path, f), p, q in zip(full_leaves, piece_leaves, longer_leaves, strict=True):
         sharded = p.shape != q.shape
         if sharded and (tuple(f.shape), tuple(p.shape)) in per_element:
-            state_sharded.append(True)
+            state_slots.append(per_element[tuple(f.shape), tuple(p.shape)])
         elif not sharded and f.shape == p.shape:
-            state_sharded.append(False)
+            state_slots.append(None)
         else:
             raise ValueError(
                 f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
@@ -152,7 +160,7 @@ def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
     check_elementwise(
         tx.inner, full, full_state, pieces, piece_state, tx.axis_name, layout.num_shards
     )
-    return Plan(layout, master_dtypes, tuple(state_sharded))
+    return Plan(layout, master_dtypes, tuple(state_slots))
 
 
 def bound_axis_size(axis_name: str) -> int | None:
@@ -365,6 +373,7 @@ def sharded(
     skip_nonfinite: bool = True,
     pack_bytes: int = 1 << 18,
     loss_scale: DynamicLossScale | None = None,
+    stacked: Stacked = None,
 ) -> ShardedTransformation:
     """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
 
@@ -413,6 +422,13 @@ def sharded(
         gradients by it; a non-finite step halves it on every device, and
         ``growth_interval`` finite steps double it. In a hand-written step, multiply
         the loss by ``opt_state.loss_scale.scale`` yourself.
+      stacked: which parameters hold stacked layers (a leading layer axis, for
+        scan-over-layers models): a collection of names (every leaf below a dict key
+        or attribute of that name, e.g. ``["blocks"]``) or a function
+        ``(path, leaf) -> number of layer axes``. Each device then holds 1/N of
+        every layer, and in stage 3 ``jax.lax.scan`` over the stacked pieces gathers
+        one layer per iteration (:func:`zeroshard.layer`). Numbers are the same
+        either way; ``None`` (default) marks nothing.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -480,6 +496,11 @@ def sharded(
     tx.skip_nonfinite = bool(skip_nonfinite)
     tx.pack_bytes = int(pack_bytes)
     tx.loss_scale = loss_scale
+    tx.stacked = (
+        stacked
+        if stacked is None or callable(stacked)
+        else tuple(sorted(set((stacked,) if isinstance(stacked, str) else stacked)))
+    )
     tx._plans = {}
     return tx
 

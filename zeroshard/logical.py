@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -38,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.gather import full_structs, is_shard
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, Slot
 from zeroshard.local_update import Plan, ShardedState, ShardedTransformation, master_pieces
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
@@ -63,19 +62,18 @@ def _gather(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Arr
     return jax.lax.all_gather(local, axis_name, axis=k, tiled=True, to="invarying")
 
 
-def _to_logical(piece: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+def _to_logical(piece: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
     """This device's piece of a leaf -> its part of the logical leaf.
 
-    Split along the first dimension, a piece *is* the device's block of rows: a local
-    reshape. Otherwise the leaf is gathered (one leaf at a time) and the device keeps
-    its block, or all of it when no dimension divides by the device count.
+    Split along the first dimension, a sliced leaf's piece *is* the device's block of
+    rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time) and the
+    device keeps its block, or all of it when no dimension divides by the device count.
     """
-    n = jax.lax.axis_size(axis_name)
+    n, shape = jax.lax.axis_size(axis_name), slot.shape
     k = _split_dim(shape, n)
-    if k == 0:
+    if k == 0 and not slot.stacked:
         return piece.reshape((shape[0] // n, *shape[1:]))
-    flat = jax.lax.all_gather(piece.reshape(-1), axis_name, tiled=True, to="invarying")
-    full = flat[: math.prod(shape)].reshape(shape)
+    full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
     if k is None:
         return full
     block = shape[k] // n
@@ -83,17 +81,12 @@ def _to_logical(piece: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax
     return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
 
 
-def _from_logical(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
-    """This device's part of a logical leaf -> its piece, shaped ``(1, ..., piece)``."""
-    n = jax.lax.axis_size(axis_name)
-    piece_size = -(-math.prod(shape) // n)
-    piece_shape = (1,) * (len(shape) - 1) + (piece_size,)
-    if _split_dim(shape, n) == 0:
-        return local.reshape(piece_shape)
-    full = _gather(local, shape, axis_name)
-    flat = jnp.pad(full.reshape(-1), (0, n * piece_size - full.size))
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(flat, index * piece_size, piece_size).reshape(piece_shape)
+def _from_logical(local: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
+    """This device's part of a logical leaf -> its piece, shaped ``slot.piece_shape``."""
+    if _split_dim(slot.shape, jax.lax.axis_size(axis_name)) == 0 and not slot.stacked:
+        return local.reshape(slot.piece_shape)
+    full = _gather(local, slot.shape, axis_name)
+    return slot.cut(full, jax.lax.axis_index(axis_name)).reshape(slot.piece_shape)
 
 
 def _logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
@@ -164,13 +157,11 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
         else:
             own = layout.pieces(params, jax.lax.axis_index(axis))
         pieces = master_pieces(plan, opt_state, own)
-        master = [_to_logical(p, s.shape, axis) for p, s in zip(pieces, layout.slots, strict=True)]
+        master = [_to_logical(p, s, axis) for p, s in zip(pieces, layout.slots, strict=True)]
         inner, treedef = jax.tree.flatten(opt_state.inner_state)
         inner = [
-            _to_logical(x, f.shape, axis) if sharded else x
-            for x, f, sharded in zip(
-                inner, jax.tree.leaves(opt_structs), plan.state_sharded, strict=True
-            )
+            x if i is None else _to_logical(x, layout.slots[i], axis)
+            for x, i in zip(inner, plan.state_slots, strict=True)
         ]
         return layout.treedef.unflatten(master), treedef.unflatten(inner)
 
@@ -235,9 +226,7 @@ def from_optax_state(
 
     def local(params: PyTree, opt_state: PyTree, step: jax.Array, skipped: jax.Array, scale):
         leaves = layout.treedef.flatten_up_to(params)
-        pieces = [
-            _from_logical(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)
-        ]
+        pieces = [_from_logical(x, s, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
         rows = layout.rows(pieces)
         master = tuple(
             None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
@@ -251,10 +240,8 @@ def from_optax_state(
             )
         inner, treedef = jax.tree.flatten(opt_state)
         inner = [
-            _from_logical(x, f.shape, axis_name) if sharded else x
-            for x, f, sharded in zip(
-                inner, jax.tree.leaves(opt_structs), plan.state_sharded, strict=True
-            )
+            x if i is None else _from_logical(x, layout.slots[i], axis_name)
+            for x, i in zip(inner, plan.state_slots, strict=True)
         ]
         grad_norm = jnp.zeros((), jnp.float32)
         opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped, scale)

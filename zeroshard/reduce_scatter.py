@@ -52,11 +52,8 @@ def reduce_scatter_leaves(
     n = layout.num_shards
     pieces: list[jax.Array] = [None] * len(leaves)
     for group in layout.groups(pack_bytes):
-        blocks = []
-        for i in group:
-            s = layout.slots[i]
-            flat = jnp.ravel(leaves[i]).astype(reduce_dtype or leaves[i].dtype)
-            blocks.append(jnp.pad(flat, (0, n * s.piece_size - s.size)).reshape(n, s.piece_size))
+        cast = lambda x: x.astype(reduce_dtype or x.dtype)
+        blocks = [layout.slots[i].blocks(cast(leaves[i])) for i in group]
         matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
         row = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)[0] / n
         for i, start, stop in layout.columns(group):

@@ -115,7 +115,7 @@ def _check_stage(stage: int) -> None:
 def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     """This device's 1-D pieces -> a tree of :class:`Shard` pieces in the parameters' dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(layout.piece_shape(s)), s.shape, s.dtype)
+        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
@@ -130,7 +130,7 @@ def state_specs(
         return TrainState(P(), P(), opt_specs)
     layout = tx.plan(structs, num_shards).layout
     param_specs = layout.treedef.unflatten(
-        Shard(P(*(None,) * (len(layout.piece_shape(s)) - 1), tx.axis_name), s.shape, s.dtype)
+        Shard(P(*(None,) * (len(s.piece_shape) - 1), tx.axis_name), s.shape, s.dtype, s.stacked)
         for s in layout.slots
     )
     return TrainState(P(), param_specs, opt_specs)
