@@ -35,19 +35,24 @@ in the backward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.local_update import ShardedTransformation, init_local
-from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup, step_metrics
+from zeroshard.local_update import ShardedTransformation, init_global, init_local
+from zeroshard.step_io import call_loss, device_key, local_rows, mean_state, step_metrics
+from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup
 
 
 def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
@@ -83,23 +88,37 @@ def nnx_optimizer(
     *,
     axis_name: str = "data",
     wrt: Any = nnx.Param,
+    param_dtype: Any = None,
 ) -> nnx.Optimizer:
     """Places ``model`` on ``mesh`` (replicated) and builds its sharded ``nnx.Optimizer``.
 
+    The optimizer state holds plain arrays: the parameters' sharding metadata
+    (``nnx.with_partitioning``) is not copied onto it, so nothing re-lays the 1/N
+    slices out.
+
     Args:
-      model: the NNX model; its state is moved onto ``mesh`` in place.
+      model: the NNX model; its state is moved onto ``mesh`` in place (and its
+        parameters cast to ``param_dtype``).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
       axis_name: the data-parallel axis.
       wrt: which variables the optimizer updates.
+      param_dtype: compute dtype of the model's parameters (e.g. ``jnp.bfloat16``);
+        the master weights start from their values as given. ``None`` keeps them.
 
     Returns:
-      ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
+      An ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
     """
     _check_flax_setup(tx, mesh, axis_name)
+    master = nnx.as_pure(nnx.state(model, wrt))
+    nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _replicated_copy(nnx.state(model), mesh, axis_name))
-    with jax.set_mesh(mesh):
-        return nnx.Optimizer(model, tx, wrt=wrt)
+    params = nnx.as_pure(nnx.state(model, wrt))
+    opt_state = init_global(tx, params, mesh, jax.device_put(master, NamedSharding(mesh, P())))
+    optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
+    optimizer.tx = tx
+    optimizer.opt_state = nnx.data(to_opt_state(opt_state))
+    return optimizer
 
 
 def _spec(x: Any) -> P:
@@ -107,13 +126,32 @@ def _spec(x: Any) -> P:
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 
+@contextlib.contextmanager
+def _per_device_rngs(model: nnx.Module, axis_name: str) -> Iterator[None]:
+    """Inside: every ``nnx.Rngs`` stream of ``model`` folded with the device index, so
+    dropout masks differ across devices; afterwards the keys are the shared ones again
+    (their counts advance as usual)."""
+    keys = nnx.as_pure(nnx.state(model, nnx.RngKey))
+    index = jax.lax.axis_index(axis_name)
+    nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
+    yield
+    nnx.update(model, keys)
+
+
+def _sync_nnx_batch_norm(model: nnx.Module, axis_name: str) -> None:
+    """Makes every ``nnx.BatchNorm`` without an ``axis_name`` use global-batch statistics."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+            module.axis_name = axis_name
+
+
 class NNXTrainStep:
     """``metrics = train_step(model, optimizer, batch)``; see :func:`nnx_train_step`."""
 
-    def __init__(self, loss_fn, mesh, axis_name: str, has_aux: bool, donate: bool):
+    def __init__(self, loss_fn, mesh, axis_name: str, has_aux: bool, donate: bool, sync: bool):
         self.loss_fn, self.mesh, self.axis_name, self.has_aux = loss_fn, mesh, axis_name, has_aux
         self.num_shards = mesh.shape[axis_name]
-        self._donate = donate
+        self._donate, self._sync = donate, sync
         self._compiled: dict[Any, Callable] = {}
 
     def _build(self, graphdef: Any, specs: PyTree) -> Callable:
@@ -121,17 +159,24 @@ class NNXTrainStep:
 
         def local(state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
             model, optimizer = nnx.merge(graphdef, state)
-            model_def, params, rest = nnx.split(model, optimizer.wrt, ...)
-
-            def loss_of(p: PyTree) -> Any:
-                return self.loss_fn(nnx.merge(model_def, p, rest), batch)
-
-            local_params = jax.lax.pcast(params, axis, to="varying")
-            out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux)(local_params)
+            if self._sync:
+                _sync_nnx_batch_norm(model, axis)
+            params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+            # Local gradients: differentiate a copy varying over the axis (pitfall 1).
+            nnx.update(model, jax.lax.pcast(params, axis, to="varying"))
+            grad_fn = nnx.value_and_grad(
+                self.loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=self.has_aux
+            )
+            with _per_device_rngs(model, axis):
+                out, grads = grad_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
+            nnx.update(model, params)
+            other = nnx.All(nnx.Not(optimizer.wrt), nnx.Not(nnx.RngState))
+            nnx.update(model, mean_state(nnx.as_pure(nnx.state(model, other)), axis))
             optimizer.update(model, grads)
             grad_norm = nnx.as_pure(optimizer.opt_state).grad_norm
-            return nnx.state((model, optimizer)), step_metrics(loss, aux, grad_norm, axis)
+            metrics = step_metrics(loss, aux, grad_norm, axis, local_rows(batch))
+            return nnx.state((model, optimizer)), metrics
 
         step = jax.shard_map(
             local,
@@ -143,6 +188,11 @@ class NNXTrainStep:
         return jax.jit(step, donate_argnums=(0,) if self._donate else ())
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> dict:
+        if not isinstance(getattr(optimizer, "tx", None), ShardedTransformation):
+            raise TypeError(
+                "nnx_train_step needs the optimizer from zeroshard.flax.nnx_optimizer(model, "
+                "zs.sharded(inner), mesh), not a plain nnx.Optimizer."
+            )
         _check_batch(batch, self.num_shards, self.axis_name)
         graphdef, state = nnx.split((model, optimizer))
         specs = jax.tree.map(_spec, state)
@@ -162,27 +212,46 @@ def nnx_train_step(
     axis_name: str = "data",
     has_aux: bool = False,
     donate: bool = True,
+    sync_batch_stats: bool = True,
 ) -> NNXTrainStep:
     """A jitted ZeRO-1 step for an NNX model and its :func:`nnx_optimizer`.
+
+    The model runs as written: ``nnx.Dropout`` draws from the model's ``nnx.Rngs``,
+    folded with the device index so the masks differ across devices (the same seed
+    gives the same run); ``nnx.BatchNorm`` (and any other non-``wrt`` variable) is
+    updated in the step and averaged over the devices, so it stays identical on all.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, aux)``), the mean
         loss over the batch it is given.
       mesh: the device mesh.
       axis_name: the axis the batch's leading dimension is split over.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``. Aux leaves with a leading
+        batch dimension come back as the global per-example arrays (e.g. logits for
+        ``nnx.metrics.Accuracy``); other aux is averaged over the devices.
       donate: donate the model's and optimizer's buffers to their updated values.
+      sync_batch_stats: normalise with global-batch statistics (every
+        ``nnx.BatchNorm`` without an ``axis_name`` gets ``axis_name``), as one device
+        would on the whole batch; ``False`` normalises with each device's own rows
+        (the running statistics are averaged either way).
 
     Returns:
-      ``train_step(model, optimizer, batch) -> metrics`` (global mean ``"loss"`` and
-      ``"grad_norm"``), updating ``model`` and ``optimizer`` in place.
+      ``train_step(model, optimizer, batch) -> metrics`` (global mean ``"loss"``,
+      ``"grad_norm"`` and ``"aux"``), updating ``model`` and ``optimizer`` in place.
     """
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}).")
-    return NNXTrainStep(loss_fn, mesh, axis_name, has_aux, donate)
+    return NNXTrainStep(loss_fn, mesh, axis_name, has_aux, donate, sync_batch_stats)
 
 
 # Linen (flax.training.train_state.TrainState).
+
+
+class LinenTrainState(linen_train_state_lib.TrainState):
+    """Flax's ``TrainState`` plus ``model_state``: the non-``params`` collections
+    (e.g. ``{"batch_stats": ...}``), replicated, or ``None``."""
+
+    model_state: Any = None
 
 
 def linen_train_state(
@@ -193,7 +262,8 @@ def linen_train_state(
     *,
     axis_name: str = "data",
     param_dtype: Any = None,
-) -> linen_train_state_lib.TrainState:
+    model_state: PyTree = None,
+) -> LinenTrainState:
     """``flax.training.train_state.TrainState.create`` for a sharded optimizer.
 
     Args:
@@ -203,92 +273,150 @@ def linen_train_state(
       mesh: the device mesh.
       axis_name: the data-parallel axis.
       param_dtype: compute dtype of the replicated parameters (``None``: as given).
+      model_state: the model's other collections, e.g. ``{"batch_stats":
+        variables["batch_stats"]}`` for BatchNorm; see :func:`linen_train_step`.
 
     Returns:
-      A Flax ``TrainState``: params replicated, ``opt_state`` 1/N per device.
+      A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated,
+      ``opt_state`` 1/N per device.
     """
     _check_flax_setup(tx, mesh, axis_name)
 
-    def local(master: PyTree) -> linen_train_state_lib.TrainState:
+    def local(master: PyTree, model_state: PyTree) -> LinenTrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
         params = jax.tree.map(cast, master)
-        return linen_train_state_lib.TrainState(
+        return LinenTrainState(
             step=jnp.zeros((), jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
             opt_state=init_local(tx, params, master),
+            model_state=jax.tree.map(lambda x: jnp.array(x, copy=True), model_state),
         )
 
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype or x.dtype), params)
     specs = _linen_specs(tx, apply_fn, compute, mesh.shape[axis_name])
-    init = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=specs, axis_names={axis_name})
-    return jax.jit(init)(jax.device_put(params, NamedSharding(mesh, P())))
+    init = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P()), out_specs=specs, axis_names={axis_name}
+    )
+    return jax.jit(init)(*jax.device_put((params, model_state), NamedSharding(mesh, P())))
 
 
-def _linen_specs(tx, apply_fn, params, num_shards) -> linen_train_state_lib.TrainState:
-    return linen_train_state_lib.TrainState(
-        step=P(), apply_fn=apply_fn, params=P(), tx=tx, opt_state=tx.state_specs(params, num_shards)
+def _linen_specs(tx, apply_fn, params, num_shards) -> LinenTrainState:
+    return LinenTrainState(
+        step=P(),
+        apply_fn=apply_fn,
+        params=P(),
+        tx=tx,
+        opt_state=tx.state_specs(params, num_shards),
+        model_state=P(),
     )
 
 
+@contextlib.contextmanager
+def _synced_linen_batch_norm(axis_name: str) -> Iterator[None]:
+    """Inside: every ``nn.BatchNorm`` without an ``axis_name`` normalises with
+    global-batch statistics, as if built with ``axis_name``."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if not isinstance(module, nn.BatchNorm) or module.axis_name is not None:
+            return next_fun(*args, **kwargs)
+        object.__setattr__(module, "axis_name", axis_name)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "axis_name", None)
+
+    with nn.intercept_methods(interceptor):
+        yield
+
+
 def linen_train_step(
-    loss_fn: Callable[[PyTree, PyTree], Any],
+    loss_fn: Callable[..., Any],
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
     axis_name: str = "data",
     has_aux: bool = False,
     donate: bool = True,
-) -> Callable[..., tuple[linen_train_state_lib.TrainState, dict]]:
+    sync_batch_stats: bool = True,
+) -> Callable[..., tuple[LinenTrainState, dict]]:
     """A jitted ZeRO-1 step for a Flax ``TrainState`` from :func:`linen_train_state`.
 
     Each device differentiates ``loss_fn`` on its share of the batch; then
     ``state.apply_gradients`` runs the sharded optimizer (reduce-scatter, update of
-    this device's slice, all-gather).
+    this device's slice, all-gather). ``train_step(state, batch, key)`` passes
+    ``key=`` (folded with the device index: a distinct dropout stream per device) and,
+    when the state has a ``model_state``, ``model_state=`` to the loss, as
+    :func:`zeroshard.make_train_step` does::
+
+        def loss_fn(params, batch, key, model_state):
+            logits, updates = model.apply({"params": params, **model_state}, batch["x"],
+                                          rngs={"dropout": key}, mutable=["batch_stats"])
+            return loss(logits, batch), updates
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)``).
+      loss_fn: ``loss_fn(params, batch, **extras) -> scalar`` (or ``(scalar, aux)``);
+        see :func:`zeroshard.make_train_step` for the extras and what to return with
+        a model state.
       tx: the state's optimizer, from :func:`zeroshard.sharded`.
       mesh: the device mesh.
       axis_name: the axis the batch's leading dimension is split over.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: whether ``loss_fn`` returns aux; per-example aux (a leading batch
+        dimension) comes back as the global per-example array, other aux averaged.
       donate: donate the input state's buffers.
+      sync_batch_stats: every ``nn.BatchNorm`` without an ``axis_name`` normalises
+        with global-batch statistics, as one device would on the whole batch;
+        ``False``: with each device's own rows (the collections returned are averaged
+        over the devices either way).
 
     Returns:
-      ``train_step(state, batch) -> (state, metrics)``.
+      ``train_step(state, batch, key=None) -> (state, metrics)``.
     """
     _check_flax_setup(tx, mesh, axis_name)
     num_shards = mesh.shape[axis_name]
 
-    def local(state, batch):
+    def local(state, batch, key):
         local_params = jax.lax.pcast(state.params, axis_name, to="varying")
-        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params, batch)
-        loss, aux = out if has_aux else (out, None)
+        model_state = getattr(state, "model_state", None)
+        key = device_key(key, axis_name)
+        loss = lambda p: call_loss(loss_fn, has_aux, p, batch, key, model_state)
+        synced = _synced_linen_batch_norm if sync_batch_stats else contextlib.nullcontext
+        with synced(axis_name):
+            (loss, (aux, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(local_params)
         state = state.apply_gradients(grads=grads)
-        return state, step_metrics(loss, aux, state.opt_state.grad_norm, axis_name)
+        if model_state is not None:
+            state = state.replace(model_state=mean_state(model_state, axis_name))
+        grad_norm = state.opt_state.grad_norm
+        return state, step_metrics(loss, aux, grad_norm, axis_name, local_rows(batch))
 
-    def global_step(state, batch):
+    def global_step(state, batch, key):
         _check_batch(batch, num_shards, axis_name)
+        if not isinstance(state, LinenTrainState):
+            state = LinenTrainState(**{f: getattr(state, f) for f in _FIELDS}, model_state=None)
         specs = _linen_specs(tx, state.apply_fn, state.params, num_shards)
         step = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(specs, P(axis_name)),
+            in_specs=(specs, P(axis_name), P()),
             out_specs=(specs, P()),
             axis_names={axis_name},
         )
-        return step(state, batch)
+        return step(state, batch, key)
 
     jitted = jax.jit(global_step, donate_argnums=(0,) if donate else ())
     batch_sharding = NamedSharding(mesh, P(axis_name))
 
-    def train_step(state, batch):
+    def train_step(state, batch, key=None):
         _check_batch(batch, num_shards, axis_name)
-        return jitted(state, jax.device_put(batch, batch_sharding))
+        return jitted(state, jax.device_put(batch, batch_sharding), key)
 
     train_step.jitted = jitted
     return train_step
+
+
+_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
 
 
 # Stage 3: per-layer gathering.

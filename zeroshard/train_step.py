@@ -31,6 +31,14 @@ from zeroshard.local_update import (
     update_pieces,
 )
 from zeroshard.reduce_scatter import reduce_scatter_leaves
+from zeroshard.step_io import (
+    call_loss,
+    device_key,
+    is_per_example,
+    local_rows,
+    mean_state,
+    step_metrics,
+)
 
 
 class TrainState(NamedTuple):
@@ -42,11 +50,15 @@ class TrainState(NamedTuple):
         device (stages 1 and 2), or a tree of :class:`zeroshard.Shard` pieces (stage 3).
       opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
         per device.
+      model_state: non-trainable model state (e.g. ``{"batch_stats": ...}`` of a Linen
+        BatchNorm), replicated and averaged over the batch axes each step; ``None``
+        when the model has none.
     """
 
     step: jax.Array
     params: PyTree
     opt_state: ShardedState
+    model_state: PyTree = None
 
 
 def _check_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
@@ -127,13 +139,13 @@ def state_specs(
     structs = full_structs(params)
     opt_specs = tx.state_specs(structs, num_shards)
     if stage < 3:
-        return TrainState(P(), P(), opt_specs)
+        return TrainState(P(), P(), opt_specs, P())
     layout = tx.plan(structs, num_shards).layout
     param_specs = layout.treedef.unflatten(
         Shard(P(*(None,) * (len(s.piece_shape) - 1), tx.axis_name), s.shape, s.dtype, s.stacked)
         for s in layout.slots
     )
-    return TrainState(P(), param_specs, opt_specs)
+    return TrainState(P(), param_specs, opt_specs, P())
 
 
 def init_train_state(
@@ -144,6 +156,7 @@ def init_train_state(
     axis_name: str = "data",
     param_dtype: Any = None,
     stage: int = 1,
+    model_state: PyTree = None,
 ) -> TrainState:
     """Lays a training state out on ``mesh``.
 
@@ -159,6 +172,10 @@ def init_train_state(
       param_dtype: compute dtype of the parameters (e.g. ``jnp.bfloat16``); ``None``
         keeps the given dtypes.
       stage: the ZeRO stage the state is for (1, 2 or 3).
+      model_state: non-trainable model state to carry (e.g. the ``batch_stats``
+        collection of a Linen model: ``{"batch_stats": variables["batch_stats"]}``),
+        replicated; the step passes it to the loss function (see
+        :func:`make_train_step`).
 
     Returns:
       A :class:`TrainState` at step 0.
@@ -171,36 +188,26 @@ def init_train_state(
     _check_stage(stage)
     num_shards = mesh.shape[axis_name]
 
-    def local_init(master_params: PyTree) -> TrainState:
+    def local_init(master_params: PyTree, model_state: PyTree) -> TrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
         params = jax.tree.map(cast, master_params)
         opt_state = init_local(tx, params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
             params = to_shards(layout, layout.pieces(params, jax.lax.axis_index(axis_name)))
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
+        model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    params, model_state = jax.device_put((params, model_state), NamedSharding(mesh, P()))
     compute = jax.eval_shape(
         lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params
     )
     specs = state_specs(tx, compute, num_shards, stage)
     # The same out_specs as the step's, so the first step sees the shardings it returns.
     init = jax.shard_map(
-        local_init, mesh=mesh, in_specs=P(), out_specs=specs, axis_names={axis_name}
+        local_init, mesh=mesh, in_specs=(P(), P()), out_specs=specs, axis_names={axis_name}
     )
-    return jax.jit(init)(params)
-
-
-def step_metrics(
-    loss: jax.Array, aux: Any, grad_norm: jax.Array, axis_name: str | tuple[str, ...]
-) -> dict:
-    """A step's metrics: the global mean loss, the gradient norm, and ``aux`` averaged
-    over the batch axes (when there is one)."""
-    metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axis_name), "grad_norm": grad_norm}
-    if aux is not None:
-        metrics["aux"] = jax.lax.pmean(aux, axis_name)
-    return metrics
+    return jax.jit(init)(params, model_state)
 
 
 def _check_batch(
@@ -253,7 +260,9 @@ class TrainStep:
         self._batch_sharding = NamedSharding(mesh, P(self.batch_axes))
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
 
-    def _local_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+    def _local_step(
+        self, state: TrainState, batch: PyTree, key: jax.Array | None
+    ) -> tuple[TrainState, dict]:
         axis, tx, stage = self.axis_name, self.tx, self.stage
         plan = checked_plan(tx, state.opt_state, full_structs(state.params))
         # Differentiate w.r.t. a copy varying over the batch axes: the gradient of an
@@ -263,17 +272,25 @@ class TrainStep:
         diff_params = (
             state.params if varying is None else jax.lax.pcast(state.params, varying, to="varying")
         )
-        loss_fn, scale = self.loss_fn, state.opt_state.loss_scale
-        if scale is not None:  # dynamic loss scaling: differentiate the scaled loss
-            loss_fn = _scaled(loss_fn, scale.scale, self.has_aux)
-        value_and_grad = jax.value_and_grad(loss_fn, has_aux=self.has_aux)
+        scale = state.opt_state.loss_scale
+
+        def loss_fn(params, batch, key, model_state):
+            loss, rest = call_loss(self.loss_fn, self.has_aux, params, batch, key, model_state)
+            if scale is not None:  # dynamic loss scaling: differentiate the scaled loss
+                loss = loss.astype(jnp.float32) * scale.scale
+            return loss, rest
+
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+        key = device_key(key, self.batch_axes)
         if self.accum_steps > 1:
-            out, grad_pieces = self._accumulate(value_and_grad, diff_params, batch, plan)
+            out, grad_pieces = self._accumulate(
+                value_and_grad, diff_params, batch, key, state.model_state, plan
+            )
         else:
-            out, grads = value_and_grad(diff_params, batch)
+            out, grads = value_and_grad(diff_params, batch, key, state.model_state)
             grad_pieces = self._scatter(plan, grads)
         grad_pieces = plan.to_inner(mean_over_replicas(tx, grad_pieces))
-        loss, aux = out if self.has_aux else (out, None)
+        loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
         if stage == 3:
@@ -286,8 +303,9 @@ class TrainStep:
             params = to_shards(plan.layout, new)
         else:
             params = all_gather_params(new, plan.layout, axis, tx.pack_bytes)
-        metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
+        model_state = mean_state(model_state, self.batch_axes)
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _scatter(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
         """This device's piece of each leaf's gradient, 1-D, averaged over the sharding
@@ -303,8 +321,11 @@ class TrainStep:
             grads, plan.layout, tx.axis_name, tx.reduce_dtype, tx.pack_bytes
         )
 
-    def _accumulate(self, value_and_grad, params, batch, plan):
-        """Mean loss and gradient pieces over ``accum_steps`` micro-batches (a scan).
+    def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
+        """Loss, aux, model state and gradient pieces over ``accum_steps`` micro-batches
+        (a scan): the mean loss and gradient, per-example aux concatenated in batch
+        order (other aux averaged), the model state after the last micro-batch, and
+        micro-batch ``i`` gets ``fold_in(key, i)``.
 
         Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
         Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
@@ -318,29 +339,38 @@ class TrainStep:
         else:
             sizes = [s.piece_size for s in plan.layout.slots]
             accumulator = [zeros(jax.ShapeDtypeStruct((w,), jnp.float32)) for w in sizes]
-        first = jax.tree.map(lambda x: x[0], micro)
-        out_zeros = jax.tree.map(
-            zeros, jax.eval_shape(lambda p: value_and_grad(p, first)[0], params)
-        )
 
-        def body(carry, mb):
-            out_sum, acc = carry
-            out, grads = value_and_grad(params, mb)
+        def body(carry, xs):
+            model_state, acc = carry
+            mb, i = xs
+            mb_key = None if key is None else jax.random.fold_in(key, i)
+            (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
             if self.stage == 1:
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             else:
                 pieces = self._scatter(plan, grads)
                 acc = [a + p.astype(jnp.float32) for a, p in zip(acc, pieces, strict=True)]
-            out_sum = jax.tree.map(lambda s, o: s + o.astype(jnp.float32), out_sum, out)
-            return (out_sum, acc), None
+            return (model_state, acc), (loss, aux)
 
-        (out_sum, acc), _ = jax.lax.scan(body, (out_zeros, accumulator), micro)
-        out = jax.tree.map(lambda s: s / k, out_sum)
+        xs = (micro, jnp.arange(k))
+        (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
+        rows = local_rows(batch) // k
+        aux = jax.tree.map(
+            lambda x: (
+                x.reshape(k * rows, *x.shape[2:])
+                if is_per_example(x[0], rows)
+                else jnp.mean(x.astype(jnp.float32), axis=0)
+            ),
+            auxes,
+        )
+        out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         if self.stage == 1:
             return out, self._scatter(plan, jax.tree.map(lambda a: a / k, acc))
         return out, [a / k for a in acc]
 
-    def _global_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+    def _global_step(
+        self, state: TrainState, batch: PyTree, key: jax.Array | None
+    ) -> tuple[TrainState, dict]:
         _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) != (self.stage == 3):
             raise ValueError(
@@ -353,22 +383,26 @@ class TrainStep:
         step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
-            in_specs=(specs, batch_specs),
+            in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
             axis_names=set(self.tx.batch_axes),
         )
-        return step(state, batch)
+        return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
         _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         return jax.device_put(batch, self._batch_sharding)
 
-    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        return self.jitted(state, self._place(batch))
+    def __call__(
+        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
+    ) -> tuple[TrainState, dict]:
+        return self.jitted(state, self._place(batch), key)
 
-    def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
+    def lower(
+        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
+    ) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it."""
-        return self.jitted.lower(state, self._place(batch))
+        return self.jitted.lower(state, self._place(batch), key)
 
 
 def make_train_step(
@@ -449,18 +483,6 @@ def make_train_step(
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
-
-
-def _scaled(loss_fn: Callable[..., Any], scale: jax.Array, has_aux: bool) -> Callable[..., Any]:
-    """``loss_fn`` with its loss multiplied by ``scale`` (in float32)."""
-
-    def scaled(params: PyTree, batch: PyTree) -> Any:
-        out = loss_fn(params, batch)
-        if has_aux:
-            return out[0].astype(jnp.float32) * scale, out[1]
-        return out.astype(jnp.float32) * scale
-
-    return scaled
 
 
 def _shards(tree: PyTree) -> list[Shard]:

@@ -1,0 +1,104 @@
+"""Step I/O: what a data-parallel step reads and returns besides the sharded state.
+
+Every step (:func:`zeroshard.make_train_step`, the Flax steps) runs inside
+``shard_map`` over the batch axes, where each device sees its own rows. These helpers
+make what crosses the step's boundary mean what it means on one device:
+
+- a random key becomes a distinct, reproducible stream per device (dropout masks
+  differ across devices; the same key gives bit-identical runs);
+- the loss is the global mean, scalar aux is averaged, and aux with a leading batch
+  dimension comes back as the global per-example array, in batch order;
+- non-trainable model state (BatchNorm statistics, ...) is averaged over the batch
+  axes, so it is identical on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.layout import PyTree
+
+Axes = str | tuple[str, ...]
+
+
+def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
+    """``key`` folded with this device's index over ``axes`` (``None`` stays ``None``)."""
+    if key is None:
+        return None
+    return jax.random.fold_in(key, jax.lax.axis_index(axes))
+
+
+def mean_state(tree: PyTree, axes: Axes) -> PyTree:
+    """Floating-point leaves of ``tree`` averaged over ``axes``; other leaves as they are."""
+
+    def mean(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return jax.lax.pmean(x, axes)
+        return x
+
+    return jax.tree.map(mean, tree)
+
+
+def is_per_example(x: Any, rows: int) -> bool:
+    """Whether an aux leaf has one entry per example of a ``rows``-row local batch."""
+    return jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows
+
+
+def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
+    """Per-example aux leaves (leading dimension ``rows``, the local batch) gathered into
+    the global batch, in its order; other leaves averaged over ``axes``."""
+
+    def combine(x: Any) -> Any:
+        if is_per_example(x, rows):
+            return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
+        return jax.lax.pmean(x, axes)
+
+    return jax.tree.map(combine, aux)
+
+
+def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, rows: int) -> dict:
+    """A step's metrics: the global mean ``loss``, the gradient norm and, when there is
+    one, ``aux`` as :func:`global_aux` returns it (``rows``: the local batch size)."""
+    metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
+    if aux is not None:
+        metrics["aux"] = global_aux(aux, rows, axes)
+    return metrics
+
+
+def local_rows(batch: PyTree) -> int:
+    """The number of rows of this device's batch (its leaves' leading dimension)."""
+    return jnp.shape(jax.tree.leaves(batch)[0])[0]
+
+
+def call_loss(
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: PyTree,
+    batch: PyTree,
+    key: jax.Array | None,
+    model_state: PyTree | None,
+) -> tuple[jax.Array, tuple[Any, PyTree | None]]:
+    """Calls a user's loss function in the step's convention; returns ``(loss, (aux,
+    new_model_state))``.
+
+    ``loss_fn(params, batch)`` gets ``key=`` when the step was given a key and
+    ``model_state=`` when the state carries one. With a model state it returns
+    ``(loss, new_model_state)``, or ``(loss, (new_model_state, aux))`` with
+    ``has_aux`` (Flax's ``mutable=`` convention); otherwise ``loss`` or ``(loss, aux)``.
+    """
+    kwargs = {}
+    if key is not None:
+        kwargs["key"] = key
+    if model_state is not None:
+        kwargs["model_state"] = model_state
+    out = loss_fn(params, batch, **kwargs)
+    if model_state is not None:
+        loss, rest = out
+        new_state, aux = rest if has_aux else (rest, None)
+        return loss, (aux, new_state)
+    loss, aux = out if has_aux else (out, None)
+    return loss, (aux, None)
