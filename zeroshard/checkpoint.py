@@ -2,7 +2,8 @@
 
 On disk a step holds two orbax items:
 
-- ``state``: ``{"step", "params", "opt_state"}`` in the logical layout of
+- ``state``: ``{"step", "params", "opt_state"}`` (and ``"model_state"``, replicated,
+  when the state has one) in the logical layout of
   :func:`zeroshard.to_optax_state`: the parameters in the master dtype and the inner
   optimizer's state shaped exactly as plain optax's. Nothing in it depends on the
   device count, and a plain optax user can restore it with
@@ -205,8 +206,11 @@ class CheckpointManager:
             },
             "params": _describe(params),
             "opt_state": _describe(opt_state),
+            "model_state": None if state.model_state is None else _describe(state.model_state),
         }
         item = {"step": state.step, "params": params, "opt_state": opt_state}
+        if state.model_state is not None:
+            item["model_state"] = state.model_state
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),
@@ -222,6 +226,7 @@ class CheckpointManager:
         *,
         step: int | None = None,
         stage: int = 1,
+        model_state: PyTree = None,
     ) -> TrainState:
         """Restores a step onto ``mesh``, whatever the device count and stage it was saved
         with.
@@ -232,6 +237,8 @@ class CheckpointManager:
             dtypes: the tree structure, shapes and dtypes to restore into.
           step: the step to restore (default: the latest).
           stage: the ZeRO stage to lay the state out for (3: params as pieces).
+          model_state: the non-trainable model state's tree (arrays or
+            ``jax.ShapeDtypeStruct``), when the state was saved with one.
 
         Returns:
           The :class:`zeroshard.TrainState`, laid out as the train step returns it.
@@ -262,6 +269,16 @@ class CheckpointManager:
         _first_difference("parameter", saved_compute, _describe(like), hint)
         _first_difference("master weight", saved["params"], _describe(params_structs), hint)
         _first_difference("optimizer state leaf", saved["opt_state"], _describe(opt_structs), hint)
+        saved_model_state = saved.get("model_state")
+        if (saved_model_state is None) != (model_state is None):
+            raise ValueError(
+                f"step {step} of {self.directory} was saved "
+                f"{'without' if saved_model_state is None else 'with'} a model_state; restore "
+                f"with model_state={'None' if saved_model_state is None else 'its tree'}."
+            )
+        if model_state is not None:
+            model_state = full_structs(model_state)
+            _first_difference("model state leaf", saved_model_state, _describe(model_state), hint)
 
         def target(structs: PyTree) -> PyTree:
             return jax.tree.map(
@@ -278,6 +295,11 @@ class CheckpointManager:
             "params": target(params_structs),
             "opt_state": target(opt_structs),
         }
+        if model_state is not None:
+            replicated = NamedSharding(mesh, P())
+            item["model_state"] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), model_state
+            )
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(item)})
         try:
             restored = self._orbax().restore(step, args=args)[STATE_ITEM]
@@ -300,6 +322,7 @@ class CheckpointManager:
             stage=stage,
             skipped=saved.get("skipped_steps", 0),
             loss_scale=_loss_scale(saved.get("loss_scale")) if tx.loss_scale else None,
+            model_state=restored.get("model_state"),
         )
 
     def wait_until_finished(self) -> None:

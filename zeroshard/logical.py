@@ -186,6 +186,7 @@ def from_optax_state(
     stage: int = 1,
     skipped: int | jax.Array = 0,
     loss_scale: LossScaleState | None = None,
+    model_state: PyTree = None,
 ) -> TrainState:
     """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
 
@@ -202,6 +203,7 @@ def from_optax_state(
       skipped: the count of skipped non-finite steps to resume from.
       loss_scale: the dynamic loss scale's state to resume from (default: its initial
         state, when ``tx`` scales the loss).
+      model_state: non-trainable model state to carry (replicated), or ``None``.
 
     Returns:
       A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
@@ -224,7 +226,7 @@ def from_optax_state(
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
 
-    def local(params: PyTree, opt_state: PyTree, step: jax.Array, skipped: jax.Array, scale):
+    def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
         pieces = [_from_logical(x, s, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
         rows = layout.rows(pieces)
@@ -245,11 +247,12 @@ def from_optax_state(
         ]
         grad_norm = jnp.zeros((), jnp.float32)
         opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped, scale)
-        return TrainState(step, compute, opt)
+        return TrainState(step, compute, opt, model_state)
 
     in_specs = (
         _specs(params_structs, num_shards, axis_name),
         _specs(opt_structs, num_shards, axis_name),
+        P(),
         P(),
         P(),
         P(),
@@ -259,7 +262,7 @@ def from_optax_state(
         loss_scale = tx.loss_scale.init()
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     placed = jax.device_put(
-        (params, opt_state, *counters, loss_scale),
+        (params, opt_state, *counters, loss_scale, model_state),
         jax.tree.map(
             lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
         ),
