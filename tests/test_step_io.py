@@ -48,7 +48,7 @@ def train(loss_fn, params, batches, keys=None, n=8, accum_steps=1, **kw):
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_per_example_aux_is_the_global_array(accum_steps, rng):
     params, batches = make_params(rng), data(rng)
-    state, _, outs = train(dropout_loss, params, batches[:1], accum_steps=accum_steps)
+    _, _, outs = train(dropout_loss, params, batches[:1], accum_steps=accum_steps)
     _, expected = dropout_loss(params, batches[0])
     aux = outs[0]["aux"]
     assert aux["pred"].shape == (32, 3) and aux["mask"].shape == (32, D)
@@ -70,7 +70,7 @@ def test_dropout_masks_differ_per_device_and_runs_are_reproducible(accum_steps, 
     params, batches = make_params(rng), data(rng)
     batches = [dict(b, x=jnp.ones_like(b["x"])) for b in batches]  # the same rows everywhere
     keys = [jax.random.fold_in(jax.random.key(0), i) for i in range(len(batches))]
-    a, tx, outs = train(dropout_loss, params, batches, keys, accum_steps=accum_steps)
+    a, _, outs = train(dropout_loss, params, batches, keys, accum_steps=accum_steps)
     masks = np.asarray(outs[0]["aux"]["mask"]).reshape(8 * accum_steps, -1)
     assert len({m.tobytes() for m in masks}) == len(masks)  # every device, micro-batch differs
     b, _, _ = train(dropout_loss, params, batches, keys, accum_steps=accum_steps)
