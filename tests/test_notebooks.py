@@ -10,7 +10,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 
 def test_notebooks_are_committed_without_outputs():
-    assert len(NOTEBOOKS) == 4
+    assert len(NOTEBOOKS) == 5
     for path in NOTEBOOKS:
         book = nbformat.read(path, as_version=4)
         for cell in book.cells:

@@ -21,6 +21,11 @@ Linen::
     train_step = zs.flax.linen_train_step(loss_fn, tx, mesh)  # loss_fn(params, batch)
     state, metrics = train_step(state, batch)
 
+The model runs as written: dropout draws a distinct stream per device (NNX: the
+model's ``nnx.Rngs``; Linen: the step's ``key``), ``BatchNorm`` normalises with
+global-batch statistics and its running statistics stay identical on every device,
+and aux with a leading batch dimension (logits) comes back as the global array.
+
 Stage 3 (weights as 1/N pieces, gathered layer by layer) works on the functional
 :class:`zeroshard.TrainState` from ``zs.init_train_state(params, tx, mesh, stage=3)``;
 these helpers make Flax layers gather their own weights:

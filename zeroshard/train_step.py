@@ -436,26 +436,42 @@ def make_train_step(
     backward pass instead of keeping them). The gather's transpose reduce-scatters
     the gradients, so they arrive as pieces, and no all-gather closes the step.
 
+    Stacked layers (``zs.sharded(..., stacked=["blocks"])``) are cut layer by layer,
+    so in stage 3 ``jax.lax.scan`` over them with :func:`zeroshard.layer` in the body
+    gathers one layer per iteration.
+
+    Randomness and model state: ``train_step(state, batch, key)`` passes ``key=`` to
+    ``loss_fn``, folded with the device's index over the batch axes (and with the
+    micro-batch index when accumulating): every device draws its own dropout masks,
+    and the same key gives the same run. A state built with
+    ``init_train_state(..., model_state=...)`` (e.g. BatchNorm statistics) passes
+    ``model_state=`` too; ``loss_fn`` then returns ``(loss, new_model_state)`` (with
+    ``has_aux``: ``(loss, (new_model_state, aux))``, Flax's ``mutable=`` convention),
+    and the new state, averaged over the batch axes, is the state's ``model_state``.
+
     With ``zs.sharded(..., loss_scale=...)`` the step differentiates the loss times
     the current scale; the reported loss is unscaled.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)`` with
-        ``has_aux``): the mean loss over the batch it is given.
+      loss_fn: ``loss_fn(params, batch, **extras) -> scalar`` (or ``(scalar, aux)``
+        with ``has_aux``): the mean loss over the batch it is given. ``extras`` are
+        ``key=`` when the step is given a key and ``model_state=`` when the state
+        has one (see above).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
       axis_name: the axis the state is sharded over; the batch's leading dimension
         is split over it, and over ``tx.replica_axis`` too when the optimizer has one
         (hierarchical sharding). Other mesh axes are left to ``loss_fn``.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over
-        devices into ``metrics["aux"]``.
+      has_aux: whether ``loss_fn`` returns aux, into ``metrics["aux"]``: leaves with a
+        leading dimension of the device's batch size are per-example and come back
+        as the global arrays, in batch order; other leaves are averaged over devices.
       donate: donate the input state's buffers to the output state.
       stage: 1, 2 or 3 (ZeRO stage; see above).
       accum_steps: micro-batches per step; the global batch must divide by
         ``accum_steps`` times the axis size.
 
     Returns:
-      A :class:`TrainStep`: ``state, metrics = train_step(state, batch)``, where
+      A :class:`TrainStep`: ``state, metrics = train_step(state, batch[, key])``, where
       ``metrics`` has the global mean ``"loss"`` and ``"grad_norm"`` (the global norm
       of the mean gradient, before clipping).
 
