@@ -208,3 +208,45 @@ def test_nnx_stage3_gathers_per_layer_and_matches_plain_optax(rng):
         return jnp.mean((zf.nnx_layer(model.norm)(p["norm"], x) - b["y"]) ** 2)
 
     check_stage3(params, plain_loss, stage3_loss, data, layers=4)
+
+
+def test_updates_outside_the_step_point_at_the_flax_steps(rng):
+    mesh, model = make_mesh(8), LinenModel()
+    params = model.init(jax.random.key(0), jnp.ones((1, 7)))["params"]
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    state = zf.linen_train_state(model.apply, params, tx, mesh)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    with pytest.raises(ValueError, match=r"linen_train_step\(loss_fn, tx, mesh\) instead"):
+        state.apply_gradients(grads=grads)
+    nnx_model = NNXModel(nnx.Rngs(0))
+    optimizer = zf.nnx_optimizer(nnx_model, zs.sharded(optax.sgd(0.1)), mesh)
+    with pytest.raises(ValueError, match="nnx_train_step"):
+        grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.state(nnx_model, nnx.Param))
+        optimizer.update(nnx_model, grads)
+
+
+def test_nnx_bf16_compute_keeps_an_fp32_master(rng):
+    data, mesh = batches(rng, 3), make_mesh(8)
+    model, initial = NNXModel(nnx.Rngs(0)), NNXModel(nnx.Rngs(0))
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", reduce_dtype=jnp.float32)
+    optimizer = zf.nnx_optimizer(model, tx, mesh, param_dtype=jnp.bfloat16)
+    assert model.l1.kernel[...].dtype == jnp.bfloat16
+    master = optimizer.opt_state.master
+    assert {x.dtype for x in jax.tree.leaves(nnx.as_pure(master))} == {jnp.dtype(jnp.float32)}
+    step = zf.nnx_train_step(nnx_loss, mesh)
+    for batch in data:
+        step(model, optimizer, batch)
+
+    def f32_loss(params, batch):
+        p = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        graphdef, _ = nnx.split(initial, nnx.Param)
+        rest = nnx.state(initial, nnx.Not(nnx.Param))
+        return nnx_loss(nnx.merge(graphdef, nnx.State(p), rest), batch)
+
+    params = nnx.to_pure_dict(nnx.state(initial, nnx.Param))
+    expected = reference_run(f32_loss, optax.sgd(0.1), params, data, jnp.bfloat16, 8)
+    assert_trees_close(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), expected),
+        2**-7,
+    )

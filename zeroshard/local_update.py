@@ -243,10 +243,13 @@ def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree)
         )
     num_shards = bound_axis_size(tx.axis_name)
     if num_shards is None:
-        context_mesh(tx.axis_name)  # raises with the fix
         raise ValueError(
-            f"zs.sharded(...).update must run inside jax.shard_map over {tx.axis_name!r} "
-            "(it reduce-scatters local gradients); use zs.make_train_step for a ready step."
+            f"zs.sharded(...).update must run inside jax.shard_map over {tx.axis_name!r}: it "
+            "reduce-scatters each device's local gradients (jax.set_mesh is not enough). Use "
+            "a ready step: zs.make_train_step(loss_fn, tx, mesh); with Linen, "
+            "zeroshard.flax.linen_train_step(loss_fn, tx, mesh) instead of calling "
+            "state.apply_gradients yourself; with NNX, zeroshard.flax.nnx_train_step(loss_fn, "
+            "mesh) instead of optimizer.update in nnx.jit."
         )
     plan = tx.plan(params, num_shards)
     if len(state.master) != len(plan.layout.buckets):
