@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.local_update import ShardedTransformation, init_global, init_local
+from zeroshard.local_update import ShardedTransformation, apply_update, init_global, init_local
 from zeroshard.step_io import call_loss, device_key, local_rows, mean_state, step_metrics
 from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup
 
@@ -68,19 +68,27 @@ def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
                 f"the Flax steps do not support zs.sharded(..., {option}=...); use "
                 "zs.make_train_step with the params from nnx.split / the Linen variables."
             )
-    _check_other_axes(mesh, (axis_name,))
 
 
-def _replicated_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
-    """``tree`` replicated on ``mesh``, in fresh buffers laid out as a step returns them."""
-    copy = jax.shard_map(
-        lambda t: jax.tree.map(jnp.copy, t),
-        mesh=mesh,
-        in_specs=P(),
-        out_specs=P(),
-        axis_names={axis_name},
-    )
-    return jax.jit(copy)(jax.device_put(tree, NamedSharding(mesh, P())))
+def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
+    """``tree`` on ``mesh`` in fresh buffers: replicated over ``axis_name``, and laid out
+    over the mesh's other axes as it already was (the model's sharding annotations)."""
+
+    def spec(x: Any) -> P:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
+            return P()
+        drop = lambda e: tuple(a for a in e if a != axis_name) or None
+        return P(
+            *(
+                drop(e) if isinstance(e, tuple) else None if e == axis_name else e
+                for e in sharding.spec
+            )
+        )
+
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
+    return copy(jax.device_put(tree, shardings))
 
 
 # NNX.
@@ -95,11 +103,14 @@ def nnx_optimizer(
     wrt: Any = nnx.Param,
     param_dtype: Any = None,
 ) -> nnx.Optimizer:
-    """Places ``model`` on ``mesh`` (replicated) and builds its sharded ``nnx.Optimizer``.
+    """Places ``model`` on ``mesh`` and builds its sharded ``nnx.Optimizer``.
 
-    The optimizer state holds plain arrays: the parameters' sharding metadata
-    (``nnx.with_partitioning``) is not copied onto it, so nothing re-lays the 1/N
-    slices out.
+    The model's arrays are replicated over ``axis_name`` and keep their layout over
+    the mesh's other axes (e.g. ``out_sharding`` / ``nnx.with_partitioning``
+    annotations over a ``"model"`` axis, which the step honours). The optimizer state
+    holds plain arrays sharded 1/N over ``axis_name`` (replicated over the other
+    axes): the parameters' sharding metadata is not copied onto it, so nothing
+    re-lays the slices out, as ``nnx.Optimizer`` would.
 
     Args:
       model: the NNX model; its state is moved onto ``mesh`` in place (and its
@@ -117,9 +128,10 @@ def nnx_optimizer(
     _check_flax_setup(tx, mesh, axis_name)
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
-    nnx.update(model, _replicated_copy(nnx.state(model), mesh, axis_name))
-    params = nnx.as_pure(nnx.state(model, wrt))
-    opt_state = init_global(tx, params, mesh, jax.device_put(master, NamedSharding(mesh, P())))
+    nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
+    opt_state = init_global(tx, params, mesh, jax.device_put(master, replicated))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(to_opt_state(opt_state))
@@ -159,37 +171,62 @@ class NNXTrainStep:
         self._donate, self._sync = donate, sync
         self._compiled: dict[Any, Callable] = {}
 
-    def _build(self, graphdef: Any, specs: PyTree) -> Callable:
+    def _gradients(self, model_def, wrt, params, rest, batch):
+        """Each device's loss, aux, model state and local gradients: the model runs on
+        one device's rows under ``vmap`` over the data axis, in the mesh's own sharding
+        (so annotations and ``out_sharding=`` calls inside the model work)."""
         axis = self.axis_name
 
-        def local(state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
-            model, optimizer = nnx.merge(graphdef, state)
+        def device_loss(params, rest, rows):
+            model = nnx.merge(model_def, params, rest)
             if self._sync:
                 _sync_nnx_batch_norm(model, axis)
-            params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-            # Local gradients: differentiate a copy varying over the axis (pitfall 1).
-            nnx.update(model, jax.lax.pcast(params, axis, to="varying"))
-            grad_fn = nnx.value_and_grad(
-                self.loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=self.has_aux
-            )
             with _per_device_rngs(model, axis):
-                out, grads = grad_fn(model, batch)
+                out = self.loss_fn(model, rows)
             loss, aux = out if self.has_aux else (out, None)
-            nnx.update(model, params)
-            other = nnx.All(nnx.Not(optimizer.wrt), nnx.Not(nnx.RngState))
-            nnx.update(model, mean_state(nnx.as_pure(nnx.state(model, other)), axis))
-            optimizer.update(model, grads)
-            grad_norm = nnx.as_pure(optimizer.opt_state).grad_norm
-            metrics = step_metrics(loss, aux, grad_norm, axis, local_rows(batch))
+            return loss, (aux, nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
+
+        grad_fn = jax.value_and_grad(device_loss, has_aux=True)
+        vmapped = jax.vmap(grad_fn, in_axes=(None, None, 0), axis_name=axis, spmd_axis_name=axis)
+        return vmapped(params, rest, batch)
+
+    def _build(self, graphdef: Any, param_specs: PyTree) -> Callable:
+        axis, mesh = self.axis_name, _auto_mesh(self.mesh)
+
+        def step(state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
+            model, optimizer = nnx.merge(graphdef, state)
+            model_def, params, rest = nnx.split(model, optimizer.wrt, ...)
+            params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+            (loss, (aux, rests)), grads = self._gradients(
+                model_def, optimizer.wrt, params, rest, batch
+            )
+            nnx.update(model, jax.tree.map(_across_devices, rests))
+            # The update: manual over every mesh axis, the state replicated over all but
+            # the data axis; then the parameters return to their own shardings.
+            tx, opt_state = optimizer.tx, nnx.as_pure(optimizer.opt_state)
+            specs = tx.state_specs(params, self.num_shards)
+            update = jax.shard_map(
+                lambda g, s, p: apply_update(tx, jax.tree.map(lambda x: x[0], g), s, p),
+                mesh=mesh,
+                in_specs=(P(axis), specs, P()),
+                out_specs=(P(), specs),
+                axis_names=set(mesh.axis_names),
+            )
+            constrain = lambda x, spec: jax.lax.with_sharding_constraint(
+                x, NamedSharding(mesh, spec)
+            )
+            grads = jax.tree.map(lambda g: constrain(g, P(axis)), grads)
+            params = jax.tree.map(lambda p: constrain(p, P()), params)
+            new, opt_state = update(grads, opt_state, params)
+            nnx.update(model, jax.tree.map(constrain, new, param_specs))
+            nnx.update(optimizer.opt_state, nnx.state(opt_state))
+            optimizer.step[...] += 1
+            rows = jax.tree.leaves(batch)[0].shape[1]
+            metrics = {"loss": jnp.mean(loss.astype(jnp.float32)), "grad_norm": opt_state.grad_norm}
+            if aux is not None:
+                metrics["aux"] = jax.tree.map(lambda x: _examples(x, rows), aux)
             return nnx.state((model, optimizer)), metrics
 
-        step = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(specs, P(axis)),
-            out_specs=(specs, P()),
-            axis_names={axis},
-        )
         return jax.jit(step, donate_argnums=(0,) if self._donate else ())
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> dict:
@@ -201,13 +238,45 @@ class NNXTrainStep:
         _check_batch(batch, self.num_shards, self.axis_name)
         graphdef, state = nnx.split((model, optimizer))
         specs = jax.tree.map(_spec, state)
+        param_specs = jax.tree.map(_spec, nnx.as_pure(nnx.state(model, optimizer.wrt)))
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
-            self._compiled[key] = self._build(graphdef, specs)
-        batch = jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
-        state, metrics = self._compiled[key](state, batch)
+            self._compiled[key] = self._build(graphdef, param_specs)
+        # The step runs on an Auto-typed twin of the mesh (same devices, same layouts):
+        # the model's own sharding calls work there, and under vmap over devices.
+        on = lambda mesh: lambda spec: NamedSharding(mesh, spec)
+        auto = _auto_mesh(self.mesh)
+        state = jax.device_put(state, jax.tree.map(on(auto), specs))
+        n = self.num_shards
+        batch = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
+        batch = jax.device_put(batch, NamedSharding(auto, P(self.axis_name)))
+        with jax.set_mesh(auto):
+            state, metrics = self._compiled[key](state, batch)
+        state = jax.device_put(state, jax.tree.map(on(self.mesh), specs))
         nnx.update((model, optimizer), state)
-        return metrics
+        return jax.device_put(metrics, NamedSharding(self.mesh, P()))
+
+
+def _auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` with every axis ``AxisType.Auto``: the same devices and layouts."""
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def _across_devices(x: jax.Array) -> jax.Array:
+    """One device's value from a ``vmap`` over devices: the mean of floating-point
+    state (e.g. BatchNorm statistics), the first device's otherwise (counts, keys)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.mean(x, axis=0).astype(x.dtype)
+    return x[0]
+
+
+def _examples(x: jax.Array, rows: int) -> jax.Array:
+    """Aux from a ``vmap`` over devices: per-example leaves (``rows`` per device) as the
+    global batch, in its order; other leaves averaged over devices."""
+    if x.ndim >= 2 and x.shape[1] == rows:
+        return x.reshape(x.shape[0] * rows, *x.shape[2:])
+    return jnp.mean(x.astype(jnp.float32), axis=0)
 
 
 def nnx_train_step(
@@ -286,6 +355,7 @@ def linen_train_state(
       ``opt_state`` 1/N per device.
     """
     _check_flax_setup(tx, mesh, axis_name)
+    _check_other_axes(mesh, (axis_name,))
 
     def local(master: PyTree, model_state: PyTree) -> LinenTrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
@@ -380,6 +450,7 @@ def linen_train_step(
       ``train_step(state, batch, key=None) -> (state, metrics)``.
     """
     _check_flax_setup(tx, mesh, axis_name)
+    _check_other_axes(mesh, (axis_name,))
     num_shards = mesh.shape[axis_name]
 
     def local(state, batch, key):
