@@ -295,6 +295,13 @@ def nnx_train_step(
     gives the same run); ``nnx.BatchNorm`` (and any other non-``wrt`` variable) is
     updated in the step and averaged over the devices, so it stays identical on all.
 
+    The forward and backward pass run once per device under ``jax.vmap`` over
+    ``axis_name``, on a twin of ``mesh`` whose axes are all ``Auto``: sharding
+    annotations and ``out_sharding=`` calls in the model work, and parameters keep
+    their layout over the mesh's other axes (tensor parallelism). The update runs in
+    a ``shard_map`` manual over every mesh axis: reduce-scatter of the local
+    gradients over ``axis_name``, the sharded update, all-gather of the new weights.
+
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, aux)``), the mean
         loss over the batch it is given.
