@@ -56,7 +56,14 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation, apply_update, init_global, init_local
-from zeroshard.step_io import call_loss, device_key, local_rows, mean_state, step_metrics
+from zeroshard.step_io import (
+    call_loss,
+    device_key,
+    local_rows,
+    mean_state,
+    stacked_aux,
+    step_metrics,
+)
 from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup
 
 
@@ -224,7 +231,7 @@ class NNXTrainStep:
             rows = jax.tree.leaves(batch)[0].shape[1]
             metrics = {"loss": jnp.mean(loss.astype(jnp.float32)), "grad_norm": opt_state.grad_norm}
             if aux is not None:
-                metrics["aux"] = jax.tree.map(lambda x: _examples(x, rows), aux)
+                metrics["aux"] = jax.tree.map(lambda x: stacked_aux(x, rows), aux)
             return nnx.state((model, optimizer)), metrics
 
         return jax.jit(step, donate_argnums=(0,) if self._donate else ())
@@ -269,14 +276,6 @@ def _across_devices(x: jax.Array) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.mean(x, axis=0).astype(x.dtype)
     return x[0]
-
-
-def _examples(x: jax.Array, rows: int) -> jax.Array:
-    """Aux from a ``vmap`` over devices: per-example leaves (``rows`` per device) as the
-    global batch, in its order; other leaves averaged over devices."""
-    if x.ndim >= 2 and x.shape[1] == rows:
-        return x.reshape(x.shape[0] * rows, *x.shape[2:])
-    return jnp.mean(x.astype(jnp.float32), axis=0)
 
 
 def nnx_train_step(

@@ -60,6 +60,15 @@ def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
     return jax.tree.map(combine, aux)
 
 
+def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
+    """An aux leaf stacked over a leading axis (micro-batches, or devices under
+    ``vmap``): per-example leaves (``rows`` per entry) concatenated in batch order,
+    other leaves averaged over the stack."""
+    if jnp.ndim(x) >= 2 and is_per_example(x[0], rows):
+        return x.reshape(x.shape[0] * rows, *x.shape[2:])
+    return jnp.mean(x.astype(jnp.float32), axis=0)
+
+
 def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, rows: int) -> dict:
     """A step's metrics: the global mean ``loss``, the gradient norm and, when there is
     one, ``aux`` as :func:`global_aux` returns it (``rows``: the local batch size)."""

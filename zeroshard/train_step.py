@@ -34,9 +34,9 @@ from zeroshard.reduce_scatter import reduce_scatter_leaves
 from zeroshard.step_io import (
     call_loss,
     device_key,
-    is_per_example,
     local_rows,
     mean_state,
+    stacked_aux,
     step_metrics,
 )
 
@@ -355,14 +355,7 @@ class TrainStep:
         xs = (micro, jnp.arange(k))
         (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
         rows = local_rows(batch) // k
-        aux = jax.tree.map(
-            lambda x: (
-                x.reshape(k * rows, *x.shape[2:])
-                if is_per_example(x[0], rows)
-                else jnp.mean(x.astype(jnp.float32), axis=0)
-            ),
-            auxes,
-        )
+        aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         if self.stage == 1:
             return out, self._scatter(plan, jax.tree.map(lambda a: a / k, acc))
