@@ -6,7 +6,8 @@ The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition
 """
 
 from zeroshard.all_gather import all_gather_params
-from zeroshard.checkpoint import CheckpointManager
+from zeroshard.checkpoint import CheckpointCorruptedError, CheckpointManager
+from zeroshard.checksum import checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.gather import Shard, gather, layer
 from zeroshard.guard import NotElementwiseError
@@ -29,6 +30,7 @@ from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_t
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointCorruptedError",
     "CheckpointManager",
     "ClipByGlobalNormState",
     "Collective",
@@ -44,6 +46,7 @@ __all__ = [
     "TrainStep",
     "__version__",
     "all_gather_params",
+    "checksums",
     "clip_by_global_norm",
     "collective_dtypes",
     "collectives",

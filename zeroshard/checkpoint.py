@@ -12,8 +12,18 @@ On disk a step holds two orbax items:
   :mod:`zeroshard.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape, the count of skipped
-  non-finite steps, the loss scale), readable without loading
-  arrays: ``python -m zeroshard inspect DIR``.
+  non-finite steps, the loss scale, and every logical leaf's checksum), readable
+  without loading arrays: ``python -m zeroshard inspect DIR``.
+
+orbax does not verify what it reads: damaged bytes can restore as wrong values
+without an error. So :meth:`CheckpointManager.save` records a checksum of every
+logical leaf (:mod:`zeroshard.checksum`: computed on device, the same on any device
+count), and :meth:`CheckpointManager.restore` recomputes them on the restored arrays
+and raises :class:`CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
+restores the newest step that verifies, saying which it skipped;
+``python -m zeroshard inspect DIR --verify`` checks a step without training code.
+Steps saved before checksums existed restore with a warning that they were not
+verified.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
 finalisation: a step appears only once fully written, so a process killed while
@@ -23,8 +33,11 @@ saving leaves the previous steps intact.
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import time
-from typing import Any
+import warnings
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +45,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.checksum import ALGORITHM, checksums, hexdigest
 from zeroshard.gather import full_structs
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation
@@ -48,6 +62,16 @@ from zeroshard.train_step import TrainState, _check_setup
 STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
 FORMAT = "zeroshard-logical-1"
+LATEST_VALID = "latest_valid"
+
+
+class CheckpointCorruptedError(ValueError):
+    """A step's arrays are not what was saved: a file is damaged or truncated.
+
+    Raised by :meth:`CheckpointManager.restore` and :meth:`CheckpointManager.verify`;
+    the message names the step (and the leaf, when a checksum differs) and lists the
+    other steps. Nothing on disk is changed.
+    """
 
 
 def _describe(tree: PyTree) -> dict[str, dict[str, Any]]:
@@ -207,6 +231,7 @@ class CheckpointManager:
             "opt_state": _describe(opt_state),
         }
         item = {"step": state.step, "params": params, "opt_state": opt_state}
+        metadata["checksums"] = _record(item)
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),
@@ -220,17 +245,19 @@ class CheckpointManager:
         mesh: jax.sharding.Mesh,
         like: PyTree,
         *,
-        step: int | None = None,
+        step: int | Literal["latest_valid"] | None = None,
         stage: int = 1,
     ) -> TrainState:
         """Restores a step onto ``mesh``, whatever the device count and stage it was saved
-        with.
+        with, and verifies every leaf against the checksum recorded at save.
 
         Args:
           mesh: the mesh to lay the state out on; it must have the optimizer's axis.
           like: the parameters (arrays or ``jax.ShapeDtypeStruct``) in their compute
             dtypes: the tree structure, shapes and dtypes to restore into.
-          step: the step to restore (default: the latest).
+          step: the step to restore: ``None`` (default) for the latest, whether it
+            verifies or not; ``"latest_valid"`` for the newest step that verifies
+            (each corrupted newer step is named in a warning); or a step number.
           stage: the ZeRO stage to lay the state out for (3: params as pieces).
 
         Returns:
@@ -238,16 +265,43 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: if there is no directory or no finalised step in it.
-          ValueError: if the checkpoint is of another model or optimizer, in other
-            dtypes (naming the first differing leaf), or unreadable (truncated or
-            corrupted files). Nothing on disk is changed.
+          CheckpointCorruptedError: (a ``ValueError``) if a leaf's checksum differs
+            from the one recorded at save, or a file is unreadable; the message
+            names the step and the leaf and lists the other steps. With
+            ``"latest_valid"``, only when no step verifies.
+          ValueError: if the checkpoint is of another model or optimizer, or in other
+            dtypes (naming the first differing leaf). Nothing on disk is changed.
         """
-        import orbax.checkpoint as ocp
+        if step != LATEST_VALID:
+            return self._restore(mesh, like, self._resolve(step), stage)
+        errors = []
+        for candidate in reversed(self._resolve_all()):
+            try:
+                state = self._restore(mesh, like, candidate, stage)
+            except CheckpointCorruptedError as e:
+                errors.append(e)
+                continue
+            if errors:
+                warnings.warn(
+                    f"restored step {candidate}, the newest step of {self.directory} that "
+                    "verifies; skipped: " + " | ".join(map(str, errors)),
+                    stacklevel=2,
+                )
+            return state
+        raise CheckpointCorruptedError(
+            f"no step of {self.directory} verifies: " + " | ".join(map(str, errors))
+        )
 
+    def _resolve_all(self) -> list[int]:
+        steps = self.all_steps()
+        if not steps:
+            self._resolve(None)  # raises the error that says why
+        return steps
+
+    def _restore(self, mesh: jax.sharding.Mesh, like: PyTree, step: int, stage: int) -> TrainState:
         tx = self._require_tx()
         _check_setup(tx, mesh, tx.axis_name)
         like = full_structs(like)
-        step = self._resolve(step)
         saved = self.metadata(step)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{self.directory} step {step} is not a {FORMAT} checkpoint.")
@@ -278,17 +332,8 @@ class CheckpointManager:
             "params": target(params_structs),
             "opt_state": target(opt_structs),
         }
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(item)})
-        try:
-            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
-            restored = jax.block_until_ready(restored)
-        except Exception as e:  # orbax/tensorstore raise many types for bad files
-            reason = str(e).split(" [tensorstore_spec")[0][:400]
-            raise ValueError(
-                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
-                f"or corrupted ({type(e).__name__}: {reason}). Restore another step "
-                f"({self.all_steps()}); nothing on disk was changed."
-            ) from e
+        restored = self._read(step, item)
+        self._check(step, saved, _record(restored))
         return from_optax_state(
             restored["params"],
             restored["opt_state"],
@@ -301,6 +346,110 @@ class CheckpointManager:
             skipped=saved.get("skipped_steps", 0),
             loss_scale=_loss_scale(saved.get("loss_scale")) if tx.loss_scale else None,
         )
+
+    def _read(self, step: int, target: PyTree) -> PyTree:
+        """The ``state`` item of ``step`` read into ``target``; unreadable -> corrupted."""
+        import orbax.checkpoint as ocp
+
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+        try:
+            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
+            return jax.block_until_ready(restored)
+        except Exception as e:  # orbax/tensorstore raise many types for bad files
+            reason = str(e).split(" [tensorstore_spec")[0][:400]
+            raise CheckpointCorruptedError(
+                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
+                f"or corrupted ({type(e).__name__}: {reason}). {self._others(step)}"
+            ) from e
+
+    def _others(self, step: int) -> str:
+        others = [s for s in self.all_steps() if s != step]
+        return (
+            f"Nothing on disk was changed. Other steps: {others}; restore one with "
+            f"step=K, or step={LATEST_VALID!r} for the newest step that verifies."
+        )
+
+    def _check(self, step: int, saved: dict[str, Any], got: dict[str, Any]) -> None:
+        """Compares recomputed checksums with the recorded ones (keys: leaf paths)."""
+        recorded = saved.get("checksums")
+        if recorded is None:
+            warnings.warn(
+                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
+                f"{saved.get('zeroshard_version', '< 0.1')} before they were recorded): "
+                "restored without verifying it.",
+                stacklevel=3,
+            )
+            return
+        if recorded.get("algorithm") != ALGORITHM:
+            raise ValueError(
+                f"step {step} of {self.directory} has checksums of kind "
+                f"{recorded.get('algorithm')!r}; this zeroshard computes {ALGORITHM!r}. "
+                "Restore it with the zeroshard version that saved it."
+            )
+        for what in ("step", "params", "opt_state"):
+            want, have = recorded[what], got[what]
+            if not isinstance(want, dict):
+                want, have = {"": want}, {"": have}
+            for path in dict.fromkeys([*want, *have]):
+                if want.get(path) != have.get(path):
+                    raise CheckpointCorruptedError(
+                        f"step {step} of {self.directory}: the checkpoint is corrupted. The "
+                        f"checksum of {what}{path} read from disk is {have.get(path)}, but "
+                        f"{want.get(path)} was recorded when it was saved. {self._others(step)}"
+                    )
+
+    def verify(self, step: int | None = None, mesh: jax.sharding.Mesh | None = None) -> int:
+        """Reads every array of a step and checks it against the recorded checksums,
+        without the model or optimizer (what ``python -m zeroshard inspect --verify``
+        runs).
+
+        Args:
+          step: the step to check (default: the latest).
+          mesh: where to read the arrays; default: a 1-D mesh over all devices.
+
+        Returns:
+          The number of leaves verified.
+
+        Raises:
+          FileNotFoundError: if there is no directory or no finalised step in it.
+          CheckpointCorruptedError: if a leaf differs from its checksum or a file is
+            unreadable (nothing on disk is changed).
+          ValueError: if the step has no checksums (saved before they were recorded).
+        """
+        import orbax.checkpoint as ocp
+
+        step = self._resolve(step)
+        saved = self.metadata(step)
+        if saved.get("checksums") is None:
+            raise ValueError(
+                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
+                f"{saved.get('zeroshard_version')} before they were recorded): it cannot "
+                "be verified."
+            )
+        if mesh is None:
+            mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        axis, num = mesh.axis_names[0], mesh.shape[mesh.axis_names[0]]
+        stored = ocp.StandardCheckpointHandler().metadata(
+            pathlib.Path(self.directory) / str(step) / STATE_ITEM
+        )
+        stored = getattr(stored, "tree", stored)
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(
+                m.shape, m.dtype, sharding=NamedSharding(mesh, logical_spec(m.shape, num, axis))
+            ),
+            stored,
+        )
+        restored = self._read(step, target)
+        sums = checksums(restored)
+        got = {what: _by_path(sums[what], key=_parts) for what in ("params", "opt_state")}
+        got["step"] = hexdigest(sums["step"])
+        recorded = saved["checksums"]
+        named = {
+            what: {_parts(path): value for path, value in recorded[what].items()}
+            for what in ("params", "opt_state")
+        }
+        self._check(step, {"checksums": {**recorded, **named}}, got)
+        return 1 + sum(len(v) for v in named.values())
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save in flight is finalised."""
@@ -331,3 +480,30 @@ def _version() -> str:
     from zeroshard import __version__
 
     return __version__
+
+
+def _record(item: dict[str, Any]) -> dict[str, Any]:
+    """The checksums of a logical ``{"step", "params", "opt_state"}`` item, as stored."""
+    sums = checksums(item)
+    return {
+        "algorithm": ALGORITHM,
+        "step": hexdigest(sums["step"]),
+        "params": _by_path(sums["params"]),
+        "opt_state": _by_path(sums["opt_state"]),
+    }
+
+
+def _by_path(sums: PyTree, key=jax.tree_util.keystr) -> dict[str, str]:
+    """Checksums as stored: 8 hex digits, keyed by ``key(path)`` of each leaf."""
+    return {key(path): hexdigest(x) for path, x in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+_KEY = re.compile(r"\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\.(\w+)")
+
+
+def _parts(path: Any) -> str:
+    """A leaf path without its kinds of keys: optax's ``[0].mu['w']`` and orbax's
+    ``['0']['mu']['w']`` both give ``0/mu/w``."""
+    if not isinstance(path, str):
+        path = jax.tree_util.keystr(path)
+    return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
