@@ -23,7 +23,9 @@ from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.peers import PeerWatchdog
 from zeroshard.planner import MemoryEstimate, estimate_memory
+from zeroshard.preemption import PreemptionGuard
 from zeroshard.reduce_scatter import reduce_scatter_grads
 from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
 
@@ -39,6 +41,8 @@ __all__ = [
     "LossScaleState",
     "MemoryEstimate",
     "NotElementwiseError",
+    "PeerWatchdog",
+    "PreemptionGuard",
     "Shard",
     "ShardedState",
     "ShardedTransformation",
