@@ -6,7 +6,7 @@ The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition
 """
 
 from zeroshard.all_gather import all_gather_params
-from zeroshard.checkpoint import CheckpointCorruptedError, CheckpointManager
+from zeroshard.checkpoint import CheckpointManager
 from zeroshard.checksum import checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.gather import Shard, gather, layer
@@ -19,6 +19,7 @@ from zeroshard.instruments import (
     state_bytes_per_device,
     summarize,
 )
+from zeroshard.integrity import CheckpointCorruptedError
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state

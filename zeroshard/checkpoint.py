@@ -18,8 +18,9 @@ On disk a step holds two orbax items:
 orbax does not verify what it reads: damaged bytes can restore as wrong values
 without an error. So :meth:`CheckpointManager.save` records a checksum of every
 logical leaf (:mod:`zeroshard.checksum`: computed on device, the same on any device
-count), and :meth:`CheckpointManager.restore` recomputes them on the restored arrays
-and raises :class:`CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
+count; the record: :mod:`zeroshard.integrity`), and :meth:`CheckpointManager.restore`
+recomputes them on the restored arrays and raises
+:class:`~zeroshard.CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
 restores the newest step that verifies, saying which it skipped;
 ``python -m zeroshard inspect DIR --verify`` checks a step without training code.
 Steps saved before checksums existed restore with a warning that they were not
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import time
 import warnings
 from typing import Any, Literal
@@ -45,8 +45,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checksum import ALGORITHM, checksums, hexdigest
+from zeroshard.checksum import ALGORITHM
 from zeroshard.gather import full_structs
+from zeroshard.integrity import (
+    CheckpointCorruptedError,
+    by_parts,
+    first_mismatch,
+    leaf_count,
+    parts,
+    record,
+)
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation
 from zeroshard.logical import (
@@ -63,15 +71,6 @@ STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
 FORMAT = "zeroshard-logical-1"
 LATEST_VALID = "latest_valid"
-
-
-class CheckpointCorruptedError(ValueError):
-    """A step's arrays are not what was saved: a file is damaged or truncated.
-
-    Raised by :meth:`CheckpointManager.restore` and :meth:`CheckpointManager.verify`;
-    the message names the step (and the leaf, when a checksum differs) and lists the
-    other steps. Nothing on disk is changed.
-    """
 
 
 def _describe(tree: PyTree) -> dict[str, dict[str, Any]]:
@@ -236,7 +235,7 @@ class CheckpointManager:
         }
         item = {"step": state.step, "params": params, "opt_state": opt_state}
         if self._checksums:
-            metadata["checksums"] = _record(item)
+            metadata["checksums"] = record(item)
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),
@@ -339,7 +338,7 @@ class CheckpointManager:
         }
         restored = self._read(step, item)
         if self._checksums:
-            self._check(step, saved, _record(restored))
+            self._check(step, saved, record(restored))
         return from_optax_state(
             restored["params"],
             restored["opt_state"],
@@ -392,17 +391,14 @@ class CheckpointManager:
                 f"{recorded.get('algorithm')!r}; this zeroshard computes {ALGORITHM!r}. "
                 "Restore it with the zeroshard version that saved it."
             )
-        for what in ("step", "params", "opt_state"):
-            want, have = recorded[what], got[what]
-            if not isinstance(want, dict):
-                want, have = {"": want}, {"": have}
-            for path in dict.fromkeys([*want, *have]):
-                if want.get(path) != have.get(path):
-                    raise CheckpointCorruptedError(
-                        f"step {step} of {self.directory}: the checkpoint is corrupted. The "
-                        f"checksum of {what}{path} read from disk is {have.get(path)}, but "
-                        f"{want.get(path)} was recorded when it was saved. {self._others(step)}"
-                    )
+        mismatch = first_mismatch(recorded, got)
+        if mismatch is not None:
+            leaf, read, want = mismatch
+            raise CheckpointCorruptedError(
+                f"step {step} of {self.directory}: the checkpoint is corrupted. The "
+                f"checksum of {leaf} read from disk is {read}, but {want} was recorded "
+                f"when it was saved. {self._others(step)}"
+            )
 
     def verify(self, step: int | None = None, mesh: jax.sharding.Mesh | None = None) -> int:
         """Reads every array of a step and checks it against the recorded checksums,
@@ -446,16 +442,9 @@ class CheckpointManager:
             stored,
         )
         restored = self._read(step, target)
-        sums = checksums(restored)
-        got = {what: _by_path(sums[what], key=_parts) for what in ("params", "opt_state")}
-        got["step"] = hexdigest(sums["step"])
-        recorded = saved["checksums"]
-        named = {
-            what: {_parts(path): value for path, value in recorded[what].items()}
-            for what in ("params", "opt_state")
-        }
-        self._check(step, {"checksums": {**recorded, **named}}, got)
-        return 1 + sum(len(v) for v in named.values())
+        recorded = by_parts(saved["checksums"])
+        self._check(step, {"checksums": recorded}, record(restored, key=parts))
+        return leaf_count(recorded)
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save in flight is finalised."""
@@ -486,30 +475,3 @@ def _version() -> str:
     from zeroshard import __version__
 
     return __version__
-
-
-def _record(item: dict[str, Any]) -> dict[str, Any]:
-    """The checksums of a logical ``{"step", "params", "opt_state"}`` item, as stored."""
-    sums = checksums(item)
-    return {
-        "algorithm": ALGORITHM,
-        "step": hexdigest(sums["step"]),
-        "params": _by_path(sums["params"]),
-        "opt_state": _by_path(sums["opt_state"]),
-    }
-
-
-def _by_path(sums: PyTree, key=jax.tree_util.keystr) -> dict[str, str]:
-    """Checksums as stored: 8 hex digits, keyed by ``key(path)`` of each leaf."""
-    return {key(path): hexdigest(x) for path, x in jax.tree_util.tree_flatten_with_path(sums)[0]}
-
-
-_KEY = re.compile(r"\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\.(\w+)")
-
-
-def _parts(path: Any) -> str:
-    """A leaf path without its kinds of keys: optax's ``[0].mu['w']`` and orbax's
-    ``['0']['mu']['w']`` both give ``0/mu/w``."""
-    if not isinstance(path, str):
-        path = jax.tree_util.keystr(path)
-    return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
