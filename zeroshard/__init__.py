@@ -2,7 +2,9 @@
 
 The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition),
 :mod:`~zeroshard.reduce_scatter`, :mod:`~zeroshard.local_update` (the optax wrapper),
-:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`.
+:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`. Around the loop:
+:mod:`~zeroshard.checkpoint` (with :mod:`~zeroshard.checksum` and
+:mod:`~zeroshard.integrity`), :mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`.
 """
 
 from zeroshard.all_gather import all_gather_params

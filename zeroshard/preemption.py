@@ -35,9 +35,20 @@ from types import FrameType
 
 
 def _distributed() -> bool:
+    """Whether jax.distributed is initialised; raises if its preemption service is off."""
     from jax._src import distributed
 
-    return distributed.global_state.client is not None
+    state = distributed.global_state
+    if state.client is None:
+        return False
+    if state.preemption_sync_manager is None:
+        raise ValueError(
+            "jax.distributed is initialised without its preemption service, which "
+            "PreemptionGuard needs to agree on a stop step across processes: set "
+            "jax.config.update('jax_enable_preemption_service', True) before "
+            "jax.distributed.initialize()."
+        )
+    return True
 
 
 class PreemptionGuard:
@@ -52,6 +63,9 @@ class PreemptionGuard:
       signals: the signals that mean "preempted" in one process (default SIGTERM).
         Under ``jax.distributed`` jax's preemption service listens for SIGTERM
         itself and this argument is unused.
+
+    Raises:
+      ValueError: under ``jax.distributed`` with jax's preemption service disabled.
 
     Example:
       A preemption-safe loop with automatic resume (``examples/multihost.py`` and
