@@ -23,8 +23,6 @@ import jax
 
 from zeroshard.checksum import ALGORITHM, checksums, hexdigest
 
-ITEMS = ("step", "params", "opt_state")
-
 
 class CheckpointCorruptedError(ValueError):
     """A step's arrays are not what was saved: a file is damaged or truncated.
@@ -37,20 +35,26 @@ class CheckpointCorruptedError(ValueError):
 
 
 def record(item: dict[str, Any], key=jax.tree_util.keystr) -> dict[str, Any]:
-    """The checksums of a logical ``{"step", "params", "opt_state"}`` item, as stored.
+    """The checksums of a step's logical item (``{"step", "params", "opt_state", ...}``),
+    as stored.
 
     Args:
-      item: the arrays (any sharding; every process calls it under jax.distributed).
+      item: the arrays by name (any sharding; under jax.distributed every process
+        calls it).
       key: how a leaf's path becomes its key (default: ``jax.tree_util.keystr``).
 
     Returns:
-      ``{"algorithm", "step", "params", "opt_state"}``; checksums as 8 hex digits.
+      ``{"algorithm": ..., name: checksum}`` for a single array (the step) and
+      ``{name: {key(path): checksum}}`` for a tree; checksums as 8 hex digits.
     """
-    sums = checksums({what: item[what] for what in ITEMS})
-    out: dict[str, Any] = {"algorithm": ALGORITHM, "step": hexdigest(sums["step"])}
-    for what in ("params", "opt_state"):
-        flat = jax.tree_util.tree_flatten_with_path(sums[what])[0]
-        out[what] = {key(path): hexdigest(x) for path, x in flat}
+    sums = checksums(item)
+    out: dict[str, Any] = {"algorithm": ALGORITHM}
+    for what, tree in sums.items():
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        if len(flat) == 1 and flat[0][0] == ():
+            out[what] = hexdigest(flat[0][1])
+        else:
+            out[what] = {key(path): hexdigest(x) for path, x in flat}
     return out
 
 
@@ -67,18 +71,22 @@ def parts(path: Any) -> str:
 
 def by_parts(recorded: dict[str, Any]) -> dict[str, Any]:
     """``recorded`` with its leaves keyed by :func:`parts` of their paths."""
-    out = dict(recorded)
-    for what in ("params", "opt_state"):
-        out[what] = {parts(path): value for path, value in recorded[what].items()}
-    return out
+    return {
+        what: {parts(p): v for p, v in sums.items()} if isinstance(sums, dict) else sums
+        for what, sums in recorded.items()
+    }
+
+
+def _leaves(sums: Any) -> dict[str, Any]:
+    return sums if isinstance(sums, dict) else {} if sums is None else {"": sums}
 
 
 def first_mismatch(recorded: dict[str, Any], got: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """The first leaf whose checksum differs: ``(name, read, recorded)``, or ``None``."""
-    for what in ITEMS:
-        want, have = recorded[what], got[what]
-        if what == "step":
-            want, have = {"": want}, {"": have}
+    for what in dict.fromkeys([*recorded, *got]):
+        if what == "algorithm":
+            continue
+        want, have = _leaves(recorded.get(what)), _leaves(got.get(what))
         for path in dict.fromkeys([*want, *have]):
             if want.get(path) != have.get(path):
                 return f"{what}{path}", have.get(path), want.get(path)
@@ -87,4 +95,4 @@ def first_mismatch(recorded: dict[str, Any], got: dict[str, Any]) -> tuple[str, 
 
 def leaf_count(recorded: dict[str, Any]) -> int:
     """How many leaves a record covers (the step counter included)."""
-    return 1 + len(recorded["params"]) + len(recorded["opt_state"])
+    return sum(len(_leaves(v)) for k, v in recorded.items() if k != "algorithm")
