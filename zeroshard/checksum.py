@@ -108,10 +108,10 @@ def _program(mesh: jax.sharding.Mesh, leaves: tuple[tuple[tuple[int, ...], Any, 
                 as_int = jax.lax.bitcast_convert_type(total, jnp.int32)
                 total = jax.lax.bitcast_convert_type(jax.lax.psum(as_int, tuple(axes)), jnp.uint32)
             sums.append(total)
-        return tuple(sums)
+        return jnp.stack(sums)  # one transfer to the host for all of them
 
     in_specs = tuple(spec for _, _, spec in leaves)
-    out_specs = tuple(P() for _ in leaves)
+    out_specs = P()
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
@@ -125,9 +125,9 @@ def _full_spec(x: jax.Array) -> P:
     return P(*spec, *(None,) * (x.ndim - len(spec)))
 
 
-def _read(x: jax.Array) -> int:
-    """A replicated scalar's value, also when the mesh spans other processes."""
-    return int(np.asarray(x.addressable_data(0)))
+def _read(x: jax.Array) -> np.ndarray:
+    """A replicated array's value, also when the mesh spans other processes."""
+    return np.asarray(x.addressable_data(0))
 
 
 def checksums(tree: PyTree) -> PyTree:
@@ -155,12 +155,13 @@ def checksums(tree: PyTree) -> PyTree:
             (tuple(leaves[i].shape), jnp.dtype(leaves[i].dtype), _full_spec(leaves[i]))
             for i in placed
         )
-        for i, total in zip(placed, _program(mesh, key)(*(leaves[i] for i in placed)), strict=True):
-            sums[i] = total
+        totals = _read(_program(mesh, key)(*(leaves[i] for i in placed)))
+        for i, total in zip(placed, totals, strict=True):
+            sums[i] = int(total)
     for i, x in enumerate(leaves):
         if sums[i] is None:
-            sums[i] = _whole(jnp.asarray(x))
-    return treedef.unflatten([_read(s) for s in sums])
+            sums[i] = int(_read(_whole(jnp.asarray(x))))
+    return treedef.unflatten(sums)
 
 
 def _on_mesh(x: Any) -> bool:
