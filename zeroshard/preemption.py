@@ -36,7 +36,7 @@ from types import FrameType
 
 def _distributed() -> bool:
     """Whether jax.distributed is initialised; raises if its preemption service is off."""
-    from jax._src import distributed
+    from jax._src import distributed  # jax's client and preemption sync manager live here
 
     state = distributed.global_state
     if state.client is None:
