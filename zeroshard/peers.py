@@ -17,8 +17,11 @@ peer). The survivors therefore exit within about ``timeout_s`` of the peer's dea
 heartbeat timeout: keep ``timeout_s`` below ``heartbeat_timeout_seconds`` of
 ``jax.distributed.initialize``, and well above a normal step.
 
-Python cannot catch jax's C++ abort itself; the watchdog acts before it. In a single
-process the watchdog does nothing (there is no peer to lose).
+Python cannot catch jax's C++ abort itself; the watchdog acts before it. It cannot
+act first when the lost process is the one hosting jax's coordination service
+(process 0): the others' clients then abort within a fraction of a second with jax's
+own message. In a single process the watchdog does nothing (there is no peer to
+lose).
 """
 
 from __future__ import annotations
