@@ -17,6 +17,7 @@ path (``0/mu/w``) to compare it with a tree read without the optimizer's types (
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,7 +35,9 @@ class CheckpointCorruptedError(ValueError):
     """
 
 
-def record(item: dict[str, Any], key=jax.tree_util.keystr) -> dict[str, Any]:
+def record(
+    item: dict[str, Any], key: Callable[[Any], str] = jax.tree_util.keystr
+) -> dict[str, Any]:
     """The checksums of a step's logical item (``{"step", "params", "opt_state", ...}``),
     as stored.
 

@@ -88,12 +88,12 @@ class PeerWatchdog:
     def watch(self, what: str) -> Iterator[None]:
         """Watches one block (a step, including reading its result; a save).
 
+        In a multi-process run, a ``JaxRuntimeError`` raised in the block, or the
+        block outliving its time limit, ends the process with :data:`EXIT_CODE` after
+        the message; other exceptions pass through.
+
         Args:
           what: what the block does, for the message (``"step 12"``).
-
-        Raises:
-          Nothing: on a ``JaxRuntimeError`` or a timeout in a multi-process run the
-          process ends with :data:`EXIT_CODE`; other exceptions pass through.
         """
         if not self.active:
             yield
