@@ -5,8 +5,10 @@ import re
 import signal
 import time
 
+import pytest
 from multihost_runs import Run
 
+import zeroshard as zs
 from zeroshard.peers import EXIT_CODE
 
 
@@ -40,3 +42,12 @@ def test_a_peer_that_hangs_ends_the_other_after_the_step_timeout(tmp_path):
     took, message = lost_peer(tmp_path, signal.SIGSTOP, timeout=10)
     assert re.search(r"step \d+ did not finish in 5 s", message)
     assert 4 < took < 9, f"the survivor took {took:.1f} s"
+
+
+def test_the_watchdog_does_nothing_in_one_process():
+    watchdog = zs.PeerWatchdog(0.01)
+    assert not watchdog.active
+    with watchdog.watch("step 1"):
+        time.sleep(0.1)  # over the limit, but there is no peer to lose
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        zs.PeerWatchdog(0)

@@ -5,6 +5,7 @@ The runs are ``examples/multihost.py`` in fresh processes (``multihost_runs.Run`
 each bounded in time.
 """
 
+import os
 import re
 import signal
 
@@ -79,3 +80,13 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path, uni
         if key != "losses":
             scale = max(np.max(np.abs(uninterrupted[key])), 1e-30)
             np.testing.assert_allclose(resumed[key], uninterrupted[key], atol=1e-6 * scale)
+
+
+def test_the_guard_in_one_process_stops_after_the_step_in_flight():
+    previous = signal.getsignal(signal.SIGTERM)
+    with zs.PreemptionGuard() as guard:
+        assert not guard.distributed and not guard.should_stop(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+        assert guard.requested and guard.should_stop(2) and guard.stop_step == 2
+        assert guard.should_stop(2) and not guard.should_stop(3)  # one stop step
+    assert signal.getsignal(signal.SIGTERM) is previous  # handler put back
