@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         resumed_state, metrics = resumed_step(resumed_state, batch_at(step))
         resumed.append(float(metrics["loss"]))
     pairs = zip(resumed, losses[save_at:], strict=True)
-    gap = max((abs(a - b) for a, b in pairs if b == b), default=float("nan"))  # known steps
+    gap = max((abs(a - b) for a, b in pairs if not np.isnan(b)), default=float("nan"))
     print(
         f"Resumed step {save_at} on {m} devices: final loss {resumed[-1]:.4f} vs "
         f"{losses[-1]:.4f} uninterrupted (largest gap over {len(resumed)} steps: {gap:.1e})"
