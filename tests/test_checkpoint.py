@@ -382,13 +382,32 @@ def test_a_step_saved_without_checksums_restores_with_a_warning(two_steps, tmp_p
     shutil.copytree(directory, copy)
     record = copy / "2" / "zeroshard" / "metadata"
     meta = json.loads(record.read_text())
-    del meta["checksums"]  # as zeroshard wrote it before checksums
+    del meta["checksums"], meta["record_sha256"]  # as zeroshard wrote it before them
     record.write_text(json.dumps(meta))
     with pytest.warns(UserWarning, match="has no checksums .* restored without verifying"):
         state = zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
     assert int(state.step) == 2
     with pytest.raises(ValueError, match="no checksums .* cannot be verified"):
         zs.CheckpointManager(copy).verify()
+
+
+def test_a_damaged_metadata_record_is_refused(two_steps, tmp_path):
+    """The record holds state that is not in the arrays (the skipped-step count, the
+    loss scale) and the checksums: a changed digit, or bytes that break the JSON."""
+    directory, tx, _, like = two_steps
+    for name, change in [
+        ("digit", lambda text: text.replace('"skipped_steps": 0', '"skipped_steps": 8')),
+        ("bytes", lambda text: text[: len(text) // 2] + "\x00\x01" + text[len(text) // 2 + 2 :]),
+    ]:
+        copy = tmp_path / name
+        shutil.copytree(directory, copy)
+        record = copy / "2" / "zeroshard" / "metadata"
+        text = record.read_text()
+        record.write_text(change(text))
+        assert record.read_text() != text
+        with pytest.raises(zs.CheckpointCorruptedError, match=r"step 2 of .*corrupted"):
+            zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+        assert int(zs.CheckpointManager(copy, tx).restore(make_mesh(8), like, step=1).step) == 1
 
 
 def inspect_verify(directory, *args):

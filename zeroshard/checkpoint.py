@@ -48,8 +48,10 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.checksum import ALGORITHM
 from zeroshard.gather import full_structs
 from zeroshard.integrity import (
+    RECORD_DIGEST,
     CheckpointCorruptedError,
     by_parts,
+    digest,
     first_mismatch,
     leaf_count,
     parts,
@@ -182,12 +184,33 @@ class CheckpointManager:
         return step
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The metadata record of ``step`` (default: the latest), without loading arrays."""
+        """The metadata record of ``step`` (default: the latest), without loading arrays.
+
+        Raises:
+          FileNotFoundError: if there is no directory or no finalised step in it.
+          CheckpointCorruptedError: if the record is unreadable or does not match the
+            SHA-256 saved with it.
+        """
         import orbax.checkpoint as ocp
 
         step = self._resolve(step)
         args = ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        return dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
+        try:
+            meta = dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
+        except Exception as e:  # a damaged JSON file: orbax raises what json raises
+            raise CheckpointCorruptedError(
+                f"could not read the metadata record of step {step} of {self.directory}: the "
+                f"checkpoint is corrupted ({type(e).__name__}: {str(e)[:200]}). "
+                f"{self._others(step)}"
+            ) from e
+        recorded = meta.get(RECORD_DIGEST)
+        if recorded is not None and recorded != digest(meta):
+            raise CheckpointCorruptedError(
+                f"step {step} of {self.directory}: the checkpoint is corrupted. Its metadata "
+                "record does not match the SHA-256 recorded with it. "
+                f"{self._others(step)}"
+            )
+        return meta
 
     def save(self, state: TrainState, *, force: bool = False) -> bool:
         """Saves ``state`` as step ``state.step`` (asynchronously by default).
@@ -236,6 +259,7 @@ class CheckpointManager:
         item = {"step": state.step, "params": params, "opt_state": opt_state}
         if self._checksums:
             metadata["checksums"] = record(item)
+            metadata[RECORD_DIGEST] = digest(metadata)
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),

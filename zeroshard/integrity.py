@@ -7,7 +7,8 @@ stores the result in the step's JSON metadata::
     {"algorithm": "zeroshard-sum32-v1", "step": "30f4c306",
      "params": {"['w']": "cc4a938b", ...}, "opt_state": {"[0].mu['w']": "4d30ed22", ...}}
 
-At restore the same record is computed from the arrays read back and
+The JSON record itself carries a SHA-256 of its contents (:func:`digest`), checked
+whenever it is read. At restore the same record is computed from the arrays read back and
 :func:`first_mismatch` names the first leaf that differs. Leaves are keyed by
 ``jax.tree_util.keystr`` of their path; :func:`by_parts` re-keys a record by the bare
 path (``0/mu/w``) to compare it with a tree read without the optimizer's types (as
@@ -16,6 +17,8 @@ path (``0/mu/w``) to compare it with a tree read without the optimizer's types (
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +62,19 @@ def record(
         else:
             out[what] = {key(path): hexdigest(x) for path, x in flat}
     return out
+
+
+RECORD_DIGEST = "record_sha256"
+
+
+def digest(metadata: dict[str, Any]) -> str:
+    """SHA-256 of a metadata record (without its own digest), as canonical JSON.
+
+    The record holds state that is not in the arrays (the skipped-step count, the loss
+    scale) and the checksums themselves, so it is checked too.
+    """
+    body = {k: v for k, v in metadata.items() if k != RECORD_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _KEY = re.compile(r"\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\.(\w+)")
