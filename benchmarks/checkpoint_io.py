@@ -1,4 +1,5 @@
-"""Checkpoint save/restore time and on-disk size, saved on N devices, restored on M.
+"""Checkpoint save/restore time and on-disk size, saved on N devices, restored on M,
+with checksums recorded and verified and without (interleaved in each repeat).
 
 .venv/bin/python benchmarks/checkpoint_io.py --hidden 1024 --layers 4 --repeats 5
 """
@@ -41,10 +42,12 @@ def main() -> None:
         f"medians of {args.repeats}; jax {jax.__version__}, {os.cpu_count()} CPUs\n"
     )
     print(
-        "| saved on | save returns (ms) | save finalised (ms) | on disk (MB) "
+        "| saved on | checksums | save returns (ms) | save finalised (ms) | on disk (MB) "
         "| restore on | restore (ms) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    overheads = []
+    med = lambda xs: 1e3 * statistics.median(xs)
     for n in args.devices:
         mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
         state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
@@ -52,35 +55,63 @@ def main() -> None:
         loss_fn = lambda p, x: sum(jnp.mean((x @ p[k]["w"] + p[k]["b"]) ** 2) for k in p)
         x = jnp.asarray(rng.normal(size=(8, h)), jnp.float32)
         state, _ = zs.make_train_step(loss_fn, tx, mesh)(state, x)
-        returns, finalised, restores = [], [], {m: [] for m in args.devices}
-        for r in range(args.repeats + 1):  # the first round warms up (compilation)
-            with tempfile.TemporaryDirectory() as directory:
-                ckpt = zs.CheckpointManager(directory, tx)
-                t0 = time.perf_counter()
-                ckpt.save(state)
-                t1 = time.perf_counter()
-                ckpt.wait_until_finished()
-                t2 = time.perf_counter()
-                disk = sum(
-                    os.path.getsize(os.path.join(root, f))
-                    for root, _, files in os.walk(directory)
-                    for f in files
-                )
-                for m in args.devices:
-                    target = jax.make_mesh((m,), ("data",), devices=jax.devices()[:m])
-                    t3 = time.perf_counter()
-                    jax.block_until_ready(ckpt.restore(target, like=state.params))
-                    restores[m].append(time.perf_counter() - t3)
-                ckpt.close()
+        # The checksums alone, on the logical state as save computes them.
+        item = dict(zip(("params", "opt_state"), zs.to_optax_state(state, tx), strict=True))
+        item["step"] = state.step
+        hashing = []
+        for r in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            zs.checksums(jax.block_until_ready(item))
             if r:
-                returns.append(t1 - t0)
-                finalised.append(t2 - t0)
-        for m in args.devices:
-            ms = lambda xs: f"{1e3 * statistics.median(xs[-args.repeats :]):.0f}"
-            print(
-                f"| {n} | {ms(returns)} | {ms(finalised)} | {disk / 1e6:.1f} | {m} "
-                f"| {ms(restores[m])} |"
+                hashing.append(time.perf_counter() - t0)
+        variants = (False, True)
+        returns = {v: [] for v in variants}
+        finalised = {v: [] for v in variants}
+        restores = {(v, m): [] for v in variants for m in args.devices}
+        disk = {}
+        for r in range(args.repeats + 1):  # the first round warms up (compilation)
+            for checks in variants if r % 2 else variants[::-1]:  # alternate the order
+                with tempfile.TemporaryDirectory() as directory:
+                    ckpt = zs.CheckpointManager(directory, tx, checksums=checks)
+                    t0 = time.perf_counter()
+                    ckpt.save(state)
+                    t1 = time.perf_counter()
+                    ckpt.wait_until_finished()
+                    t2 = time.perf_counter()
+                    disk[checks] = sum(
+                        os.path.getsize(os.path.join(root, f))
+                        for root, _, files in os.walk(directory)
+                        for f in files
+                    )
+                    for m in args.devices:
+                        target = jax.make_mesh((m,), ("data",), devices=jax.devices()[:m])
+                        t3 = time.perf_counter()
+                        jax.block_until_ready(ckpt.restore(target, like=state.params))
+                        if r:
+                            restores[checks, m].append(time.perf_counter() - t3)
+                    ckpt.close()
+                if r:
+                    returns[checks].append(t1 - t0)
+                    finalised[checks].append(t2 - t0)
+        for checks in variants:
+            for m in args.devices:
+                print(
+                    f"| {n} | {'yes' if checks else 'no'} | {med(returns[checks]):.0f} "
+                    f"| {med(finalised[checks]):.0f} | {disk[checks] / 1e6:.1f} | {m} "
+                    f"| {med(restores[checks, m]):.0f} |"
+                )
+        ratio = lambda d: statistics.median(d[True]) / statistics.median(d[False]) - 1
+        overheads.append(
+            f"saved on {n}: checksums alone {med(hashing):.0f} ms; save returns "
+            f"{ratio(returns):+.1%}, finalised {ratio(finalised):+.1%}"
+            + "".join(
+                f", restore on {m} {med(restores[True, m]) / med(restores[False, m]) - 1:+.1%}"
+                for m in args.devices
             )
+        )
+    print("\nChecksum overhead (medians, with vs without):")
+    for line in overheads:
+        print(f"- {line}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ On a cluster, pass the first host's address as ``--coordinator`` and the real
 ``--local-devices`` count (or drop it on GPU/TPU). ``--mesh replica-data`` shards the
 optimizer state within each process and replicates it across processes
 (hierarchical sharding), so only 1/N of the gradient crosses between them.
+
+With ``--ckpt DIR`` the run is preemption-safe and resumes by itself: it starts from
+the latest step in DIR if there is one, and on SIGTERM (to any process) every process
+finishes the step in flight, they agree on one step to stop at
+(:class:`zeroshard.PreemptionGuard`), save it, wait for the save and exit 0. Run the
+same command again to continue, bit-identically on the same device count. If a
+process dies, the others end within ``--step-timeout`` seconds with exit code 75 and a
+message saying how to resume (:class:`zeroshard.PeerWatchdog`), instead of an abort
+after jax's heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -34,15 +43,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ckpt", default=None, help="checkpoint directory")
     parser.add_argument("--save-at", type=int, default=None, help="save after this step")
-    parser.add_argument("--restore", action="store_true", help="resume from --ckpt's latest")
+    parser.add_argument(
+        "--restore", action="store_true", help="require a step in --ckpt to resume from"
+    )
     parser.add_argument("--out", default=None, help="process 0 writes losses and state here")
     parser.add_argument(
         "--nan-at", type=int, default=None, help="put a NaN in the last process's rows of this step"
     )
     parser.add_argument("--timeout", type=int, default=60, help="seconds to wait for peers")
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="seconds a step may take before a peer counts as lost (default: --timeout / 2)",
+    )
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, help="pause after each step (a slow step)"
+    )
     args = parser.parse_args(argv)
     if args.restore and not args.ckpt:
         parser.error("--restore needs --ckpt")
+    if args.step_timeout is None:  # below the heartbeat timeout: this message comes first
+        args.step_timeout = args.timeout / 2
     return args
 
 
@@ -112,22 +134,45 @@ def main(argv: list[str] | None = None) -> None:
         }
 
     ckpt = zs.CheckpointManager(args.ckpt, tx) if args.ckpt else None
-    state = ckpt.restore(mesh, params) if args.restore else zs.init_train_state(params, tx, mesh)
+    resume = ckpt is not None and ckpt.latest_step() is not None
+    if args.restore and not resume:
+        raise SystemExit(f"--restore: no step to resume from in {args.ckpt}")
+    state = ckpt.restore(mesh, params) if resume else zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(loss_fn, tx, mesh)
+    guard = zs.PreemptionGuard()  # before the first step: SIGTERM from now on is handled
+    # A lost peer ends this process within --step-timeout s, with a message (exit 75).
+    watchdog = zs.PeerWatchdog(args.step_timeout, checkpoint_dir=args.ckpt)
     losses = []
     t0 = time.perf_counter()
     for i in range(int(state.step), args.steps):
-        state, metrics = step(state, global_batch(i))
-        losses.append(float(metrics["loss"]))  # replicated: readable on every process
-        if jax.process_index() == 0:
-            skipped = int(state.opt_state.skipped)
-            print(f"step {i + 1}: loss {losses[-1]:.6f}, skipped {skipped}", flush=True)
-        if ckpt is not None and args.save_at == i + 1:
-            ckpt.save(state)
-    if ckpt is not None:
-        ckpt.close()  # every process waits for the save to be committed
-    # Sharded arrays span other processes' devices: gather them to read them.
-    logical = multihost_utils.process_allgather(zs.to_optax_state(state, tx), tiled=True)
+        with watchdog.watch(f"step {i + 1}"):
+            state, metrics = step(state, global_batch(i))
+            losses.append(float(metrics["loss"]))  # replicated: readable on every process
+            if jax.process_index() == 0:
+                skipped = int(state.opt_state.skipped)
+                print(f"step {i + 1}: loss {losses[-1]:.6f}, skipped {skipped}", flush=True)
+            if ckpt is not None and args.save_at == i + 1:
+                ckpt.save(state)
+            stop = guard.should_stop(i + 1)  # the same step on every process
+        if stop:
+            if ckpt is None:
+                raise SystemExit(f"preempted after step {i + 1}; nothing saved (no --ckpt)")
+            with watchdog.watch(f"saving step {i + 1}"):
+                if args.save_at != i + 1:
+                    ckpt.save(state)
+                ckpt.close()  # waits until the step is committed on disk
+            print(
+                f"process {jax.process_index()}: preempted, saved step {i + 1} in "
+                f"{args.ckpt}; run the same command again to resume",
+                flush=True,
+            )
+            return
+        time.sleep(args.step_seconds)
+    with watchdog.watch("the final save and gather"):
+        if ckpt is not None:
+            ckpt.close()  # every process waits for the save to be committed
+        # Sharded arrays span other processes' devices: gather them to read them.
+        logical = multihost_utils.process_allgather(zs.to_optax_state(state, tx), tiled=True)
     if jax.process_index() == 0:
         print(
             f"{jax.process_count()} processes, {jax.device_count()} devices, mesh "

@@ -1,6 +1,9 @@
 """Checkpoints: any device count, crash safety, clear errors, donation after async save."""
 
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,3 +254,182 @@ def test_inspect_prints_metadata_without_loading_arrays(saved):
         timeout=120,
     )
     assert missing.returncode == 1 and "no checkpoint directory" in missing.stderr
+
+
+# Integrity: checksums recorded at save, verified at restore on any device count.
+
+
+def digest(directory):
+    """Every file's bytes: restoring and verifying must change nothing on disk."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(root, f), directory)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """Steps 1 and 2 of an adamw run on 8 devices, with a leaf big enough that orbax
+    writes its values to a data file of their own (small ones are inlined in the
+    CRC-checked b-tree nodes)."""
+    rng = np.random.default_rng(0)
+    params = awkward_params(rng)
+    params["big"] = jnp.asarray(rng.normal(size=(256, 256)), jnp.float32)
+    mesh, tx = make_mesh(8), zs.sharded(optax.adamw(1e-2), axis_name="data")
+    loss_fn = lambda p, b: awkward_loss(p, b) + 1e-3 * jnp.sum(p["big"] ** 2)
+    train_step = zs.make_train_step(loss_fn, tx, mesh)
+    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
+    directory = tmp_path_factory.mktemp("two_steps") / "ckpt"
+    with zs.CheckpointManager(directory, tx, max_to_keep=None) as ckpt:
+        for batch in batches(rng, 2):
+            state, _ = train_step(state, batch)
+            ckpt.save(state)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    return directory, tx, snapshot(zs.to_optax_state(state, tx)), like
+
+
+def damage(directory, path, copy_to):
+    """A copy of ``directory`` with 4 bytes flipped in the middle of ``path``."""
+    shutil.copytree(directory, copy_to)
+    target = copy_to / os.path.relpath(path, directory)
+    data = bytearray(target.read_bytes())
+    for k in range(4):
+        data[len(data) // 2 + k] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return copy_to
+
+
+def data_files(directory, step):
+    root = directory / str(step) / "state"
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name == "d")
+
+
+def test_undamaged_step_restores_bit_identically_on_8_4_1(two_steps):
+    directory, tx, logical, like = two_steps
+    for m in (8, 4, 1):
+        restored = zs.CheckpointManager(directory, tx).restore(make_mesh(m), like=like)
+        for a, b in zip(snapshot(zs.to_optax_state(restored, tx)), logical, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_damaged_byte_in_any_data_file_is_refused_on_8_4_1(two_steps, tmp_path):
+    """Each data file of step 2 in turn: a restore on 8, 4 or 1 devices either refuses
+    with the error that names the step, the leaf and the other steps, or, where orbax
+    never reads the damaged bytes, restores exactly what was saved. The values of
+    every leaf are read from the files that are refused."""
+    directory, tx, logical, like = two_steps
+    files = data_files(directory, 2)
+    assert len(files) >= 3
+    refused, by_checksum = set(), set()
+    for i, path in enumerate(files):
+        copy = damage(directory, path, tmp_path / f"copy{i}")
+        before = digest(copy)
+        for m in (8, 4, 1):
+            try:
+                restored = zs.CheckpointManager(copy, tx).restore(make_mesh(m), like=like)
+            except zs.CheckpointCorruptedError as e:
+                refused.add(path)
+                message = str(e)
+                assert f"step 2 of {copy}" in message and "Other steps: [1]" in message
+                assert "corrupted" in message and "Nothing on disk was changed" in message
+                checksum = re.search(r"checksum of (\S+) read from disk", message)
+                if checksum:
+                    by_checksum.add(path)
+                    assert checksum[1].startswith(("params[", "opt_state["))
+                continue
+            for a, b in zip(snapshot(zs.to_optax_state(restored, tx)), logical, strict=True):
+                np.testing.assert_array_equal(a, b)  # the damaged bytes were not read
+        assert digest(copy) == before
+    # Without checksums, the file with the big leaf's values restored wrong values.
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    assert biggest in by_checksum
+    # Every file of the merged database that restores read (state/d/) is refused.
+    assert {p for p in files if p.parent.parent.name == "state"} <= refused
+
+
+def test_files_never_read_at_restore_are_the_per_process_copies(two_steps, tmp_path):
+    """What restores exactly after damage: orbax's per-process databases are merged
+    into state/d at save; restore reads the merged one and the files it points to."""
+    directory, tx, logical, like = two_steps
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    for path in data_files(copy, 2):
+        if "ocdbt.process_" in str(path) and path.stat().st_size < 4096:  # b-tree nodes
+            path.unlink()
+    restored = zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+    for a, b in zip(snapshot(zs.to_optax_state(restored, tx)), logical, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_latest_valid_is_explicit_and_says_what_it_skipped(two_steps, tmp_path):
+    directory, tx, _, like = two_steps
+    biggest = max(data_files(directory, 2), key=lambda p: p.stat().st_size)
+    copy = damage(directory, biggest, tmp_path / "copy")
+    ckpt = zs.CheckpointManager(copy, tx)
+    with pytest.raises(zs.CheckpointCorruptedError, match="step 2 of .*corrupted"):
+        ckpt.restore(make_mesh(8), like=like)  # the default never falls back
+    with pytest.warns(UserWarning, match=r"restored step 1, the newest .* skipped: step 2 of"):
+        state = ckpt.restore(make_mesh(8), like=like, step="latest_valid")
+    assert int(state.step) == 1
+    assert ckpt.all_steps() == [1, 2]  # nothing deleted
+
+
+def test_a_step_saved_without_checksums_restores_with_a_warning(two_steps, tmp_path):
+    directory, tx, _, like = two_steps
+    copy = tmp_path / "old"
+    shutil.copytree(directory, copy)
+    record = copy / "2" / "zeroshard" / "metadata"
+    meta = json.loads(record.read_text())
+    del meta["checksums"], meta["record_sha256"]  # as zeroshard wrote it before them
+    record.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="has no checksums .* restored without verifying"):
+        state = zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+    assert int(state.step) == 2
+    with pytest.raises(ValueError, match="no checksums .* cannot be verified"):
+        zs.CheckpointManager(copy).verify()
+
+
+def test_a_damaged_metadata_record_is_refused(two_steps, tmp_path):
+    """The record holds state that is not in the arrays (the skipped-step count, the
+    loss scale) and the checksums: a changed digit, or bytes that break the JSON."""
+    directory, tx, _, like = two_steps
+    for name, change in [
+        ("digit", lambda text: text.replace('"skipped_steps": 0', '"skipped_steps": 8')),
+        ("bytes", lambda text: text[: len(text) // 2] + "\x00\x01" + text[len(text) // 2 + 2 :]),
+    ]:
+        copy = tmp_path / name
+        shutil.copytree(directory, copy)
+        record = copy / "2" / "zeroshard" / "metadata"
+        text = record.read_text()
+        record.write_text(change(text))
+        assert record.read_text() != text
+        with pytest.raises(zs.CheckpointCorruptedError, match=r"step 2 of .*corrupted"):
+            zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+        assert int(zs.CheckpointManager(copy, tx).restore(make_mesh(8), like, step=1).step) == 1
+
+
+def inspect_verify(directory, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "zeroshard", "inspect", str(directory), "--verify", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_inspect_verify_checks_a_step_on_one_device_without_training_code(two_steps, tmp_path):
+    """A fresh process with one CPU device, no model and no optimizer."""
+    directory, *_ = two_steps
+    ok = inspect_verify(directory)
+    assert ok.returncode == 0, ok.stderr
+    assert "checksums: zeroshard-sum32-v1" in ok.stdout
+    assert re.search(r"verified step 2: all \d+ leaves match", ok.stdout)
+    biggest = max(data_files(directory, 2), key=lambda p: p.stat().st_size)
+    copy = damage(directory, biggest, tmp_path / "copy")
+    bad = inspect_verify(copy)
+    assert bad.returncode == 1
+    assert re.search(r"step 2 of .*: the checkpoint is corrupted\. The checksum of", bad.stderr)
+    assert "Other steps: [1]" in bad.stderr
+    assert inspect_verify(copy, "--step", "1").returncode == 0

@@ -1,6 +1,7 @@
 """The README's first command runs end to end (tiny configuration, fresh process)."""
 
 import re
+import signal
 import subprocess
 import sys
 
@@ -48,3 +49,35 @@ def test_demo_trains_resumes_and_reports_one_nth_of_the_state(tmp_path):
     ratio = float(re.search(r"Optimizer state \+ master per device: (\d\.\d+)", out)[1])
     assert abs(ratio - 1 / n) < 0.005  # padding (< N per leaf) and a few scalars
     assert plot.stat().st_size > 10_000
+
+
+def preempted(args):
+    """Runs the demo and sends SIGTERM after its first progress line; returns stdout."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"\]\s+\d+/100", line):  # a progress line: training is under way
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_demo_stops_on_sigterm_and_the_same_command_resumes(tmp_path):
+    """SIGTERM during training: exit 0 with the step saved. The same command again
+    resumes from that step (and is stopped the same way, to keep the test short)."""
+    args = [sys.executable, "-u", "-m", "zeroshard.demo", "--devices", "2", "--steps", "100"]
+    args += ["--batch", "4", "--context", "8", "--d-model", "16", "--layers", "1"]
+    args += ["--heads", "2", "--plot", "", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    out = preempted(args)
+    stop = int(re.search(r"Preempted: saved step (\d+)", out)[1])
+    assert stop < 100 and "Sample" not in out
+    again = preempted(args)
+    assert f"Resuming from step {stop} in {tmp_path / 'ckpt'}" in again
+    later = int(re.search(r"Preempted: saved step (\d+)", again)[1])
+    assert stop < later < 100

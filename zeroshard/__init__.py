@@ -2,11 +2,14 @@
 
 The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition),
 :mod:`~zeroshard.reduce_scatter`, :mod:`~zeroshard.local_update` (the optax wrapper),
-:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`.
+:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`. Around the loop:
+:mod:`~zeroshard.checkpoint` (with :mod:`~zeroshard.checksum` and
+:mod:`~zeroshard.integrity`), :mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`.
 """
 
 from zeroshard.all_gather import all_gather_params
 from zeroshard.checkpoint import CheckpointManager
+from zeroshard.checksum import checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.gather import Shard, gather, layer
 from zeroshard.guard import NotElementwiseError
@@ -18,17 +21,21 @@ from zeroshard.instruments import (
     state_bytes_per_device,
     summarize,
 )
+from zeroshard.integrity import CheckpointCorruptedError
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.peers import PeerWatchdog
 from zeroshard.planner import MemoryEstimate, estimate_memory
+from zeroshard.preemption import PreemptionGuard
 from zeroshard.reduce_scatter import reduce_scatter_grads
 from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointCorruptedError",
     "CheckpointManager",
     "ClipByGlobalNormState",
     "Collective",
@@ -37,6 +44,8 @@ __all__ = [
     "LossScaleState",
     "MemoryEstimate",
     "NotElementwiseError",
+    "PeerWatchdog",
+    "PreemptionGuard",
     "Shard",
     "ShardedState",
     "ShardedTransformation",
@@ -44,6 +53,7 @@ __all__ = [
     "TrainStep",
     "__version__",
     "all_gather_params",
+    "checksums",
     "clip_by_global_norm",
     "collective_dtypes",
     "collectives",

@@ -1,6 +1,9 @@
 """Command line.
 
-- ``python -m zeroshard inspect DIR [--step K] [--json]``: a checkpoint's metadata.
+- ``python -m zeroshard inspect DIR [--step K] [--json] [--verify]``: a checkpoint's
+  metadata; ``--verify`` also reads every array of the step on this machine's devices
+  and checks it against the checksums recorded at save (exit status 1 if it does not
+  match), without the model or the optimizer.
 - ``python -m zeroshard plan --params 7.5e9 --devices 64``: memory per device by stage.
 """
 
@@ -12,8 +15,9 @@ import math
 import sys
 
 
-def inspect(directory: str, step: int | None, as_json: bool) -> int:
-    """Prints a checkpoint's metadata record, without loading any array."""
+def inspect(directory: str, step: int | None, as_json: bool, verify: bool = False) -> int:
+    """Prints a checkpoint's metadata record (without loading any array unless
+    ``verify``: then every array of the step is read and checked against its checksum)."""
     from zeroshard.checkpoint import CheckpointManager
 
     manager = CheckpointManager(directory)
@@ -24,7 +28,20 @@ def inspect(directory: str, step: int | None, as_json: bool) -> int:
         return 1
     if as_json:
         print(json.dumps(meta, indent=2))
+    else:
+        _describe(manager, meta)
+    if not verify:
         return 0
+    try:
+        count = manager.verify(meta["step"])
+    except (FileNotFoundError, ValueError) as e:
+        print(f"zeroshard inspect: verify FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"verified step {meta['step']}: all {count} leaves match the checksums recorded at save")
+    return 0
+
+
+def _describe(manager, meta: dict) -> None:
     count = sum(math.prod(v["shape"]) for v in meta["params"].values())
     print(f"{manager.directory}: steps {manager.all_steps()}, showing step {meta['step']}")
     for key in ("format", "zeroshard_version", "jax_version", "optax_version", "saved_at"):
@@ -44,7 +61,12 @@ def inspect(directory: str, step: int | None, as_json: bool) -> int:
     print(f"  optimizer state ({len(meta['opt_state'])} leaves):")
     for path, leaf in meta["opt_state"].items():
         print(f"    {path}: {leaf['shape']} {leaf['dtype']}")
-    return 0
+    sums = meta.get("checksums")
+    print(
+        f"  checksums: {sums['algorithm']} of every leaf (check: --verify)"
+        if sums
+        else "  checksums: none (saved before they were recorded; cannot be verified)"
+    )
 
 
 def plan(count: float, devices: int, param_dtype: str, optimizer: str) -> int:
@@ -71,10 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     inspect_cmd.add_argument("directory")
     inspect_cmd.add_argument("--step", type=int, default=None, help="default: the latest")
     inspect_cmd.add_argument("--json", action="store_true", help="print the raw record")
+    inspect_cmd.add_argument(
+        "--verify", action="store_true", help="read the arrays and check their checksums"
+    )
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan(args.params, args.devices, args.param_dtype, args.optimizer)
-    return inspect(args.directory, args.step, args.json)
+    return inspect(args.directory, args.step, args.json, args.verify)
 
 
 if __name__ == "__main__":

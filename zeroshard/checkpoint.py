@@ -13,8 +13,19 @@ On disk a step holds two orbax items:
   :mod:`zeroshard.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape, the count of skipped
-  non-finite steps, the loss scale), readable without loading
-  arrays: ``python -m zeroshard inspect DIR``.
+  non-finite steps, the loss scale, and every logical leaf's checksum), readable
+  without loading arrays: ``python -m zeroshard inspect DIR``.
+
+orbax does not verify what it reads: damaged bytes can restore as wrong values
+without an error. So :meth:`CheckpointManager.save` records a checksum of every
+logical leaf (:mod:`zeroshard.checksum`: computed on device, the same on any device
+count; the record: :mod:`zeroshard.integrity`), and :meth:`CheckpointManager.restore`
+recomputes them on the restored arrays and raises
+:class:`~zeroshard.CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
+restores the newest step that verifies, saying which it skipped;
+``python -m zeroshard inspect DIR --verify`` checks a step without training code.
+Steps saved before checksums existed restore with a warning that they were not
+verified.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
 finalisation: a step appears only once fully written, so a process killed while
@@ -24,8 +35,10 @@ saving leaves the previous steps intact.
 from __future__ import annotations
 
 import os
+import pathlib
 import time
-from typing import Any
+import warnings
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +46,18 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.checksum import ALGORITHM
 from zeroshard.gather import full_structs
+from zeroshard.integrity import (
+    RECORD_DIGEST,
+    CheckpointCorruptedError,
+    by_parts,
+    digest,
+    first_mismatch,
+    leaf_count,
+    parts,
+    record,
+)
 from zeroshard.layout import PyTree
 from zeroshard.local_update import ShardedTransformation
 from zeroshard.logical import (
@@ -49,6 +73,7 @@ from zeroshard.train_step import TrainState, _check_setup
 STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
 FORMAT = "zeroshard-logical-1"
+LATEST_VALID = "latest_valid"
 
 
 def _describe(tree: PyTree) -> dict[str, dict[str, Any]]:
@@ -83,6 +108,8 @@ class CheckpointManager:
       max_to_keep: how many finalised steps to keep (``None``: all).
       async_save: write in a background thread; :meth:`save` returns once the arrays
         are copied off the devices, so the state can be donated right after.
+      checksums: record every logical leaf's checksum at save and verify them at
+        restore (the default). ``False`` skips both, e.g. to measure their cost.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, zeroshard as zs
@@ -106,11 +133,13 @@ class CheckpointManager:
         *,
         max_to_keep: int | None = 3,
         async_save: bool = True,
+        checksums: bool = True,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.tx = tx
         self._max_to_keep = max_to_keep
         self._async_save = async_save
+        self._checksums = checksums
         self._manager = None
 
     def _orbax(self, create: bool = False):
@@ -156,12 +185,33 @@ class CheckpointManager:
         return step
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The metadata record of ``step`` (default: the latest), without loading arrays."""
+        """The metadata record of ``step`` (default: the latest), without loading arrays.
+
+        Raises:
+          FileNotFoundError: if there is no directory or no finalised step in it.
+          CheckpointCorruptedError: if the record is unreadable or does not match the
+            SHA-256 saved with it.
+        """
         import orbax.checkpoint as ocp
 
         step = self._resolve(step)
         args = ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        return dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
+        try:
+            meta = dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
+        except Exception as e:  # a damaged JSON file: orbax raises what json raises
+            raise CheckpointCorruptedError(
+                f"could not read the metadata record of step {step} of {self.directory}: the "
+                f"checkpoint is corrupted ({type(e).__name__}: {str(e)[:200]}). "
+                f"{self._others(step)}"
+            ) from e
+        recorded = meta.get(RECORD_DIGEST)
+        if recorded is not None and recorded != digest(meta):
+            raise CheckpointCorruptedError(
+                f"step {step} of {self.directory}: the checkpoint is corrupted. Its metadata "
+                "record does not match the SHA-256 recorded with it. "
+                f"{self._others(step)}"
+            )
+        return meta
 
     def save(self, state: TrainState, *, force: bool = False) -> bool:
         """Saves ``state`` as step ``state.step`` (asynchronously by default).
@@ -211,6 +261,9 @@ class CheckpointManager:
         item = {"step": state.step, "params": params, "opt_state": opt_state}
         if state.model_state is not None:
             item["model_state"] = state.model_state
+        if self._checksums:
+            metadata["checksums"] = record(item)
+            metadata[RECORD_DIGEST] = digest(metadata)
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),
@@ -224,18 +277,20 @@ class CheckpointManager:
         mesh: jax.sharding.Mesh,
         like: PyTree,
         *,
-        step: int | None = None,
+        step: int | Literal["latest_valid"] | None = None,
         stage: int = 1,
         model_state: PyTree = None,
     ) -> TrainState:
         """Restores a step onto ``mesh``, whatever the device count and stage it was saved
-        with.
+        with, and verifies every leaf against the checksum recorded at save.
 
         Args:
           mesh: the mesh to lay the state out on; it must have the optimizer's axis.
           like: the parameters (arrays or ``jax.ShapeDtypeStruct``) in their compute
             dtypes: the tree structure, shapes and dtypes to restore into.
-          step: the step to restore (default: the latest).
+          step: the step to restore: ``None`` (default) for the latest, whether it
+            verifies or not; ``"latest_valid"`` for the newest step that verifies
+            (each corrupted newer step is named in a warning); or a step number.
           stage: the ZeRO stage to lay the state out for (3: params as pieces).
           model_state: the non-trainable model state's tree (arrays or
             ``jax.ShapeDtypeStruct``), when the state was saved with one.
@@ -245,16 +300,45 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: if there is no directory or no finalised step in it.
-          ValueError: if the checkpoint is of another model or optimizer, in other
-            dtypes (naming the first differing leaf), or unreadable (truncated or
-            corrupted files). Nothing on disk is changed.
+          CheckpointCorruptedError: (a ``ValueError``) if a leaf's checksum differs
+            from the one recorded at save, or a file is unreadable; the message
+            names the step and the leaf and lists the other steps. With
+            ``"latest_valid"``, only when no step verifies.
+          ValueError: if the checkpoint is of another model or optimizer, or in other
+            dtypes (naming the first differing leaf). Nothing on disk is changed.
         """
-        import orbax.checkpoint as ocp
+        if step != LATEST_VALID:
+            return self._restore(mesh, like, self._resolve(step), stage, model_state)
+        errors = []
+        for candidate in reversed(self._resolve_all()):
+            try:
+                state = self._restore(mesh, like, candidate, stage, model_state)
+            except CheckpointCorruptedError as e:
+                errors.append(e)
+                continue
+            if errors:
+                warnings.warn(
+                    f"restored step {candidate}, the newest step of {self.directory} that "
+                    "verifies; skipped: " + " | ".join(map(str, errors)),
+                    stacklevel=2,
+                )
+            return state
+        raise CheckpointCorruptedError(
+            f"no step of {self.directory} verifies: " + " | ".join(map(str, errors))
+        )
 
+    def _resolve_all(self) -> list[int]:
+        steps = self.all_steps()
+        if not steps:
+            self._resolve(None)  # raises the error that says why
+        return steps
+
+    def _restore(
+        self, mesh: jax.sharding.Mesh, like: PyTree, step: int, stage: int, model_state: PyTree
+    ) -> TrainState:
         tx = self._require_tx()
         _check_setup(tx, mesh, tx.axis_name)
         like = full_structs(like)
-        step = self._resolve(step)
         saved = self.metadata(step)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{self.directory} step {step} is not a {FORMAT} checkpoint.")
@@ -300,17 +384,9 @@ class CheckpointManager:
             item["model_state"] = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), model_state
             )
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(item)})
-        try:
-            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
-            restored = jax.block_until_ready(restored)
-        except Exception as e:  # orbax/tensorstore raise many types for bad files
-            reason = str(e).split(" [tensorstore_spec")[0][:400]
-            raise ValueError(
-                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
-                f"or corrupted ({type(e).__name__}: {reason}). Restore another step "
-                f"({self.all_steps()}); nothing on disk was changed."
-            ) from e
+        restored = self._read(step, item)
+        if self._checksums:
+            self._check(step, saved, record(restored))
         return from_optax_state(
             restored["params"],
             restored["opt_state"],
@@ -324,6 +400,100 @@ class CheckpointManager:
             loss_scale=_loss_scale(saved.get("loss_scale")) if tx.loss_scale else None,
             model_state=restored.get("model_state"),
         )
+
+    def _read(self, step: int, target: PyTree) -> PyTree:
+        """The ``state`` item of ``step`` read into ``target``; unreadable -> corrupted."""
+        import orbax.checkpoint as ocp
+
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+        try:
+            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
+            return jax.block_until_ready(restored)
+        except Exception as e:  # orbax/tensorstore raise many types for bad files
+            reason = str(e).split(" [tensorstore_spec")[0][:400]
+            raise CheckpointCorruptedError(
+                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
+                f"or corrupted ({type(e).__name__}: {reason}). {self._others(step)}"
+            ) from e
+
+    def _others(self, step: int) -> str:
+        others = [s for s in self.all_steps() if s != step]
+        return (
+            f"Nothing on disk was changed. Other steps: {others}; restore one with "
+            f"step=K, or step={LATEST_VALID!r} for the newest step that verifies."
+        )
+
+    def _check(self, step: int, saved: dict[str, Any], got: dict[str, Any]) -> None:
+        """Compares recomputed checksums with the recorded ones (keys: leaf paths)."""
+        recorded = saved.get("checksums")
+        if recorded is None:
+            warnings.warn(
+                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
+                f"{saved.get('zeroshard_version', '< 0.1')} before they were recorded): "
+                "restored without verifying it.",
+                stacklevel=3,
+            )
+            return
+        if recorded.get("algorithm") != ALGORITHM:
+            raise ValueError(
+                f"step {step} of {self.directory} has checksums of kind "
+                f"{recorded.get('algorithm')!r}; this zeroshard computes {ALGORITHM!r}. "
+                "Restore it with the zeroshard version that saved it."
+            )
+        mismatch = first_mismatch(recorded, got)
+        if mismatch is not None:
+            leaf, read, want = mismatch
+            raise CheckpointCorruptedError(
+                f"step {step} of {self.directory}: the checkpoint is corrupted. The "
+                f"checksum of {leaf} read from disk is {read}, but {want} was recorded "
+                f"when it was saved. {self._others(step)}"
+            )
+
+    def verify(self, step: int | None = None, mesh: jax.sharding.Mesh | None = None) -> int:
+        """Reads every array of a step and checks it against the recorded checksums,
+        without the model or optimizer (what ``python -m zeroshard inspect --verify``
+        runs).
+
+        Args:
+          step: the step to check (default: the latest).
+          mesh: where to read the arrays; default: a 1-D mesh over all devices.
+
+        Returns:
+          The number of leaves verified.
+
+        Raises:
+          FileNotFoundError: if there is no directory or no finalised step in it.
+          CheckpointCorruptedError: if a leaf differs from its checksum or a file is
+            unreadable (nothing on disk is changed).
+          ValueError: if the step has no checksums (saved before they were recorded).
+        """
+        import orbax.checkpoint as ocp
+
+        step = self._resolve(step)
+        saved = self.metadata(step)
+        if saved.get("checksums") is None:
+            raise ValueError(
+                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
+                f"{saved.get('zeroshard_version')} before they were recorded): it cannot "
+                "be verified."
+            )
+        if mesh is None:
+            mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        axis, num = mesh.axis_names[0], mesh.shape[mesh.axis_names[0]]
+        stored = ocp.StandardCheckpointHandler().metadata(
+            pathlib.Path(self.directory) / str(step) / STATE_ITEM
+        )
+        stored = getattr(stored, "tree", stored)
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(
+                m.shape, m.dtype, sharding=NamedSharding(mesh, logical_spec(m.shape, num, axis))
+            ),
+            stored,
+        )
+        restored = self._read(step, target)
+        recorded = by_parts(saved["checksums"])
+        self._check(step, {"checksums": recorded}, record(restored, key=parts))
+        return leaf_count(recorded)
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save in flight is finalised."""

@@ -9,6 +9,9 @@ AdamW. It then:
   live arrays and from XLA's analysis of both compiled steps;
 - saves a checkpoint halfway, restores it on half the devices, and shows that the
   resumed run continues the loss curve;
+- is preemption-safe: on SIGTERM it finishes the step in flight, saves it and exits 0
+  (:class:`zeroshard.PreemptionGuard`); run with the same ``--checkpoint-dir`` again,
+  it resumes from the latest step;
 - writes a plot of the loss curves and the memory table to a PNG.
 """
 
@@ -131,31 +134,45 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="zeroshard_demo_")
-    ckpt = zs.CheckpointManager(directory, tx, max_to_keep=1)
+    ckpt = zs.CheckpointManager(directory, tx, max_to_keep=None)
     save_at = args.steps // 2
-    losses: list[float] = []
+    first = ckpt.latest_step() or 0
+    if first:  # a previous run of this command was preempted: continue it
+        state = ckpt.restore(mesh, like=state.params)
+        print(f"Resuming from step {first} in {directory}")
+    losses: list[float] = [float("nan")] * first  # not known for steps run before
     compiled = train_step.lower(state, batch_at(0)).compile()
+    guard = zs.PreemptionGuard()  # SIGTERM: finish the step in flight, save, exit 0
     start = time.perf_counter()
     print(f"Training, checkpoint at step {save_at} in {directory}:")
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         state, metrics = train_step(state, batch_at(step))
         losses.append(float(metrics["loss"]))
         if int(state.step) == save_at:
             ckpt.save(state)  # async: the next step donates the state right away
-        rate = (step + 1) * args.batch * args.context / (time.perf_counter() - start)
+        if guard.should_stop(step + 1):
+            ckpt.wait_until_finished()
+            if step + 1 not in ckpt.all_steps():
+                ckpt.save(state)
+            ckpt.close()  # waits until the step is committed on disk
+            print(f"Preempted: saved step {step + 1} in {directory}; run the same command")
+            print(f"(with --checkpoint-dir {directory}) again to resume.")
+            return {"losses": losses, "preempted_at": step + 1}
+        rate = (step + 1 - first) * args.batch * args.context / (time.perf_counter() - start)
         progress(step + 1, args.steps, losses[-1], rate)
     ckpt.wait_until_finished()
 
     # Resume from the checkpoint on half the devices and continue the curve.
     m = max(n // 2, 1)
     half = jax.make_mesh((m,), ("data",), devices=jax.devices()[:m])
-    resumed_state = ckpt.restore(half, like=state.params)
+    resumed_state = ckpt.restore(half, like=state.params, step=save_at)
     resumed_step = zs.make_train_step(loss_fn, tx, half)
     resumed: list[float] = []
     for step in range(save_at, args.steps):
         resumed_state, metrics = resumed_step(resumed_state, batch_at(step))
         resumed.append(float(metrics["loss"]))
-    gap = max(abs(a - b) for a, b in zip(resumed, losses[save_at:], strict=True))
+    pairs = zip(resumed, losses[save_at:], strict=True)
+    gap = max((abs(a - b) for a, b in pairs if not np.isnan(b)), default=float("nan"))
     print(
         f"Resumed step {save_at} on {m} devices: final loss {resumed[-1]:.4f} vs "
         f"{losses[-1]:.4f} uninterrupted (largest gap over {len(resumed)} steps: {gap:.1e})"

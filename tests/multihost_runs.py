@@ -1,0 +1,85 @@
+"""Start ``examples/multihost.py`` processes, signal them, and bound them in time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "multihost.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """``processes`` processes of the example (8 devices in all), logs in ``tmp_path``.
+
+    Every process is started in its own session and killed, with its children, by
+    :meth:`finish` if it outlives the run's deadline.
+    """
+
+    def __init__(self, tmp_path: Path, name: str, processes: int, *args: str, timeout=120):
+        self.logs = [tmp_path / f"{name}.{i}.log" for i in range(processes)]
+        self.deadline = time.monotonic() + timeout
+        common = ["--local-devices", str(8 // processes), *args]
+        if processes > 1:
+            common += ["--coordinator", f"127.0.0.1:{free_port()}"]
+        self.procs = []
+        for i, log in enumerate(self.logs):
+            extra = ["--num-processes", str(processes), "--process-id", str(i)]
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-u", EXAMPLE, *common, *extra],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        start_new_session=True,
+                    )
+                )
+
+    def text(self, i: int) -> str:
+        return "\n".join(
+            line for line in self.logs[i].read_text().splitlines() if "[Gloo]" not in line
+        )
+
+    def wait_for(self, pattern: str, i: int = 0) -> None:
+        """Waits until process ``i`` has printed a line matching ``pattern``."""
+        while time.monotonic() < self.deadline:
+            if re.search(pattern, self.text(i), re.MULTILINE):
+                return
+            if self.procs[i].poll() is not None:
+                break
+            time.sleep(0.05)
+        self.finish()
+        raise AssertionError(f"process {i} never printed {pattern!r}:\n{self.text(i)[-3000:]}")
+
+    def signal(self, i: int, sig: int) -> float:
+        """Sends ``sig`` to process ``i``; returns when (``time.monotonic()``)."""
+        self.procs[i].send_signal(sig)
+        return time.monotonic()
+
+    def finish(self) -> list[int | None]:
+        """Waits for every process until the deadline, then kills what is left.
+        Returns the exit codes (``None``: it hung and was killed)."""
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(self.deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                codes.append(None)
+        return codes
+
+    def report(self) -> str:
+        return "\n".join(f"--- process {i}:\n{self.text(i)[-2000:]}" for i in range(len(self.logs)))
