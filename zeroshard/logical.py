@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.gather import full_structs, is_shard
-from zeroshard.layout import PyTree, Slot
+from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.local_update import Plan, ShardedState, ShardedTransformation, master_pieces
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
@@ -145,10 +147,19 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     mesh = _mesh_of(state)
-    num_shards = mesh.shape[tx.axis_name]
     stage = 3 if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) else 1
-    plan = tx.plan(full_structs(state.params), num_shards)
-    layout, axis = plan.layout, tx.axis_name
+    layout = tx.plan(full_structs(state.params), mesh.shape[tx.axis_name]).layout
+    return _to_optax_converter(tx, mesh, stage, layout)(state.params, state.opt_state)
+
+
+@functools.lru_cache(maxsize=64)
+def _to_optax_converter(
+    tx: ShardedTransformation, mesh: jax.sharding.Mesh, stage: int, layout: Layout
+) -> Callable[[PyTree, ShardedState], tuple[PyTree, PyTree]]:
+    """The jitted conversion of :func:`to_optax_state`, built once per optimizer, mesh,
+    stage and layout (a checkpoint save does not trace it again)."""
+    num_shards, axis = layout.num_shards, tx.axis_name
+    plan = tx.plan(layout.full_structs(), num_shards)
     params_structs, opt_structs = _logical_structs(plan, tx)
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
@@ -165,13 +176,13 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
         ]
         return layout.treedef.unflatten(master), treedef.unflatten(inner)
 
-    specs = state_specs(tx, state.params, num_shards, stage)
+    specs = state_specs(tx, layout.full_structs(), num_shards, stage)
     in_specs = (specs.params, specs.opt_state)
     out_specs = (_specs(params_structs, num_shards, axis), _specs(opt_structs, num_shards, axis))
     convert = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
     )
-    return jax.jit(convert)(state.params, state.opt_state)
+    return jax.jit(convert)
 
 
 def from_optax_state(
