@@ -25,12 +25,12 @@ test: venv
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check zeroshard tests benchmarks examples
-	$(BIN)/ruff format --check zeroshard tests benchmarks examples
+	$(BIN)/ruff check zeroshard tests benchmarks examples notebooks
+	$(BIN)/ruff format --check zeroshard tests benchmarks examples notebooks
 
 format: venv
-	$(BIN)/ruff format zeroshard tests benchmarks examples
-	$(BIN)/ruff check --fix zeroshard tests benchmarks examples
+	$(BIN)/ruff format zeroshard tests benchmarks examples notebooks
+	$(BIN)/ruff check --fix zeroshard tests benchmarks examples notebooks
 
 clean:
 	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info
