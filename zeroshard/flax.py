@@ -176,6 +176,9 @@ class NNXTrainStep:
         self.loss_fn, self.mesh, self.axis_name, self.has_aux = loss_fn, mesh, axis_name, has_aux
         self.num_shards = mesh.shape[axis_name]
         self._donate, self._sync = donate, sync
+        # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
+        # no copies): the model's own sharding calls work there, under vmap over devices.
+        self._auto_mesh = _auto_mesh(mesh)
         self._compiled: dict[Any, Callable] = {}
 
     def _gradients(self, model_def, wrt, params, rest, batch):
@@ -198,7 +201,7 @@ class NNXTrainStep:
         return vmapped(params, rest, batch)
 
     def _build(self, graphdef: Any, param_specs: PyTree) -> Callable:
-        axis, mesh = self.axis_name, _auto_mesh(self.mesh)
+        axis, mesh = self.axis_name, self._auto_mesh
 
         def step(state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
             model, optimizer = nnx.merge(graphdef, state)
@@ -249,10 +252,8 @@ class NNXTrainStep:
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
             self._compiled[key] = self._build(graphdef, param_specs)
-        # The step runs on an Auto-typed twin of the mesh (same devices, same layouts):
-        # the model's own sharding calls work there, and under vmap over devices.
         on = lambda mesh: lambda spec: NamedSharding(mesh, spec)
-        auto = _auto_mesh(self.mesh)
+        auto = self._auto_mesh
         state = jax.device_put(state, jax.tree.map(on(auto), specs))
         n = self.num_shards
         batch = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)

@@ -41,11 +41,6 @@ class Plan:
     state_slots: tuple[int | None, ...]
 
     @property
-    def state_sharded(self) -> tuple[bool, ...]:
-        """Per leaf of the inner state, whether it is per-element (sharded)."""
-        return tuple(i is not None for i in self.state_slots)
-
-    @property
     def inner_dtypes(self) -> list[Any]:
         """Dtype the inner optimizer works in, per bucket."""
         return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
@@ -106,8 +101,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         pieces = jax.eval_shape(self.inner.init, plan.layout.piece_structs(plan.inner_dtypes))
         leaves, treedef = jax.tree.flatten(pieces)
         specs = [
-            P(*(None,) * (leaf.ndim - 1), self.axis_name) if sharded else P()
-            for leaf, sharded in zip(leaves, plan.state_sharded, strict=True)
+            P() if slot is None else P(*(None,) * (leaf.ndim - 1), self.axis_name)
+            for leaf, slot in zip(leaves, plan.state_slots, strict=True)
         ]
         master = tuple(None if m is None else P(self.axis_name) for m in plan.master_dtypes)
         scale = None if self.loss_scale is None else LossScaleState(P(), P())
