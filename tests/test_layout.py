@@ -19,7 +19,7 @@ def tree(rng):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_pieces_rows_split_join_and_padding(n, rng):
+def test_pieces_rows_and_padding(n, rng):
     t = tree(rng)
     layout = Layout.from_tree(t, n)
     assert [b.dtype for b in layout.buckets] == [jnp.float32, jnp.bfloat16]
@@ -35,15 +35,32 @@ def test_pieces_rows_split_join_and_padding(n, rng):
         assert [r.shape for r in rows] == [(b.row_size,) for b in layout.buckets]
         for a, b in zip(layout.rows(per_device[d]), rows, strict=True):
             np.testing.assert_array_equal(a, b)
-        pieces = layout.split(rows)
-        for piece, slot in zip(jax.tree.leaves(pieces), layout.slots, strict=True):
-            assert piece.shape == layout.piece_shape(slot)
-            assert piece.ndim == max(len(slot.shape), 1)  # the leaf's rank, scalars 1
-        shaped = jax.tree.leaves(layout.shaped(per_device[d]))
-        for a, b in zip(shaped, jax.tree.leaves(pieces), strict=True):
-            np.testing.assert_array_equal(a, b)
-        for a, b in zip(layout.join(pieces), rows, strict=True):
-            np.testing.assert_array_equal(a, b)
+    for piece, slot in zip(jax.tree.leaves(layout.piece_structs()), layout.slots, strict=True):
+        assert piece.shape == slot.piece_shape and piece.size == slot.piece_size
+        assert piece.ndim == max(len(slot.shape), 1)  # the leaf's rank, scalars 1
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_owned_leaves_are_balanced_and_round_trip(n, rng):
+    t = tree(rng)
+    names = [s.path for s in Layout.from_tree(t, n).slots]
+    owned = {names.index("['prime']"): 91.0, names.index("['half']"): 5.0}
+    owned |= {names.index(f"['many'][{k}]"): 3.0 for k in range(9)}
+    layout = Layout.from_tree(t, n, owned=owned)
+    slots = layout.slots
+    assert {i for i, s in enumerate(slots) if s.placement == "owned"} == set(owned)
+    assert slots[names.index("['prime']")].owner == 0  # the largest goes first
+    load = [sum(owned[i] for i in layout.owned_by(d)) for d in range(n)]
+    assert max(load) - min(load) <= max(owned.values())  # greedy: within one leaf
+    leaves = jax.tree.leaves(t)
+    for b, bucket in enumerate(layout.buckets):
+        blocks = layout.owned_blocks(leaves, b, bucket.dtype)
+        assert blocks.shape == (n, bucket.owned_width)
+        for i in (i for i in bucket.slots if slots[i].owned):
+            np.testing.assert_array_equal(layout.owned_leaf(blocks, i), leaves[i])
+        sliced = [i for i in bucket.slots if not slots[i].owned]
+        assert bucket.row_size == sum(slots[i].piece_size for i in sliced)
+    assert all(p is None for p, s in zip(layout.pieces(t, 0), slots, strict=True) if s.owned)
 
 
 def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():

@@ -102,23 +102,26 @@ def square_updates():
 
 
 big = {"w": jnp.ones((256, 300)), "b": jnp.ones(300)}
-REFUSED = {
+REFUSED = {  # they combine several leaves without a sum over the axis
     "optax.clip_by_global_norm": lambda: optax.chain(
         optax.clip_by_global_norm(1.0), optax.adam(1e-3)
     ),
-    "lamb": lambda: optax.lamb(1e-3),
-    "lars": lambda: optax.lars(1e-3),
-    "novograd": lambda: optax.novograd(1e-3),
-    "scale_by_trust_ratio": lambda: optax.scale_by_trust_ratio(),
-    "adaptive_grad_clip": lambda: optax.adaptive_grad_clip(0.1),
-    "clip_by_block_rms": lambda: optax.clip_by_block_rms(0.1),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(0.1), 3),
-    "factored_adafactor": lambda: optax.adafactor(1e-3),
-    "muon": lambda: optax.contrib.muon(1e-3),
-    "shape_mask": lambda: optax.adamw(
-        1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] == 256, p)
+}
+OWNED = {  # name: (optimizer, the leaves that need whole tensors)
+    "lamb": (lambda: optax.lamb(1e-3), {"b", "w"}),
+    "lars": (lambda: optax.lars(1e-3), {"b", "w"}),
+    "novograd": (lambda: optax.novograd(1e-3), {"b", "w"}),
+    "scale_by_trust_ratio": (lambda: optax.scale_by_trust_ratio(), {"b", "w"}),
+    "adaptive_grad_clip": (lambda: optax.adaptive_grad_clip(0.1), {"b", "w"}),
+    "clip_by_block_rms": (lambda: optax.clip_by_block_rms(0.1), {"b", "w"}),
+    "factored_adafactor": (lambda: optax.adafactor(1e-3), {"b", "w"}),
+    "muon": (lambda: optax.contrib.muon(1e-3), {"w"}),
+    "shape_mask": (
+        lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] == 256, p)),
+        {"w"},
     ),
-    "hand_written_per_leaf_norm": per_leaf_normalise,
+    "hand_written_per_leaf_norm": (per_leaf_normalise, {"b", "w"}),
 }
 ACCEPTED = {
     "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
@@ -140,11 +143,23 @@ def test_non_elementwise_inner_is_refused(name):
         jax.eval_shape(tx.init, big)
 
 
+@pytest.mark.parametrize("name", sorted(OWNED))
+def test_leaves_that_need_whole_tensors_are_owned(name):
+    make, expected = OWNED[name]
+    tx = zs.sharded(make(), axis_name="data")
+    with jax.set_mesh(make_mesh(8)):
+        jax.eval_shape(tx.init, big)
+    layout = tx.plan(big, 8).layout
+    owned = {s.path[2:-2] for s in layout.slots if s.placement == "owned"}
+    assert owned == expected
+
+
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_elementwise_inner_is_accepted(name):
     tx = zs.sharded(ACCEPTED[name](), axis_name="data")
     with jax.set_mesh(make_mesh(8)):
         jax.eval_shape(tx.init, big)
+    assert not tx.plan(big, 8).layout.has_owned
 
 
 def test_error_names_the_offending_operation():

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -69,6 +69,8 @@ class Slot:
       offset: first column of the leaf's piece in the bucket row.
       num_shards: the number of devices the leaf is cut over.
       stacked: the number of leading layer axes (0: a sliced leaf).
+      owner: the device holding the whole leaf (an owned leaf), else ``None``; then
+        ``offset`` is the leaf's place in that device's owned row of the bucket.
     """
 
     path: str
@@ -78,11 +80,24 @@ class Slot:
     offset: int
     num_shards: int
     stacked: int = 0
+    owner: int | None = None
 
     @property
     def placement(self) -> str:
-        """``"sliced"`` or ``"stacked"``."""
-        return "stacked" if self.stacked else "sliced"
+        """``"sliced"``, ``"stacked"`` or ``"owned"``."""
+        return "owned" if self.owner is not None else "stacked" if self.stacked else "sliced"
+
+    @property
+    def owned(self) -> bool:
+        return self.owner is not None
+
+    @property
+    def stand_in_shape(self) -> tuple[int, ...]:
+        """The shape of what a device that does not own the leaf sees in its place: one
+        zero of the leaf's rank (so rank-based masks agree and shape arithmetic, such
+        as a fan-out over fan-in ratio, stays finite). What is computed on it is
+        discarded; zeros stay zero through elementwise updates, like padding does."""
+        return (1,) * len(self.shape)
 
     @property
     def size(self) -> int:
@@ -168,11 +183,21 @@ def stacked_dims(tree: PyTree, stacked: Stacked) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """All leaves of one dtype: an ``(num_shards, row_size)`` matrix."""
+    """All leaves of one dtype.
+
+    Attributes:
+      dtype: the leaves' dtype.
+      slots: the indices of its leaves.
+      row_size: elements per device of its sliced leaves (one row of an
+        ``(num_shards, row_size)`` matrix).
+      owned_width: elements of its owned leaves on the most loaded device: the row
+        each device has for them is padded to this.
+    """
 
     dtype: np.dtype
     slots: tuple[int, ...]
     row_size: int
+    owned_width: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +214,22 @@ class Layout:
     num_shards: int
 
     @classmethod
-    def from_tree(cls, tree: PyTree, num_shards: int, stacked: Stacked = None) -> Layout:
+    def from_tree(
+        cls,
+        tree: PyTree,
+        num_shards: int,
+        stacked: Stacked = None,
+        owned: Mapping[int, float] | None = None,
+    ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
         Args:
           tree: the parameters (arrays or ``jax.ShapeDtypeStruct``).
           num_shards: the number of devices.
           stacked: which leaves hold stacked layers (see :data:`Stacked`).
+          owned: the leaves to place whole on one device, by index, with the cost of
+            their update: owners are chosen largest cost first, each leaf to the
+            device with the least cost so far (ties: fewest bytes, lowest index).
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -208,11 +242,10 @@ class Layout:
                 "zeroshard got an empty parameter tree: there is nothing to shard. "
                 "Pass the model's parameters (a pytree with at least one array)."
             )
-        dtypes: list[np.dtype] = []
-        offsets: list[int] = []
-        members: list[list[int]] = []
-        slots = []
+        owners = _owners(path_leaves, num_shards, owned or {})
         dims = stacked_dims(tree, stacked)
+        dtypes: list[np.dtype] = []
+        slots = []
         for i, (path, leaf) in enumerate(path_leaves):
             dtype = np.dtype(leaf.dtype)
             name = jax.tree_util.keystr(path)
@@ -222,35 +255,56 @@ class Layout:
                     f"dtype {dtype}. Keep integer or boolean state out of the tree passed "
                     "to the optimizer (e.g. in a separate collection)."
                 )
-            if dtype not in dtypes:
-                dtypes.append(dtype)
-                offsets.append(0)
-                members.append([])
-            b = dtypes.index(dtype)
-            slot = Slot(name, tuple(leaf.shape), dtype, b, offsets[b], num_shards, dims[i])
-            slots.append(slot)
-            offsets[b] += slot.piece_size
-            members[b].append(i)
-        buckets = tuple(
-            Bucket(d, tuple(m), o) for d, m, o in zip(dtypes, members, offsets, strict=True)
-        )
-        return cls(treedef, tuple(slots), buckets, num_shards)
+            dtypes += [] if dtype in dtypes else [dtype]
+            owner = owners.get(i)
+            slots.append(
+                Slot(
+                    name,
+                    tuple(leaf.shape),
+                    dtype,
+                    dtypes.index(dtype),
+                    0,
+                    num_shards,
+                    0 if owner is not None else dims[i],
+                    owner,
+                )
+            )
+        buckets = []
+        for b, dtype in enumerate(dtypes):
+            members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
+            offsets = [0] * (num_shards + 1)  # per owner; the last entry for sliced leaves
+            for i in members:
+                s = slots[i]
+                d = num_shards if s.owner is None else s.owner
+                slots[i] = dataclasses.replace(s, offset=offsets[d])
+                offsets[d] += s.size if s.owned else s.piece_size
+            buckets.append(Bucket(dtype, members, offsets[-1], max(offsets[:-1])))
+        return cls(treedef, tuple(slots), tuple(buckets), num_shards)
+
+    @property
+    def has_owned(self) -> bool:
+        return any(s.owned for s in self.slots)
+
+    def owned_by(self, device: int) -> tuple[int, ...]:
+        """The leaves ``device`` owns, in leaf order."""
+        return tuple(i for i, s in enumerate(self.slots) if s.owner == device)
 
     def groups(self, pack_bytes: int) -> tuple[tuple[int, ...], ...]:
-        """The leaves that share one collective: each leaf of at least ``pack_bytes``
+        """The sliced leaves that share one collective: each leaf of at least ``pack_bytes``
         alone, and the smaller leaves of each dtype packed together, in leaf order, into
         groups of at most ``pack_bytes`` (so no packed copy is larger)."""
         groups = []
         for b in self.buckets:
-            nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in b.slots}
+            sliced = [i for i in b.slots if not self.slots[i].owned]
+            nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in sliced}
             run: list[int] = []
-            for i in (i for i in b.slots if nbytes[i] < pack_bytes):
+            for i in (i for i in sliced if nbytes[i] < pack_bytes):
                 if run and sum(nbytes[j] for j in run) + nbytes[i] > pack_bytes:
                     groups.append(tuple(run))
                     run = []
                 run.append(i)
             groups += [tuple(run)] if run else []
-            groups += [(i,) for i in b.slots if nbytes[i] >= pack_bytes]
+            groups += [(i,) for i in sliced if nbytes[i] >= pack_bytes]
         return tuple(groups)
 
     def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -296,35 +350,66 @@ class Layout:
 
     # Full leaves -> this device's pieces and rows.
 
-    def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
-        """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves)."""
+    def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array | None]:
+        """Device ``index``'s 1-D piece of every sliced leaf of ``tree`` (full leaves);
+        ``None`` for owned leaves."""
         leaves = self.treedef.flatten_up_to(tree)
-        return [s.cut(leaf, index) for leaf, s in zip(leaves, self.slots, strict=True)]
+        return [
+            None if s.owned else s.cut(leaf, index)
+            for leaf, s in zip(leaves, self.slots, strict=True)
+        ]
 
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
-        """Device ``index``'s row of bucket ``bucket``, cut from full leaves."""
-        pieces = self.pieces(tree, index)
-        return jnp.concatenate([pieces[i] for i in self.buckets[bucket].slots])
+        """Device ``index``'s row of bucket ``bucket``'s sliced leaves, cut from full leaves."""
+        return self.rows(self.pieces(tree, index))[bucket]
 
-    # Rows <-> trees of pieces (what the inner optimizer sees).
-
-    def split(self, rows: Sequence[jax.Array]) -> PyTree:
-        """One row per bucket -> a tree of this device's pieces."""
-        return self.treedef.unflatten(
-            rows[s.bucket][s.offset : s.offset + s.piece_size].reshape(s.piece_shape)
-            for s in self.slots
+    def rows(self, pieces: Sequence[jax.Array | None]) -> tuple[jax.Array, ...]:
+        """Pieces, one per leaf in leaf order -> one row of sliced pieces per bucket."""
+        return tuple(
+            jnp.concatenate(
+                [jnp.zeros((0,), b.dtype)]
+                + [jnp.ravel(pieces[i]) for i in b.slots if not self.slots[i].owned]
+            )
+            for b in self.buckets
         )
 
-    def join(self, pieces: PyTree) -> tuple[jax.Array, ...]:
-        """A tree of pieces -> one row per bucket (the inverse of :meth:`split`)."""
-        return self.rows(self.treedef.flatten_up_to(pieces))
+    # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
-    def rows(self, pieces: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Pieces, one per leaf in leaf order -> one row per bucket."""
-        return tuple(jnp.concatenate([jnp.ravel(pieces[i]) for i in b.slots]) for b in self.buckets)
+    def owned_row(self, leaves: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
+        """``device``'s row of bucket ``bucket`` in ``dtype``: its owned leaves (full, in
+        ``leaves``, one per leaf in leaf order) raveled end to end and zero-padded to
+        ``owned_width``."""
+        b = self.buckets[bucket]
+        own = [
+            jnp.ravel(leaves[i]).astype(dtype)
+            for i in self.owned_by(device)
+            if self.slots[i].bucket == bucket
+        ]
+        row = jnp.concatenate([jnp.zeros((0,), dtype), *own])
+        return jnp.pad(row, (0, b.owned_width - row.shape[0]))
 
-    def shaped(self, pieces: Sequence[jax.Array]) -> PyTree:
-        """1-D pieces, one per leaf -> the tree of pieces the inner optimizer sees."""
-        return self.treedef.unflatten(
-            p.reshape(s.piece_shape) for p, s in zip(pieces, self.slots, strict=True)
-        )
+    def owned_blocks(self, leaves: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
+        """Every device's owned row of ``bucket``: ``(num_shards, owned_width)``, row
+        ``d`` for device ``d`` (what a reduce-scatter scatters)."""
+        rows = [self.owned_row(leaves, d, bucket, dtype) for d in range(self.num_shards)]
+        return jnp.stack(rows)
+
+    def owned_leaf(self, row: jax.Array, i: int) -> jax.Array:
+        """Owned leaf ``i`` from its owner's row (``row`` is that row, or ``(num_shards,
+        owned_width)`` with every device's row)."""
+        s = self.slots[i]
+        row = row[s.owner] if row.ndim == 2 else row
+        return row[s.offset : s.offset + s.size].reshape(s.shape)
+
+
+def _owners(path_leaves: list, num_shards: int, costs: Mapping[int, float]) -> dict[int, int]:
+    """Owner of each owned leaf: largest cost first, to the least loaded device."""
+    load = [(0.0, 0, d) for d in range(num_shards)]  # (cost, bytes, device)
+    owners = {}
+    for i in sorted(costs, key=lambda i: (-costs[i], i)):
+        leaf = path_leaves[i][1]
+        cost, nbytes, d = min(load)
+        owners[i] = d
+        size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        load[d] = (cost + costs[i], nbytes + size, d)
+    return owners

@@ -1,13 +1,16 @@
-"""Local update: the optax wrapper that runs an inner optimizer on this device's slice.
+"""Local update: the optax wrapper that runs an inner optimizer on this device's part.
 
 ``sharded(inner)`` chains the data flow of one step: reduce-scatter of the local
-gradients, ``inner.update`` on this device's 1/N slice (moments and fp32 master live
-here), and all-gather of the new weights in the parameters' dtype.
+gradients, ``inner.update`` on this device's part of the parameters (a 1/N slice of
+every sliced leaf and the whole of each leaf it owns; see :mod:`zeroshard.plan`), with
+the moments and fp32 master kept here, and all-gather of the new weights in the
+parameters' dtype.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -17,52 +20,37 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.all_gather import all_gather_params
 from zeroshard.clipping import local_squares
-from zeroshard.guard import check_elementwise
 from zeroshard.layout import Layout, PyTree, Stacked
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
-from zeroshard.reduce_scatter import reduce_scatter_leaves
+from zeroshard.plan import Plan, make_plan
+from zeroshard.reduce_scatter import reduce_scatter_leaves, reduce_scatter_owned
 
+Placement = Any
+"""Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
+giving ``"sliced"``, ``"owned"`` or ``None`` (automatic) per leaf."""
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one parameter tree needs, fixed at trace time.
-
-    Attributes:
-      layout: the parameters' layout over ``num_shards`` devices.
-      master_dtypes: per bucket, the dtype of the master row kept in the state, or
-        ``None`` where the parameters themselves are precise enough to be the master.
-      state_slots: per leaf of the inner state, the index of a parameter slot whose
-        pieces it is shaped like (a per-element leaf, sharded over the axis), or
-        ``None`` for a replicated leaf (counts, hyperparameters).
-    """
-
-    layout: Layout
-    master_dtypes: tuple[Any, ...]
-    state_slots: tuple[int | None, ...]
-
-    @property
-    def inner_dtypes(self) -> list[Any]:
-        """Dtype the inner optimizer works in, per bucket."""
-        return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
-
-    def to_inner(self, pieces: list[jax.Array]) -> list[jax.Array]:
-        """Per-leaf pieces cast to the dtype the inner optimizer works in."""
-        dtypes = self.inner_dtypes
-        return [p.astype(dtypes[s.bucket]) for p, s in zip(pieces, self.layout.slots, strict=True)]
+GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
+"""This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
+owned leaves), and per bucket its row of owned leaves (``None`` if it has none)."""
 
 
 class ShardedState(NamedTuple):
-    """State of :func:`sharded`; every array is this device's slice or a scalar.
+    """State of :func:`sharded`; every array is this device's part or a scalar.
 
     Attributes:
-      inner_state: the inner optimizer's state for this device's pieces.
-      master: per dtype bucket, this device's row of master weights, or ``None`` where
-        the parameters are already in the master dtype (their slice is the master).
+      inner_state: the inner optimizer's state for this device's pieces, with
+        ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
+      master: per dtype bucket, this device's row of master weights of its sliced
+        leaves, or ``None`` where the parameters are already in the master dtype
+        (their slice is the master).
       grad_norm: global L2 norm of the mean gradient at the last update, before any
         clipping (``nan`` or ``inf`` when that gradient was not finite).
       skipped: number of updates skipped because the mean gradient was not finite
         (int32; see ``skip_nonfinite`` in :func:`sharded`).
       loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
+      owned: per dtype, this device's row of the inner state and master weights of
+        the leaves it owns (see :class:`zeroshard.plan.Storage`); ``()`` when no leaf
+        is owned.
     """
 
     inner_state: optax.OptState
@@ -70,6 +58,7 @@ class ShardedState(NamedTuple):
     grad_norm: jax.Array
     skipped: jax.Array
     loss_scale: LossScaleState | None = None
+    owned: tuple[jax.Array, ...] = ()
 
 
 class ShardedTransformation(optax.GradientTransformationExtraArgs):
@@ -77,7 +66,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     Attributes (besides ``init`` and ``update``): ``inner``, ``axis_name``,
     ``replica_axis``, ``master_dtype``, ``reduce_dtype``, ``skip_nonfinite``,
-    ``pack_bytes``, ``loss_scale`` and ``stacked`` as given to :func:`sharded`.
+    ``pack_bytes``, ``loss_scale``, ``stacked`` and ``placement`` as given to
+    :func:`sharded`.
     """
 
     @property
@@ -89,93 +79,102 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         )
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
-        """The (cached) :class:`Plan` for ``params`` over ``num_shards`` devices."""
+        """The (cached) :class:`zeroshard.plan.Plan` for ``params`` over ``num_shards``
+        devices."""
         layout = Layout.from_tree(params, num_shards, self.stacked)
         if layout not in self._plans:
-            self._plans[layout] = _make_plan(self, layout)
+            plan = self._plans[layout] = make_plan(self, layout)
+            _log_owned(plan)
         return self._plans[layout]
 
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan = self.plan(params, num_shards)
-        pieces = jax.eval_shape(self.inner.init, plan.layout.piece_structs(plan.inner_dtypes))
-        leaves, treedef = jax.tree.flatten(pieces)
+        views = jax.eval_shape(self.inner.init, plan.view_structs(0))
         specs = [
-            P() if slot is None else P(*(None,) * (leaf.ndim - 1), self.axis_name)
-            for leaf, slot in zip(leaves, plan.state_slots, strict=True)
+            None
+            if plan.state_kind(k) == "owned"
+            else P()
+            if plan.state_kind(k) == "replicated"
+            else P(*(None,) * (leaf.ndim - 1), self.axis_name)
+            for k, leaf in enumerate(plan.state_treedef.flatten_up_to(views))
         ]
         master = tuple(None if m is None else P(self.axis_name) for m in plan.master_dtypes)
         scale = None if self.loss_scale is None else LossScaleState(P(), P())
-        return ShardedState(treedef.unflatten(specs), master, P(), P(), scale)
+        owned = tuple(P(self.axis_name) for _ in plan.storage.dtypes)
+        return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
 
 
-def _make_plan(tx: ShardedTransformation, layout: Layout) -> Plan:
-    master_dtypes = tuple(
-        tx.master_dtype
-        if tx.master_dtype is not None and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
-        else None
-        for b in layout.buckets
+def _log_owned(plan: Plan) -> None:
+    """One line at init when leaves are owned: how many, and the load per device."""
+    owned = [s for s in plan.layout.slots if s.owned]
+    if not owned:
+        return
+    nbytes, costs = plan.owned_bytes(), plan.owned_costs()
+    mean = sum(costs) / len(costs)
+    logging.getLogger("zeroshard").info(
+        "zeroshard: %d of %d leaves owned whole (their update needs the whole tensor) over "
+        "%d devices: owned state %s..%s bytes per device, update cost max/mean %.2f",
+        len(owned),
+        len(plan.layout.slots),
+        plan.layout.num_shards,
+        f"{min(nbytes):,}",
+        f"{max(nbytes):,}",
+        max(costs) / mean if mean else 1.0,
     )
-    inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, layout.buckets, strict=True)]
-    full = layout.full_structs(inner_dtypes)
-    pieces = layout.piece_structs(inner_dtypes)
-    full_state = jax.eval_shape(tx.inner.init, full)
-    piece_state = jax.eval_shape(tx.inner.init, pieces)
-    full_leaves, full_def = jax.tree_util.tree_flatten_with_path(full_state)
-    piece_leaves, piece_def = jax.tree.flatten(piece_state)
-    if full_def != piece_def:
-        raise ValueError(
-            "zs.sharded: the inner optimizer's state has a different structure on a slice "
-            "than on the full parameters, so it depends on leaf shapes and cannot be sharded."
+
+
+def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
+    """``fn(branch, *args)`` for this device's branch: a ``lax.switch`` on the device's
+    index over the branches (each device runs only its own), or a plain call when
+    every device has the same view."""
+    if len(plan.branches) == 1:
+        return fn(0, *args)
+    index = jnp.asarray(plan.branch_of, jnp.int32)[jax.lax.axis_index(axis_name)]
+
+    def branch(b, *args):  # every output varies over the axis, as the switch's do
+        vary = lambda x: (
+            x
+            if axis_name in jax.typeof(x).manual_axis_type.varying
+            else jax.lax.pcast(x, axis_name, to="varying")
         )
-    # A state leaf is per-element iff its shape follows the pieces' shapes: probe with
-    # pieces one element longer (shapes alone are ambiguous when N = 1).
-    longer = layout.treedef.unflatten(
-        jax.ShapeDtypeStruct((*p.shape[:-1], p.shape[-1] + 1), p.dtype)
-        for p in jax.tree.leaves(pieces)
+        return jax.tree.map(vary, fn(b, *args))
+
+    branches = [functools.partial(branch, b) for b in range(len(plan.branches))]
+    return jax.lax.switch(index, branches, *args)
+
+
+def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
+    """The replicated leaves of ``inner_state`` after :func:`run_branches`, typed
+    invariant over ``axis_name`` again (equal everywhere; device 0's are taken)."""
+    if len(plan.branches) == 1:
+        return inner_state
+    leaves = plan.state_treedef.flatten_up_to(inner_state)
+    return plan.state_treedef.unflatten(
+        jax.lax.all_gather(x, axis_name, to="invarying")[0]
+        if plan.state_kind(k) == "replicated"
+        else x
+        for k, x in enumerate(leaves)
     )
-    longer_leaves = jax.tree.leaves(jax.eval_shape(tx.inner.init, longer))
-    per_element = {}
-    for i, s in enumerate(layout.slots):
-        per_element.setdefault((s.shape, s.piece_shape), i)
-    state_slots = []
-    for (path, f), p, q in zip(full_leaves, piece_leaves, longer_leaves, strict=True):
-        sharded = p.shape != q.shape
-        if sharded and (tuple(f.shape), tuple(p.shape)) in per_element:
-            state_slots.append(per_element[tuple(f.shape), tuple(p.shape)])
-        elif not sharded and f.shape == p.shape:
-            state_slots.append(None)
-        else:
-            raise ValueError(
-                f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
-                f"{tuple(f.shape)} for the full parameters but {tuple(p.shape)} for a slice: "
-                "it is neither per-element nor independent of the parameters (e.g. a factored "
-                "second moment). Use an elementwise optimizer inside zs.sharded."
-            )
-    check_elementwise(
-        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, layout.num_shards
-    )
-    return Plan(layout, master_dtypes, tuple(state_slots))
 
 
-def bound_axis_size(axis_name: str) -> int | None:
-    """Size of ``axis_name`` if it is bound here (inside ``shard_map``), else ``None``."""
-    try:
-        return jax.lax.axis_size(axis_name)
-    except NameError:
-        return None
+def _kept_and_stored(plan: Plan, branch: int, state: PyTree, wholes: dict) -> tuple:
+    """Inner ``state`` of ``branch`` split into the tree it keeps (``None`` at owned
+    leaves) and its storage rows (owned state, plus ``wholes``: owned master weights)."""
+    leaves = plan.state_treedef.flatten_up_to(state)
+    values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
+    values.update(wholes)
+    kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
+    return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
-def context_mesh(axis_name: str) -> jax.sharding.AbstractMesh:
-    """The mesh set with ``jax.set_mesh``; raises unless it has ``axis_name``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"zeroshard: axis {axis_name!r} is not bound. Call inside jax.shard_map over a "
-            f"mesh with axis {axis_name!r}, or under `with jax.set_mesh(mesh):` (mesh axes: "
-            f"{tuple(mesh.axis_names) if not mesh.empty else 'no mesh set'})."
-        )
-    return mesh
+def _masters(plan: Plan, branch: int, wholes: list) -> dict:
+    """The owned master weights ``branch`` stores, from its whole leaves."""
+    return {
+        ("master", i): wholes[i]
+        for i in plan.branches[branch]
+        if plan.master_dtypes[plan.layout.slots[i].bucket] is not None
+    }
 
 
 def init_local(
@@ -193,14 +192,44 @@ def init_local(
     source = params if master_params is None else master_params
     plan.layout.check_matches(source, "master_params")
     pieces = plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(tx.axis_name)))
+    wholes = owned_wholes(plan, source)
     rows = plan.layout.rows(pieces)
     master = tuple(
         None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
     )
-    inner_state = tx.inner.init(plan.layout.shaped(pieces))
+
+    inner_state, owned = init_parts(tx, plan, pieces, wholes)
     scale = None if tx.loss_scale is None else tx.loss_scale.init()
     zero = jnp.zeros((), jnp.float32)
-    return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale)
+    return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)
+
+
+def init_parts(
+    tx: ShardedTransformation,
+    plan: Plan,
+    pieces: list[jax.Array | None],
+    wholes: list[jax.Array | None],
+) -> tuple[PyTree, tuple[jax.Array, ...]]:
+    """This device's initial inner state (``None`` at owned leaves) and owned rows, from
+    its master pieces of the sliced leaves and the owned leaves' full master weights."""
+
+    def init_branch(b, pieces, wholes):
+        state = tx.inner.init(plan.view(b, pieces, wholes))
+        return _kept_and_stored(plan, b, state, _masters(plan, b, wholes))
+
+    inner_state, owned = run_branches(plan, tx.axis_name, init_branch, pieces, wholes)
+    return replicated_again(plan, tx.axis_name, inner_state), owned
+
+
+def owned_wholes(plan: Plan, params: PyTree) -> list[jax.Array | None]:
+    """The full leaves of ``params`` that are owned, in the inner dtypes (``None`` for
+    sliced leaves)."""
+    leaves = plan.layout.treedef.flatten_up_to(params)
+    dtypes = plan.inner_dtypes
+    return [
+        x.astype(dtypes[s.bucket]) if s.owned else None
+        for x, s in zip(leaves, plan.layout.slots, strict=True)
+    ]
 
 
 def init_global(
@@ -247,7 +276,9 @@ def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree)
             "mesh) instead of optimizer.update in nnx.jit."
         )
     plan = tx.plan(params, num_shards)
-    if len(state.master) != len(plan.layout.buckets):
+    if len(state.master) != len(plan.layout.buckets) or len(state.owned) != len(
+        plan.storage.dtypes
+    ):
         raise ValueError(
             "zs.sharded: the optimizer state was made for other parameters "
             f"({len(state.master)} dtype buckets, these params have "
@@ -256,26 +287,36 @@ def checked_plan(tx: ShardedTransformation, state: ShardedState, params: PyTree)
     return plan
 
 
-def reduce_scatter_pieces(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> list[jax.Array]:
-    """This device's 1-D piece of each leaf's mean gradient, in the inner dtypes.
-
-    The local gradients are reduce-scattered over ``tx.axis_name``; with a replica axis
-    the pieces are then averaged over it (an all-reduce of 1/N of the gradient).
-    """
+def reduce_scatter_parts(tx: ShardedTransformation, plan: Plan, grads: PyTree) -> GradParts:
+    """This device's part of the mean gradient (see :data:`GradParts`), averaged over
+    ``tx.axis_name`` only (the replica axis is averaged by :func:`mean_over_replicas`)."""
     plan.layout.check_matches(grads, "gradients")
-    pieces = reduce_scatter_leaves(grads, plan.layout, tx.axis_name, tx.reduce_dtype, tx.pack_bytes)
-    return plan.to_inner(mean_over_replicas(tx, pieces))
+    layout, axis = plan.layout, tx.axis_name
+    pieces = reduce_scatter_leaves(grads, layout, axis, tx.reduce_dtype, tx.pack_bytes)
+    return pieces, reduce_scatter_owned(grads, layout, axis, tx.reduce_dtype)
 
 
-def mean_over_replicas(tx: ShardedTransformation, pieces: list[jax.Array]) -> list[jax.Array]:
-    """``pieces`` averaged over ``tx.replica_axis`` (unchanged without one)."""
+def mean_over_replicas(tx: ShardedTransformation, parts: GradParts) -> GradParts:
+    """``parts`` averaged over ``tx.replica_axis`` (unchanged without one)."""
     if tx.replica_axis is None:
-        return pieces
-    return jax.lax.pmean(pieces, tx.replica_axis)
+        return parts
+    return jax.lax.pmean(parts, tx.replica_axis)
 
 
-def master_pieces(plan: Plan, state: ShardedState, own: list[jax.Array]) -> list[jax.Array]:
-    """This device's pieces of the master weights, one per leaf (1-D, inner dtypes).
+def to_inner(plan: Plan, parts: GradParts) -> GradParts:
+    """``parts`` in the dtypes the inner optimizer works in."""
+    pieces, rows = parts
+    dtypes = plan.inner_dtypes
+    return plan.to_inner(pieces), tuple(
+        None if r is None else r.astype(d) for r, d in zip(rows, dtypes, strict=True)
+    )
+
+
+def master_pieces(
+    plan: Plan, state: ShardedState, own: list[jax.Array | None]
+) -> list[jax.Array | None]:
+    """This device's pieces of the sliced leaves' master weights (1-D, inner dtypes;
+    ``None`` for owned leaves).
 
     Args:
       plan: the plan for the parameters.
@@ -284,52 +325,93 @@ def master_pieces(plan: Plan, state: ShardedState, own: list[jax.Array]) -> list
         master is kept).
     """
     return [
-        p.astype(plan.inner_dtypes[s.bucket])
+        None
+        if s.owned
+        else p.astype(plan.inner_dtypes[s.bucket])
         if state.master[s.bucket] is None
         else state.master[s.bucket][s.offset : s.offset + s.piece_size]
         for p, s in zip(own, plan.layout.slots, strict=True)
     ]
 
 
-def update_pieces(
+def update_parts(
     tx: ShardedTransformation,
     plan: Plan,
-    grad_pieces: list[jax.Array],
+    grads: GradParts,
     state: ShardedState,
-    pieces: list[jax.Array],
+    pieces: list[jax.Array | None],
+    wholes: list[jax.Array | None],
     **extra_args,
-) -> tuple[list[jax.Array], ShardedState]:
-    """The inner update on this device's pieces: returns the new pieces and state.
+) -> tuple[list[jax.Array | None], tuple[jax.Array | None, ...], ShardedState]:
+    """The inner update on this device's part: returns the new pieces of the sliced
+    leaves, the new owned row per bucket (as :data:`GradParts`) and the new state.
 
     Args:
       tx: the sharded transformation.
       plan: its plan for the parameters.
-      grad_pieces: this device's pieces of the mean gradient (1-D, per leaf).
+      grads: this device's part of the mean gradient, in the inner dtypes.
       state: this device's :class:`ShardedState`.
-      pieces: this device's pieces of the master weights (see :func:`master_pieces`).
+      pieces: this device's pieces of the sliced leaves' master weights (see
+        :func:`master_pieces`).
+      wholes: the owned leaves' full parameters (see :func:`owned_wholes`), used
+        where no separate master is kept.
       **extra_args: passed on to the inner ``update``.
     """
-    layout = plan.layout
+    grad_pieces, grad_rows = grads
     if tx.loss_scale is not None:  # the gradients are of the scaled loss
-        grad_pieces = [(g / state.loss_scale.scale).astype(g.dtype) for g in grad_pieces]
-    updates, inner_state = tx.inner.update(
-        layout.shaped(grad_pieces), state.inner_state, layout.shaped(pieces), **extra_args
+        unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
+        grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
+    present = [g for g in (*grad_pieces, *grad_rows) if g is not None]
+    grad_norm, finite = _norm_and_finite(present, tx.axis_name)
+
+    def update_branch(b, grad_pieces, grad_rows, pieces, wholes, state, finite):
+        layout, stored = plan.layout, plan.storage.unpack(state.owned, b)
+        owned = plan.branches[b]
+        g = [
+            layout.owned_leaf(grad_rows[layout.slots[i].bucket], i) if i in owned else None
+            for i in range(len(layout.slots))
+        ]
+        p = [
+            stored.get(("master", i), wholes[i]) if i in owned else None
+            for i in range(len(layout.slots))
+        ]
+        leaves = plan.state_treedef.flatten_up_to(state.inner_state)
+        inner_state = plan.state_treedef.unflatten(
+            stored[("state", k)] if plan.state_kind(k) == "owned" else x
+            for k, x in enumerate(leaves)
+        )
+        params = plan.view(b, pieces, p)
+        updates, new_state = tx.inner.update(
+            plan.view(b, grad_pieces, g), inner_state, params, **extra_args
+        )
+        new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        if tx.skip_nonfinite:
+            keep = lambda a, b: jnp.where(finite, a, b)
+            new = jax.tree.map(keep, new, params)
+            new_state = jax.tree.map(keep, new_state, inner_state)
+        new = layout.treedef.flatten_up_to(new)
+        device = plan.branch_of.index(b)
+        rows = tuple(
+            layout.owned_row(new, device, k, dtype) if bucket.owned_width else None
+            for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))
+        )
+        kept, owned_rows = _kept_and_stored(plan, b, new_state, _masters(plan, b, new))
+        new_pieces = [
+            None if s.owned else jnp.ravel(x) for x, s in zip(new, layout.slots, strict=True)
+        ]
+        return new_pieces, rows, kept, owned_rows
+
+    new, rows, inner_state, owned = run_branches(
+        plan, tx.axis_name, update_branch, grad_pieces, grad_rows, pieces, wholes, state, finite
     )
-    new = [
-        (p + jnp.ravel(u)).astype(p.dtype)
-        for p, u in zip(pieces, layout.treedef.flatten_up_to(updates), strict=True)
-    ]
-    grad_norm, finite = _norm_and_finite(grad_pieces, tx.axis_name)
+    inner_state = replicated_again(plan, tx.axis_name, inner_state)
     skipped = state.skipped
     if tx.skip_nonfinite:
-        keep = lambda a, b: jnp.where(finite, a, b)
-        new = [keep(a, b) for a, b in zip(new, pieces, strict=True)]
-        inner_state = jax.tree.map(keep, inner_state, state.inner_state)
         skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-    rows = layout.rows(new) if any(m is not None for m in state.master) else None
-    master = tuple(None if m is None else rows[b] for b, m in enumerate(state.master))
+    master_rows = plan.layout.rows(new) if any(m is not None for m in state.master) else None
+    master = tuple(None if m is None else master_rows[b] for b, m in enumerate(state.master))
     scale = None if tx.loss_scale is None else tx.loss_scale.adjust(state.loss_scale, finite)
-    return new, ShardedState(inner_state, master, grad_norm, skipped, scale)
+    return new, rows, ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
 
 
 def _norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
@@ -354,11 +436,33 @@ def apply_update(
       **extra_args: passed on to the inner ``update``.
     """
     plan = checked_plan(tx, state, params)
-    grad_pieces = reduce_scatter_pieces(tx, plan, grads)
+    parts = to_inner(plan, mean_over_replicas(tx, reduce_scatter_parts(tx, plan, grads)))
     own = plan.layout.pieces(params, jax.lax.axis_index(tx.axis_name))
     pieces = master_pieces(plan, state, own)
-    new, state = update_pieces(tx, plan, grad_pieces, state, pieces, **extra_args)
-    return all_gather_params(new, plan.layout, tx.axis_name, tx.pack_bytes), state
+    new, rows, state = update_parts(
+        tx, plan, parts, state, pieces, owned_wholes(plan, params), **extra_args
+    )
+    return all_gather_params(new, plan.layout, tx.axis_name, tx.pack_bytes, rows), state
+
+
+def bound_axis_size(axis_name: str) -> int | None:
+    """Size of ``axis_name`` if it is bound here (inside ``shard_map``), else ``None``."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+
+
+def context_mesh(axis_name: str) -> jax.sharding.AbstractMesh:
+    """The mesh set with ``jax.set_mesh``; raises unless it has ``axis_name``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"zeroshard: axis {axis_name!r} is not bound. Call inside jax.shard_map over a "
+            f"mesh with axis {axis_name!r}, or under `with jax.set_mesh(mesh):` (mesh axes: "
+            f"{tuple(mesh.axis_names) if not mesh.empty else 'no mesh set'})."
+        )
+    return mesh
 
 
 def sharded(
@@ -372,14 +476,23 @@ def sharded(
     pack_bytes: int = 1 << 18,
     loss_scale: DynamicLossScale | None = None,
     stacked: Stacked = None,
+    placement: Placement = None,
 ) -> ShardedTransformation:
-    """Wraps an elementwise optax optimizer so its state lives in 1/N slices (ZeRO-1).
+    """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
     ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
     ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
     gradients (one collective per large leaf, small ones packed; see
-    ``pack_bytes``), runs ``inner`` on this device's slice
-    only, and all-gathers the new weights in the parameters' dtype. The returned
+    ``pack_bytes``), runs ``inner`` on this device's part only, and all-gathers the
+    new weights in the parameters' dtype.
+
+    Each leaf is placed where ``inner`` computes on it exactly. Where its update is
+    elementwise (sgd, adam, lion, ...), the leaf is *sliced*: every device updates
+    1/N of it. Where the update needs the whole tensor (per-tensor norms as in lamb,
+    lars, novograd, fromage; factored moments as in adafactor; matrix functions as
+    in muon), the leaf is *owned*: one device updates all of it and keeps its state,
+    owners balanced by bytes or, for matrix work, by ``m * n * min(m, n)``. The
+    choice is read from the traced update, per leaf (see :mod:`zeroshard.plan`). The returned
     updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
     gathered weights (exactly whenever each new weight lies within a factor two of the
     old one, by Sterbenz's lemma; otherwise within one rounding of them).
@@ -389,10 +502,10 @@ def sharded(
     ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 
     Args:
-      inner: an elementwise optax transformation (adam, adamw, sgd, lion, ...).
-        Transformations that mix elements (``optax.clip_by_global_norm``, lamb, lars,
-        factored adafactor, muon, ...) are refused with a ``ValueError``; use
-        :func:`zeroshard.clip_by_global_norm` for clipping.
+      inner: any optax transformation whose update treats leaves separately, or
+        combines them through :func:`zeroshard.clip_by_global_norm`'s sum over the
+        axis. Combining leaves otherwise (``optax.clip_by_global_norm``,
+        ``optax.apply_if_finite``) is refused with a ``ValueError``.
       axis_name: the mesh axis the batch (and the state) is split over.
       master_dtype: dtype of the master weights kept for lower-precision parameters;
         ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
@@ -427,12 +540,16 @@ def sharded(
         every layer, and in stage 3 ``jax.lax.scan`` over the stacked pieces gathers
         one layer per iteration (:func:`zeroshard.layer`). Numbers are the same
         either way; ``None`` (default) marks nothing.
+      placement: forces leaves ``"sliced"`` or ``"owned"``: a tree like the
+        parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
+        (``None``: automatic). Forcing a leaf sliced whose update needs the whole
+        tensor is refused. An owned stacked leaf is owned with all its layers.
 
     Returns:
       A :class:`ShardedTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
-      ValueError: at ``init`` when ``inner`` is not elementwise, the params are empty,
+      ValueError: at ``init`` when ``inner`` mixes leaves, the params are empty,
         or ``axis_name`` is not bound; at ``update`` when the gradients do not match
         the params.
       TypeError: when a parameter leaf is not floating point.
@@ -499,6 +616,7 @@ def sharded(
         if stacked is None or callable(stacked)
         else tuple(sorted(set((stacked,) if isinstance(stacked, str) else stacked)))
     )
+    tx.placement = placement
     tx._plans = {}
     return tx
 

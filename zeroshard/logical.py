@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +41,15 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.gather import full_structs, is_shard
 from zeroshard.layout import Layout, PyTree, Slot
-from zeroshard.local_update import Plan, ShardedState, ShardedTransformation, master_pieces
+from zeroshard.local_update import (
+    ShardedState,
+    ShardedTransformation,
+    init_parts,
+    master_pieces,
+    owned_wholes,
+)
 from zeroshard.loss_scale import LossScaleState
+from zeroshard.plan import Key, Plan
 from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
 
 
@@ -64,23 +72,57 @@ def _gather(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Arr
     return jax.lax.all_gather(local, axis_name, axis=k, tiled=True, to="invarying")
 
 
+def _block(full: jax.Array, axis_name: str) -> jax.Array:
+    """This device's block of a full logical leaf (all of it if no dimension divides)."""
+    k = _split_dim(full.shape, jax.lax.axis_size(axis_name))
+    if k is None:
+        return full
+    block = full.shape[k] // jax.lax.axis_size(axis_name)
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
+
+
 def _to_logical(piece: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
-    """This device's piece of a leaf -> its part of the logical leaf.
+    """This device's piece of a sliced leaf -> its part of the logical leaf.
 
     Split along the first dimension, a sliced leaf's piece *is* the device's block of
     rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time) and the
     device keeps its block, or all of it when no dimension divides by the device count.
     """
     n, shape = jax.lax.axis_size(axis_name), slot.shape
-    k = _split_dim(shape, n)
-    if k == 0 and not slot.stacked:
+    if _split_dim(shape, n) == 0 and not slot.stacked:
         return piece.reshape((shape[0] // n, *shape[1:]))
     full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
-    if k is None:
-        return full
-    block = shape[k] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
+    return _block(full, axis_name)
+
+
+def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
+    """``x`` as ``device`` has it, on every device: a sum of its bits with zeros from
+    the others, so every value (``-0.0`` and ``nan`` too) arrives exactly."""
+    mine = jax.lax.axis_index(axis_name) == device
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        summed = jax.lax.psum(jnp.where(mine, bits, 0), axis_name)
+        return jax.lax.bitcast_convert_type(summed, x.dtype)
+    wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    return jax.lax.psum(jnp.where(mine, wide, 0), axis_name).astype(x.dtype)
+
+
+def _stored(plan: Plan, rows: tuple[jax.Array, ...], key: Key, device: int, axis_name: str):
+    """The value ``device`` stores under ``key``, on every device."""
+    r, offset, shape = plan.storage.find(plan.branch_of[device], key)
+    value = rows[r][offset : offset + math.prod(shape)]
+    return _from_device(value, device, axis_name).reshape(shape)
+
+
+def _store(plan, rows, key, device, value, axis_name) -> tuple[jax.Array, ...]:
+    """``rows`` with ``value`` written where ``device`` stores ``key`` (on that device)."""
+    r, offset, shape = plan.storage.find(plan.branch_of[device], key)
+    end = offset + math.prod(shape)
+    mine = jax.lax.axis_index(axis_name) == device
+    row = rows[r]
+    new = jnp.where(mine, jnp.ravel(value).astype(row.dtype), row[offset:end])
+    return (*rows[:r], row.at[offset:end].set(new), *rows[r + 1 :])
 
 
 def _from_logical(local: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
@@ -163,18 +205,33 @@ def _to_optax_converter(
     params_structs, opt_structs = _logical_structs(plan, tx)
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
+        leaves = layout.treedef.flatten_up_to(params)
         if stage == 3:
-            own = [jnp.ravel(x.piece) for x in jax.tree.leaves(params, is_leaf=is_shard)]
+            own = [x.piece.reshape(-1) if is_shard(x) else None for x in leaves]
         else:
             own = layout.pieces(params, jax.lax.axis_index(axis))
         pieces = master_pieces(plan, opt_state, own)
-        master = [_to_logical(p, s, axis) for p, s in zip(pieces, layout.slots, strict=True)]
-        inner, treedef = jax.tree.flatten(opt_state.inner_state)
-        inner = [
-            x if i is None else _to_logical(x, layout.slots[i], axis)
-            for x, i in zip(inner, plan.state_slots, strict=True)
+        wholes = owned_wholes(plan, params)
+        master = [
+            _to_logical(p, s, axis)
+            if not s.owned
+            else _block(_stored(plan, opt_state.owned, ("master", i), s.owner, axis), axis)
+            if plan.master_dtypes[s.bucket] is not None
+            else _block(wholes[i], axis)
+            for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
         ]
-        return layout.treedef.unflatten(master), treedef.unflatten(inner)
+        inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
+        inner = [
+            _to_logical(x, layout.slots[plan.state_slots[k]], axis)
+            if plan.state_kind(k) == "sliced"
+            else _block(
+                _stored(plan, opt_state.owned, ("state", k), plan.state_sources[k], axis), axis
+            )
+            if plan.state_kind(k) == "owned"
+            else x
+            for k, x in enumerate(inner)
+        ]
+        return layout.treedef.unflatten(master), plan.state_treedef.unflatten(inner)
 
     specs = state_specs(tx, layout.full_structs(), num_shards, stage)
     in_specs = (specs.params, specs.opt_state)
@@ -236,28 +293,41 @@ def from_optax_state(
     params_structs, opt_structs = _logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
+    opt_leaves = jax.tree.leaves(opt_structs)
 
     def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
-        pieces = [_from_logical(x, s, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
+        pieces = [
+            None if s.owned else _from_logical(x, s, axis_name)
+            for x, s in zip(leaves, layout.slots, strict=True)
+        ]
         rows = layout.rows(pieces)
         master = tuple(
             None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
         )
+        fulls = [_gather(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
         if stage == 3:
-            compute = to_shards(layout, pieces)
+            compute = to_shards(layout, pieces, fulls)
         else:
             compute = layout.treedef.unflatten(
-                _gather(x, s.shape, axis_name).astype(s.dtype)
-                for x, s in zip(leaves, layout.slots, strict=True)
+                x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)
             )
-        inner, treedef = jax.tree.flatten(opt_state)
-        inner = [
-            x if i is None else _from_logical(x, layout.slots[i], axis_name)
-            for x, i in zip(inner, plan.state_slots, strict=True)
-        ]
+        inner_state, owned = init_parts(
+            tx, plan, pieces, owned_wholes(plan, layout.treedef.unflatten(fulls))
+        )
+        inner = plan.state_treedef.flatten_up_to(opt_state)
+        kept = plan.state_treedef.flatten_up_to(inner_state)
+        for k, x in enumerate(inner):
+            if plan.state_kind(k) == "sliced":
+                kept[k] = _from_logical(x, layout.slots[plan.state_slots[k]], axis_name)
+            elif plan.state_kind(k) == "replicated":
+                kept[k] = x
+            else:
+                full = _gather(x, opt_leaves[k].shape, axis_name)
+                owned = _store(plan, owned, ("state", k), plan.state_sources[k], full, axis_name)
         grad_norm = jnp.zeros((), jnp.float32)
-        opt = ShardedState(treedef.unflatten(inner), master, grad_norm, skipped, scale)
+        state = plan.state_treedef.unflatten(kept)
+        opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
         return TrainState(step, compute, opt, model_state)
 
     in_specs = (

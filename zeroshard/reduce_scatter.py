@@ -59,3 +59,28 @@ def reduce_scatter_leaves(
         for i, start, stop in layout.columns(group):
             pieces[i] = row[start:stop]
     return pieces
+
+
+def reduce_scatter_owned(
+    grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None
+) -> tuple[jax.Array | None, ...]:
+    """This device's row of the mean gradient of the leaves it owns, per bucket.
+
+    One ``psum_scatter`` per bucket with owned leaves, of an ``(N, owned_width)``
+    matrix whose row ``d`` holds the leaves device ``d`` owns: the same bytes as
+    slicing them, plus the padding of the most loaded device.
+
+    Returns:
+      Per bucket, an ``(owned_width,)`` row (``None`` where the bucket owns nothing).
+    """
+    leaves = layout.treedef.flatten_up_to(grads)
+    n = layout.num_shards
+    return tuple(
+        jax.lax.psum_scatter(
+            layout.owned_blocks(leaves, b, reduce_dtype or bucket.dtype), axis_name, tiled=True
+        )[0]
+        / n
+        if bucket.owned_width
+        else None
+        for b, bucket in enumerate(layout.buckets)
+    )

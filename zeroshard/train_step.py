@@ -17,20 +17,24 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.all_gather import all_gather_params
+from zeroshard.all_gather import all_gather_owned, all_gather_params
 from zeroshard.gather import Shard, full_structs, is_shard
 from zeroshard.layout import Layout, PyTree
 from zeroshard.local_update import (
-    Plan,
+    GradParts,
     ShardedState,
     ShardedTransformation,
     checked_plan,
     init_local,
     master_pieces,
     mean_over_replicas,
-    update_pieces,
+    owned_wholes,
+    reduce_scatter_parts,
+    to_inner,
+    update_parts,
 )
-from zeroshard.reduce_scatter import reduce_scatter_leaves
+from zeroshard.plan import Plan
+from zeroshard.reduce_scatter import reduce_scatter_owned
 from zeroshard.step_io import (
     call_loss,
     device_key,
@@ -124,11 +128,15 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}.")
 
 
-def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
-    """This device's 1-D pieces -> a tree of :class:`Shard` pieces in the parameters' dtypes."""
+def to_shards(layout: Layout, pieces: list[jax.Array | None], wholes: Any) -> PyTree:
+    """Stage-3 parameters: this device's 1-D pieces of the sliced leaves -> :class:`Shard`
+    pieces, and ``wholes[i]`` (full, replicated) for each owned leaf ``i``, in the
+    parameters' dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
-        for p, s in zip(pieces, layout.slots, strict=True)
+        wholes[i].astype(s.dtype)
+        if s.owned
+        else Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
+        for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
     )
 
 
@@ -142,7 +150,11 @@ def state_specs(
         return TrainState(P(), P(), opt_specs, P())
     layout = tx.plan(structs, num_shards).layout
     param_specs = layout.treedef.unflatten(
-        Shard(P(*(None,) * (len(s.piece_shape) - 1), tx.axis_name), s.shape, s.dtype, s.stacked)
+        P()
+        if s.owned
+        else Shard(
+            P(*(None,) * (len(s.piece_shape) - 1), tx.axis_name), s.shape, s.dtype, s.stacked
+        )
         for s in layout.slots
     )
     return TrainState(P(), param_specs, opt_specs, P())
@@ -194,7 +206,10 @@ def init_train_state(
         opt_state = init_local(tx, params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
-            params = to_shards(layout, layout.pieces(params, jax.lax.axis_index(axis_name)))
+            index = jax.lax.axis_index(axis_name)
+            params = to_shards(
+                layout, layout.pieces(params, index), layout.treedef.flatten_up_to(params)
+            )
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
@@ -265,13 +280,7 @@ class TrainStep:
     ) -> tuple[TrainState, dict]:
         axis, tx, stage = self.axis_name, self.tx, self.stage
         plan = checked_plan(tx, state.opt_state, full_structs(state.params))
-        # Differentiate w.r.t. a copy varying over the batch axes: the gradient of an
-        # invariant input would be all-reduced automatically (DESIGN.md, pitfall 1).
-        # Stage-3 pieces vary over the sharding axis already.
-        varying = tx.replica_axis if stage == 3 else self.batch_axes
-        diff_params = (
-            state.params if varying is None else jax.lax.pcast(state.params, varying, to="varying")
-        )
+        diff_params = self._varying(plan, state.params)
         scale = state.opt_state.loss_scale
 
         def loss_fn(params, batch, key, model_state):
@@ -283,43 +292,63 @@ class TrainStep:
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
         key = device_key(key, self.batch_axes)
         if self.accum_steps > 1:
-            out, grad_pieces = self._accumulate(
+            out, parts = self._accumulate(
                 value_and_grad, diff_params, batch, key, state.model_state, plan
             )
         else:
             out, grads = value_and_grad(diff_params, batch, key, state.model_state)
-            grad_pieces = self._scatter(plan, grads)
-        grad_pieces = plan.to_inner(mean_over_replicas(tx, grad_pieces))
+            parts = self._scatter(plan, grads)
+        parts = to_inner(plan, mean_over_replicas(tx, parts))
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
         if stage == 3:
-            own = [jnp.ravel(x.piece) for x in _shards(state.params)]
+            own = [
+                x.piece.reshape(-1) if is_shard(x) else None for x in _leaves(plan, state.params)
+            ]
         else:
             own = plan.layout.pieces(state.params, jax.lax.axis_index(axis))
         pieces = master_pieces(plan, state.opt_state, own)
-        new, opt_state = update_pieces(tx, plan, grad_pieces, state.opt_state, pieces)
+        wholes = owned_wholes(plan, state.params)
+        new, rows, opt_state = update_parts(tx, plan, parts, state.opt_state, pieces, wholes)
         if stage == 3:
-            params = to_shards(plan.layout, new)
+            params = to_shards(plan.layout, new, all_gather_owned(rows, plan.layout, axis))
         else:
-            params = all_gather_params(new, plan.layout, axis, tx.pack_bytes)
+            params = all_gather_params(new, plan.layout, axis, tx.pack_bytes, rows)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
-    def _scatter(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        """This device's piece of each leaf's gradient, 1-D, averaged over the sharding
-        axis (the replica axis, if any, is averaged afterwards, once per step).
+    def _varying(self, plan: Plan, params: PyTree) -> PyTree:
+        """``params`` cast to vary over the batch axes: the gradient of an invariant
+        input would be all-reduced automatically (DESIGN.md, pitfall 1). Stage-3 pieces
+        vary over the sharding axis already (only over the replica axis, if any, not)."""
+        cast = lambda x, axes: x if not axes else jax.lax.pcast(x, axes, to="varying")
+        if self.stage < 3:
+            return cast(params, self.tx.batch_axes)
+        replica = () if self.tx.replica_axis is None else (self.tx.replica_axis,)
+        return plan.layout.treedef.unflatten(
+            cast(x, replica) if is_shard(x) else cast(x, self.tx.batch_axes)
+            for x in _leaves(plan, params)
+        )
+
+    def _scatter(self, plan: Plan, grads: PyTree) -> GradParts:
+        """This device's part of the gradient (see :data:`zeroshard.local_update.GradParts`),
+        averaged over the sharding axis (the replica axis, if any, is averaged
+        afterwards, once per step).
 
         Stages 1 and 2 reduce-scatter each leaf; in stage 3 the gradient of a piece
-        arrives reduced already (the transpose of the gather), summed over the devices.
+        arrives reduced already (the transpose of the gather), summed over the devices,
+        and only owned leaves (kept whole) are reduce-scattered.
         """
-        if self.stage == 3:
-            return [jnp.ravel(g.piece) / plan.layout.num_shards for g in _shards(grads)]
-        tx = self.tx
-        return reduce_scatter_leaves(
-            grads, plan.layout, tx.axis_name, tx.reduce_dtype, tx.pack_bytes
-        )
+        if self.stage < 3:
+            return reduce_scatter_parts(self.tx, plan, grads)
+        tx, layout = self.tx, plan.layout
+        pieces = [
+            g.piece.reshape(-1) / layout.num_shards if is_shard(g) else None
+            for g in _leaves(plan, grads)
+        ]
+        return pieces, reduce_scatter_owned(grads, layout, tx.axis_name, tx.reduce_dtype)
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
         """Loss, aux, model state and gradient pieces over ``accum_steps`` micro-batches
@@ -334,11 +363,15 @@ class TrainStep:
         k, axes = self.accum_steps, self.tx.batch_axes
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
+        layout = plan.layout
         if self.stage == 1:
             accumulator = jax.tree.map(zeros, params)
         else:
-            sizes = [s.piece_size for s in plan.layout.slots]
-            accumulator = [zeros(jax.ShapeDtypeStruct((w,), jnp.float32)) for w in sizes]
+            f32 = lambda n: zeros(jax.ShapeDtypeStruct((n,), jnp.float32))
+            accumulator = (
+                [None if s.owned else f32(s.piece_size) for s in layout.slots],
+                tuple(f32(b.owned_width) if b.owned_width else None for b in layout.buckets),
+            )
 
         def body(carry, xs):
             model_state, acc = carry
@@ -348,8 +381,9 @@ class TrainStep:
             if self.stage == 1:
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             else:
-                pieces = self._scatter(plan, grads)
-                acc = [a + p.astype(jnp.float32) for a, p in zip(acc, pieces, strict=True)]
+                acc = jax.tree.map(
+                    lambda a, g: a + g.astype(jnp.float32), acc, self._scatter(plan, grads)
+                )
             return (model_state, acc), (loss, aux)
 
         xs = (micro, jnp.arange(k))
@@ -359,7 +393,7 @@ class TrainStep:
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         if self.stage == 1:
             return out, self._scatter(plan, jax.tree.map(lambda a: a / k, acc))
-        return out, [a / k for a in acc]
+        return out, jax.tree.map(lambda a: a / k, acc)
 
     def _global_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
@@ -494,5 +528,6 @@ def make_train_step(
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
 
 
-def _shards(tree: PyTree) -> list[Shard]:
-    return jax.tree.leaves(tree, is_leaf=is_shard)
+def _leaves(plan: Plan, tree: PyTree) -> list[Any]:
+    """The leaves of a params-shaped ``tree``, :class:`Shard` pieces kept whole."""
+    return plan.layout.treedef.flatten_up_to(tree)

@@ -1,0 +1,365 @@
+"""Plan: each leaf's placement, what each device's inner optimizer sees, where its state lives.
+
+Built once per parameter layout, at trace time, from shapes alone:
+
+1. :func:`zeroshard.guard.analyze` traces the inner update and finds the leaves whose
+   update needs the whole tensor; they (and any the user forces) are *owned*, the
+   others *sliced* (:mod:`zeroshard.layout` places them, balancing owners).
+2. Devices owning the same leaves share a *branch*. On branch ``b`` the inner
+   optimizer sees its *view* of the parameters: a slice of every sliced leaf, the
+   whole of each leaf the branch owns, and a stand-in (a single zero of the leaf's
+   rank) for every other owned leaf. Every device runs one program: a ``lax.switch`` on
+   its branch (DESIGN.md, pitfall 18).
+3. Each leaf of the inner state is classified: *sliced* (per-element, like its
+   leaf's slices), *replicated* (counts, hyperparameters) or *owned* (belongs to an
+   owned leaf, or differs between views). Owned state, and the master weights of
+   owned leaves, live in :class:`Storage` rows: one per dtype and device, padded to
+   the most loaded device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroshard.guard import Analysis, NotElementwiseError, analyze
+from zeroshard.layout import Layout, PyTree
+
+Key = tuple[str, int]
+"""A storage entry: ``("state", k)`` for leaf ``k`` of the inner state, ``("master",
+i)`` for the master weights of owned leaf ``i``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Per-device rows holding what only a leaf's owner keeps.
+
+    Attributes:
+      dtypes: the dtype of each row.
+      widths: the elements of each row (those of the most loaded branch).
+      entries: per branch, ``(key, row, offset, shape)`` of each value it stores.
+    """
+
+    dtypes: tuple[np.dtype, ...]
+    widths: tuple[int, ...]
+    entries: tuple[tuple[tuple[Key, int, int, tuple[int, ...]], ...], ...]
+
+    @classmethod
+    def build(cls, per_branch: list[list[tuple[Key, jax.ShapeDtypeStruct]]]) -> Storage:
+        dtypes: list[np.dtype] = []
+        entries = []
+        ends: dict[int, list[int]] = {}
+        for values in per_branch:
+            out, used = [], {}
+            for key, struct in values:
+                dtype = np.dtype(struct.dtype)
+                dtypes += [] if dtype in dtypes else [dtype]
+                r = dtypes.index(dtype)
+                offset = used.get(r, 0)
+                out.append((key, r, offset, tuple(struct.shape)))
+                used[r] = offset + math.prod(struct.shape)
+            entries.append(tuple(out))
+            for r, end in used.items():
+                ends.setdefault(r, []).append(end)
+        widths = tuple(max(ends.get(r, [0])) for r in range(len(dtypes)))
+        return cls(tuple(dtypes), widths, tuple(entries))
+
+    def nbytes(self, branch: int) -> int:
+        """Bytes of the values ``branch`` stores (without padding)."""
+        return sum(
+            math.prod(shape) * self.dtypes[r].itemsize for _, r, _, shape in self.entries[branch]
+        )
+
+    def find(self, branch: int, key: Key) -> tuple[int, int, tuple[int, ...]]:
+        """``(row, offset, shape)`` of ``key`` on ``branch``."""
+        return next(e[1:] for e in self.entries[branch] if e[0] == key)
+
+    def unpack(self, rows: tuple[jax.Array, ...], branch: int) -> dict[Key, jax.Array]:
+        return {
+            key: rows[r][o : o + math.prod(shape)].reshape(shape)
+            for key, r, o, shape in self.entries[branch]
+        }
+
+    def pack(self, values: dict[Key, jax.Array], branch: int) -> tuple[jax.Array, ...]:
+        parts: list[list[jax.Array]] = [[] for _ in self.dtypes]
+        for key, r, _, _ in self.entries[branch]:
+            parts[r].append(jnp.ravel(values[key]).astype(self.dtypes[r]))
+        return tuple(
+            jnp.pad(jnp.concatenate([jnp.zeros((0,), d), *p]), (0, w - sum(x.size for x in p)))
+            for d, w, p in zip(self.dtypes, self.widths, parts, strict=True)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one parameter tree needs, fixed at trace time.
+
+    Attributes:
+      layout: the parameters' layout over ``num_shards`` devices, with placements.
+      master_dtypes: per bucket, the dtype of the master weights kept in the state,
+        or ``None`` where the parameters themselves are precise enough.
+      state_slots: per leaf of the inner state, the index of the sliced parameter
+        whose pieces it is shaped like, or ``None`` (replicated or owned).
+      state_sources: per leaf of the inner state, for an owned one the device that
+        holds its value as plain optax would (its leaf's owner), else ``None``.
+      branches: per branch, the owned leaves its devices hold whole.
+      branch_of: per device, its branch.
+      storage: where owned state and owned master weights live.
+      state_treedef: the inner state's tree structure.
+      matrix: the owned leaves whose update cost is a matrix product's.
+    """
+
+    layout: Layout
+    master_dtypes: tuple[Any, ...]
+    state_slots: tuple[int | None, ...]
+    state_sources: tuple[int | None, ...]
+    branches: tuple[tuple[int, ...], ...]
+    branch_of: tuple[int, ...]
+    storage: Storage
+    state_treedef: Any
+    matrix: frozenset[int] = frozenset()
+
+    @property
+    def inner_dtypes(self) -> list[Any]:
+        """Dtype the inner optimizer works in, per bucket."""
+        return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
+
+    def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
+        """Per-leaf pieces (``None`` for owned leaves) cast to the inner dtypes."""
+        dtypes = self.inner_dtypes
+        return [
+            None if p is None else p.astype(dtypes[s.bucket])
+            for p, s in zip(pieces, self.layout.slots, strict=True)
+        ]
+
+    def view(self, branch: int, pieces: list, wholes: list) -> PyTree:
+        """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
+        the piece shape) for a sliced leaf, ``wholes[i]`` for a leaf it owns, an empty
+        array of the inner dtype for any other owned leaf."""
+        dtypes = self.inner_dtypes
+        owned = self.branches[branch]
+        leaves = [
+            wholes[i]
+            if i in owned
+            else jnp.zeros(s.stand_in_shape, dtypes[s.bucket])
+            if s.owned
+            else pieces[i].reshape(s.piece_shape)
+            for i, s in enumerate(self.layout.slots)
+        ]
+        return self.layout.treedef.unflatten(leaves)
+
+    def view_structs(self, branch: int, longer: bool = False) -> PyTree:
+        """``ShapeDtypeStruct``s of branch ``branch``'s view (sliced pieces one element
+        longer with ``longer``: a probe of which state leaves are per-element)."""
+        dtypes, owned = self.inner_dtypes, self.branches[branch]
+
+        def struct(i, s):
+            if not s.owned:
+                shape = (*s.piece_shape[:-1], s.piece_shape[-1] + longer)
+            else:
+                shape = s.shape if i in owned else s.stand_in_shape
+            return jax.ShapeDtypeStruct(shape, dtypes[s.bucket])
+
+        return self.layout.treedef.unflatten(struct(i, s) for i, s in enumerate(self.layout.slots))
+
+    def state_kind(self, k: int) -> str:
+        """``"sliced"``, ``"owned"`` or ``"replicated"``: where inner state leaf ``k`` lives."""
+        if self.state_slots[k] is not None:
+            return "sliced"
+        return "owned" if self.state_sources[k] is not None else "replicated"
+
+    def owned_bytes(self) -> list[int]:
+        """Per device, the bytes of the owned leaves' state and master it keeps."""
+        return [self.storage.nbytes(b) for b in self.branch_of]
+
+    def owned_costs(self) -> list[float]:
+        """Per device, the summed update cost of the leaves it owns."""
+        return [
+            sum(leaf_cost(self.layout.slots[i], i in self.matrix) for i in self.branches[b])
+            for b in self.branch_of
+        ]
+
+
+def leaf_cost(slot: Any, matrix: bool) -> float:
+    """Cost of a whole-tensor update: elements, times ``min(m, n)`` for matrix work."""
+    return float(slot.size * (min(slot.shape[-2:]) if matrix and len(slot.shape) >= 2 else 1))
+
+
+def required_extra_args(inner: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """Scalar stand-ins for keyword-only arguments ``inner.update`` requires (e.g. the
+    ``value=`` of ``optax.contrib.reduce_on_plateau``), to trace it without them."""
+    try:
+        params = inspect.signature(inner.update).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: jax.ShapeDtypeStruct((), jnp.float32)
+        for p in params
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    }
+
+
+def make_plan(tx: Any, base: Layout) -> Plan:
+    """The :class:`Plan` for ``tx`` (a :class:`zeroshard.ShardedTransformation`) on
+    ``base``, an all-sliced layout of the parameters.
+
+    Raises:
+      NotElementwiseError: if no placement makes the inner update exact, or a leaf
+        forced sliced needs its whole tensor.
+      ValueError: if the inner state's structure depends on the leaves' shapes.
+    """
+    master_dtypes = tuple(
+        tx.master_dtype
+        if tx.master_dtype is not None and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
+        else None
+        for b in base.buckets
+    )
+    inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
+    full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
+    full_state = jax.eval_shape(tx.inner.init, full)
+    piece_state = jax.eval_shape(tx.inner.init, pieces)
+    full_leaves, state_treedef = jax.tree_util.tree_flatten_with_path(full_state)
+    _check_structure(state_treedef, piece_state)
+    extra = required_extra_args(tx.inner)
+    analysis = analyze(
+        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, base.num_shards, extra
+    )
+    layout = _place(tx, base, analysis)
+    n = layout.num_shards
+    owned_sets = [layout.owned_by(d) for d in range(n)]
+    branches = tuple(dict.fromkeys(owned_sets))
+    branch_of = tuple(branches.index(o) for o in owned_sets)
+    plan = Plan(
+        layout,
+        master_dtypes,
+        (),
+        (),
+        branches,
+        branch_of,
+        Storage((), (), ()),
+        state_treedef,
+        analysis.matrix & frozenset(i for s in owned_sets for i in s),
+    )
+    views = [jax.eval_shape(tx.inner.init, plan.view_structs(b)) for b in range(len(branches))]
+    for v in views:
+        _check_structure(state_treedef, v)
+    views = [jax.tree.leaves(v) for v in views]
+    longer = jax.tree.leaves(jax.eval_shape(tx.inner.init, plan.view_structs(0, longer=True)))
+    slots, sources = [], []
+    for k, (path, f) in enumerate(full_leaves):
+        leaf = analysis.state_leaves[k]
+        shapes = {(tuple(v[k].shape), np.dtype(v[k].dtype)) for v in views}
+        if (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
+            slots.append(None)
+            sources.append(_source(layout, plan, views, k, leaf, f, path))
+            continue
+        sources.append(None)
+        p, q = views[0][k], longer[k]
+        if p.shape != q.shape:
+            slots.append(_sliced_slot(layout, leaf, f, p, path))
+        elif f.shape == p.shape:
+            slots.append(None)
+        else:
+            raise ValueError(
+                f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(f.shape)} for the full parameters but {tuple(p.shape)} for a slice: "
+                "it is neither per-element nor independent of the parameters."
+            )
+    plan = dataclasses.replace(plan, state_slots=tuple(slots), state_sources=tuple(sources))
+    storage = []
+    for b, owned in enumerate(branches):
+        values = [(("state", k), views[b][k]) for k in range(len(slots)) if sources[k] is not None]
+        values += [
+            (("master", i), jax.ShapeDtypeStruct(s.shape, master_dtypes[s.bucket]))
+            for i in owned
+            if master_dtypes[(s := layout.slots[i]).bucket] is not None
+        ]
+        storage.append(values)
+    return dataclasses.replace(plan, storage=Storage.build(storage))
+
+
+def _check_structure(treedef: Any, state: PyTree) -> None:
+    if jax.tree.structure(state) != treedef:
+        raise ValueError(
+            "zs.sharded: the inner optimizer's state has a different structure on a slice "
+            "than on the full parameters, so it depends on leaf shapes and cannot be sharded."
+        )
+
+
+def _place(tx: Any, base: Layout, analysis: Analysis) -> Layout:
+    """``base`` with the leaves that need whole tensors (or are forced to) owned."""
+    forced = _forced(tx.placement, base)
+    for i, s in enumerate(base.slots):
+        if forced.get(i) == "sliced" and i in analysis.whole:
+            raise NotElementwiseError(
+                f"zs.sharded: placement forces {s.path} sliced, but the inner optimizer's "
+                "update of it needs the whole tensor (it mixes its elements): slicing it "
+                "would silently compute different numbers. Let it be owned."
+            )
+    owned = set(analysis.whole) | {i for i, p in forced.items() if p == "owned"}
+    costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in owned}
+    if not costs:
+        return base
+    leaves = base.full_structs()
+    return Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), owned=costs)
+
+
+def _stacked_fn(base: Layout):
+    """``base``'s stacked layer axes as a ``stacked`` function (keeps them on re-layout)."""
+    dims = {s.path: s.stacked for s in base.slots}
+    return lambda path, leaf: dims[path]
+
+
+def _forced(placement: Any, base: Layout) -> dict[int, str]:
+    """The user's placements by leaf index (``"sliced"``/``"owned"``; unset: automatic)."""
+    if placement is None:
+        return {}
+    structs = base.full_structs()
+    if callable(placement):
+        paths = jax.tree_util.tree_flatten_with_path(structs)[0]
+        chosen = [placement(jax.tree_util.keystr(p), x) for p, x in paths]
+    else:
+        chosen = base.treedef.flatten_up_to(placement)
+    out = {}
+    for i, c in enumerate(chosen):
+        if c not in (None, "auto", "sliced", "owned"):
+            raise ValueError(
+                f"placement of {base.slots[i].path} is {c!r}; use 'sliced', 'owned' or None "
+                "(automatic)."
+            )
+        if c in ("sliced", "owned"):
+            out[i] = c
+    return out
+
+
+def _source(layout, plan, views, k, leaf, full, path) -> int:
+    """The device holding owned state leaf ``k`` as plain optax would."""
+    if leaf is not None and layout.slots[leaf].owned:
+        return layout.slots[leaf].owner
+    for d, b in enumerate(plan.branch_of):
+        if tuple(views[b][k].shape) == tuple(full.shape):
+            return d
+    raise ValueError(
+        f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
+        f"{tuple(full.shape)} for the full parameters but a different shape on every "
+        "device's view: it cannot be mapped back to plain optax's state."
+    )
+
+
+def _sliced_slot(layout, leaf, full, piece, path) -> int:
+    """The sliced parameter whose pieces a per-element state leaf is shaped like."""
+    for i in [leaf] * (leaf is not None) + list(range(len(layout.slots))):
+        s = layout.slots[i]
+        if not s.owned and (s.shape, s.piece_shape) == (tuple(full.shape), tuple(piece.shape)):
+            return i
+    raise ValueError(
+        f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
+        f"{tuple(full.shape)} for the full parameters but {tuple(piece.shape)} for a slice: "
+        "it is neither per-element nor independent of the parameters."
+    )
