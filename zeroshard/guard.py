@@ -34,7 +34,7 @@ from jax.extend import core as jex_core
 
 from zeroshard.layout import PyTree
 
-CLEAN, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3
+CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
 
 _ELEMENTWISE = frozenset(
@@ -51,6 +51,8 @@ _ELEMENTWISE = frozenset(
 _LINEAR = frozenset("add sub neg convert_element_type copy copy_p mul div select_n".split())
 _RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 _PASS_THROUGH = frozenset(["sharding_constraint", "pvary", "pcast", "optimization_barrier"])
+# Make values at a given shape from no per-element data: on a slice they would differ.
+_GENERATORS = frozenset(["random_bits", "threefry2x32", "rng_bit_generator", "iota"])
 
 Tag = tuple[int, frozenset]
 _CLEAN: Tag = (CLEAN, _NONE)
@@ -70,11 +72,22 @@ class Analysis:
         cost grows as ``m * n * min(m, n)``, as Newton-Schulz does).
       state_leaves: per leaf of the inner state, the parameter leaf it derives from
         in the update, or ``None`` (counts, hyperparameters, leaves never updated).
+      state_tags: the inner state's tags, as the update reads them.
+      sums: whether partial sums over several leaves meet a non-linear operation
+        (a global norm): the update then runs with :func:`run_with_sums`.
     """
 
     whole: frozenset[int]
     matrix: frozenset[int]
     state_leaves: tuple[int | None, ...]
+    state_tags: tuple[Tag, ...] = ()
+    sums: bool = False
+
+    def in_tags(self, num_params: int) -> list[Tag]:
+        """Tags of the update's inputs: gradients, state, parameters (extra arguments
+        are clean)."""
+        params = [(ELEM, frozenset([i])) for i in range(num_params)]
+        return params + list(self.state_tags) + params
 
 
 def _as_jaxpr(x: Any) -> Any:
@@ -85,12 +98,18 @@ def _as_jaxpr(x: Any) -> Any:
     return x if hasattr(x, "eqns") and hasattr(x, "invars") else None
 
 
-def _sub_jaxpr(eqn: Any) -> Any:
+def _sub_closed(eqn: Any) -> Any:
+    """The (closed, where it has constants) jaxpr an equation calls, if any."""
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = _as_jaxpr(eqn.params.get(name))
-        if sub is not None:
+        sub = eqn.params.get(name)
+        if _as_jaxpr(sub) is not None:
             return sub
     return None
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+    sub = _sub_closed(eqn)
+    return None if sub is None else _as_jaxpr(sub)
 
 
 def _where(eqn: Any) -> str:
@@ -123,13 +142,21 @@ def _primitives(jaxpr: Any) -> list[str]:
 
 class _Tagger:
     """Propagates tags through a jaxpr, collecting the leaves that need whole tensors
-    and, per leaf, the primitives applied to its data."""
+    and, per leaf, the primitives applied to its data.
+
+    Where several leaves' partial sums meet a non-linear operation (a global norm, as
+    in ``optax.clip_by_global_norm``), the partial sums are summed over the axis
+    first: ``sums`` records that. Given ``values``, :meth:`run` also evaluates the
+    jaxpr on them, with those sums inserted (:func:`run_with_sums`).
+    """
 
     def __init__(self, axis_name: str, leaf_names: list[str]):
         self.axis_name, self.leaf_names = axis_name, leaf_names
         self.whole: set[int] = set()
         self.matrix: set[int] = set()
         self.ops: dict[int, list[str]] = defaultdict(list)
+        self.sums = False
+        self._in_branch = 0
 
     def _own(self, eqn: Any, leaves: frozenset, why: str) -> Tag:
         """``leaves`` need their whole tensors: refused unless that is one leaf."""
@@ -144,18 +171,54 @@ class _Tagger:
             self.matrix |= leaves
         return (WHOLE, leaves)
 
-    def run(self, jaxpr: Any, in_tags: list[Tag]) -> list[Tag]:
+    def run(self, jaxpr: Any, in_tags: list[Tag], values: list | None = None) -> tuple[list, list]:
+        """Output tags (and values, given input ``values``) of a (closed) jaxpr."""
+        consts = getattr(jaxpr, "consts", ())
+        jaxpr = _as_jaxpr(jaxpr)
         tags: dict[Any, Tag] = {}
-        read = lambda v: tags.get(v, _CLEAN) if isinstance(v, jex_core.Var) else _CLEAN
-        for v, t in zip(jaxpr.invars, in_tags, strict=True):
+        vals: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=False))
+        tag = lambda v: tags.get(v, _CLEAN) if isinstance(v, jex_core.Var) else _CLEAN
+        val = lambda v: vals[v] if isinstance(v, jex_core.Var) else v.val
+        for k, (v, t) in enumerate(zip(jaxpr.invars, in_tags, strict=True)):
             tags[v] = t
+            if values is not None:
+                vals[v] = values[k]
         for eqn in jaxpr.eqns:
-            outs = self._eqn(eqn, [read(v) for v in eqn.invars])
-            for v, t in zip(eqn.outvars, outs, strict=True):
+            xs = None if values is None else [val(v) for v in eqn.invars]
+            outs, ys = self._eqn(eqn, [tag(v) for v in eqn.invars], xs)
+            for k, (v, t) in enumerate(zip(eqn.outvars, outs, strict=True)):
                 tags[v] = t
-        return [read(v) for v in jaxpr.outvars]
+                if values is not None:
+                    vals[v] = ys[k]
+        outs = [tag(v) for v in jaxpr.outvars]
+        return outs, None if values is None else [val(v) for v in jaxpr.outvars]
 
-    def _eqn(self, eqn: Any, ins: list[Tag]) -> list[Tag]:
+    def _eqn(self, eqn: Any, ins: list[Tag], xs: list | None) -> tuple[list[Tag], list | None]:
+        name = eqn.primitive.name
+        sub = _sub_closed(eqn)
+        if sub is not None and name not in ("scan", "while", "cond"):
+            return self.run(sub, ins, xs)  # calls are inlined
+        outs = self._tags(eqn, ins)
+        if outs is None:  # several leaves' partial sums: sum them over the axis first
+            self.sums = True
+            summed = [k for k, (kind, _) in enumerate(ins) if kind == PARTIAL]
+            ins = [_CLEAN if k in summed else t for k, t in enumerate(ins)]
+            if xs is not None:  # still typed varying, as the jaxpr was traced
+                total = lambda x: jax.lax.pcast(
+                    jax.lax.psum(x, self.axis_name), self.axis_name, to="varying"
+                )
+                xs = [total(x) if k in summed else x for k, x in enumerate(xs)]
+            outs = self._tags(eqn, ins)
+        if xs is None:
+            return outs, None
+        params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax
+        ys = eqn.primitive.bind(*subfuns, *xs, **params)
+        return outs, ys if eqn.primitive.multiple_results else [ys]
+
+    def _tags(self, eqn: Any, ins: list[Tag]) -> list[Tag] | None:
+        """The output tags of ``eqn``, or ``None`` where several leaves' partial sums
+        must first be summed over the axis."""
         name = eqn.primitive.name
         kinds = {k for k, _ in ins}
         leaves = frozenset().union(*(s for _, s in ins))
@@ -163,38 +226,41 @@ class _Tagger:
         if name not in _RESHAPING:
             for i in leaves:
                 self.ops[i].append(name)
-        sub = _sub_jaxpr(eqn)
         if name == "cond":
-            branches = [self.run(_as_jaxpr(b), ins[1:]) for b in eqn.params["branches"]]
+            self._in_branch += 1
+            branches = [self.run(b, ins[1:])[0] for b in eqn.params["branches"]]
+            self._in_branch -= 1
             if ins[0] != _CLEAN:
                 return [self._own(eqn, leaves, "branches on per-element data")] * n_out
             return [
                 (max(k for k, _ in ts), frozenset().union(*(s for _, s in ts)))
                 for ts in zip(*branches, strict=True)
             ]
-        if sub is not None and name not in ("scan", "while"):
-            return self.run(sub, ins)
-        if kinds <= {CLEAN}:
-            return [_CLEAN] * n_out
+        if kinds <= {CLEAN, GENERATED}:
+            generated = GENERATED in kinds or name in _GENERATORS
+            big = generated and any(v.aval.size > 1 for v in eqn.outvars)
+            return [(GENERATED, _NONE) if big else _CLEAN] * n_out
         if name.startswith("psum") and self.axis_name in eqn.params.get("axes", ()):
             if kinds & {ELEM, WHOLE}:
                 _refuse(eqn, "sums per-element or whole-tensor values across devices")
             return [_CLEAN] * n_out
+        if GENERATED in kinds:
+            why = "combines values generated at the leaf's shape (random numbers, iota)"
+            return [self._own(eqn, leaves, why)] * n_out
         if WHOLE in kinds:
             return [self._own(eqn, leaves, "combines a whole-tensor value")] * n_out
         if PARTIAL in kinds:
-            if ELEM in kinds:
-                return [
-                    self._own(eqn, leaves, "mixes a partial sum with per-element values")
-                ] * n_out
             clean_others = sum(k != CLEAN for k, _ in ins) == 1
             linear = name in _LINEAR and (clean_others or name in ("add", "sub"))
-            if (
+            if ELEM not in kinds and (
                 name in ("reduce_sum", "concatenate")
                 or name in _RESHAPING
                 or (linear and not (name == "div" and ins[1][0] != CLEAN))
             ):
                 return [(PARTIAL, leaves)] * n_out
+            partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
+            if len(partial) > 1 and not self._in_branch:
+                return None
             why = "uses a sum over this device's elements only (a norm without a psum)"
             return [self._own(eqn, leaves, why)] * n_out
         if name == "reduce_sum" and eqn.outvars[0].aval.size == 1:
@@ -207,9 +273,19 @@ class _Tagger:
         return [self._own(eqn, leaves, why)] * n_out
 
 
+def run_with_sums(
+    fn: Any, args: tuple, in_tags: list[Tag], axis_name: str, leaf_names: list[str]
+) -> Any:
+    """``fn(*args)``, evaluated from its jaxpr with each global sum over several leaves
+    summed over ``axis_name`` where it meets a non-linear operation (see :class:`_Tagger`)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    _, values = _Tagger(axis_name, leaf_names).run(closed, in_tags, jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), values)
+
+
 def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
-    fn = lambda u, s, p: inner.update(u, s, p, **extra)
-    return jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])(params, state, params).jaxpr
+    fn = lambda u, s, p, e: inner.update(u, s, p, **e)
+    return jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])(params, state, params, extra)
 
 
 def analyze(
@@ -243,15 +319,16 @@ def analyze(
     names = [jax.tree_util.keystr(p) for p, _ in path_leaves]
     n_params, n_state = len(names), len(jax.tree.leaves(full_state))
     fix = (
-        "Mixing several parameters needs a sum over the sharded axis: use "
-        "zs.clip_by_global_norm(max_norm, axis_name=...) instead of optax.clip_by_global_norm."
+        "zeroshard runs an update exactly when it treats leaves separately or combines them "
+        "through sums (as a global norm does); non-finite steps are skipped by zs.sharded "
+        "itself (skip_nonfinite=True), with no optax.apply_if_finite."
     )
     params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
     extra_in = [_CLEAN] * len(jax.tree.leaves(extra))
 
     def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[_Tagger, list[Tag]]:
         tagger = _Tagger(axis_name, names)
-        return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)
+        return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
 
     full = _trace(inner, full_params, full_state, axis_name, num_shards, extra)
     try:
@@ -289,4 +366,10 @@ def analyze(
         whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
     except NotElementwiseError:
         whole = set(range(n_params))
-    return Analysis(frozenset(whole), frozenset(tagger.matrix), tuple(state_leaves))
+    return Analysis(
+        frozenset(whole),
+        frozenset(tagger.matrix),
+        tuple(state_leaves),
+        tuple(state_in),
+        tagger.sums,
+    )

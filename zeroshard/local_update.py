@@ -151,11 +151,17 @@ def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
         return inner_state
     leaves = plan.state_treedef.flatten_up_to(inner_state)
     return plan.state_treedef.unflatten(
-        jax.lax.all_gather(x, axis_name, to="invarying")[0]
-        if plan.state_kind(k) == "replicated"
-        else x
+        _first(x, axis_name) if plan.state_kind(k) == "replicated" else x
         for k, x in enumerate(leaves)
     )
+
+
+def _first(x: jax.Array, axis_name: str) -> jax.Array:
+    """Device 0's ``x``, invariant over ``axis_name`` (a PRNG key by its key data)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _first(jax.random.key_data(x), axis_name)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.lax.all_gather(x, axis_name, to="invarying")[0]
 
 
 def _kept_and_stored(plan: Plan, branch: int, state: PyTree, wholes: dict) -> tuple:
@@ -214,7 +220,7 @@ def init_parts(
     its master pieces of the sliced leaves and the owned leaves' full master weights."""
 
     def init_branch(b, pieces, wholes):
-        state = tx.inner.init(plan.view(b, pieces, wholes))
+        state = tx.inner.init(plan.view(b, pieces, wholes, tx.axis_name))
         return _kept_and_stored(plan, b, state, _masters(plan, b, wholes))
 
     inner_state, owned = run_branches(plan, tx.axis_name, init_branch, pieces, wholes)
@@ -380,9 +386,10 @@ def update_parts(
             stored[("state", k)] if plan.state_kind(k) == "owned" else x
             for k, x in enumerate(leaves)
         )
-        params = plan.view(b, pieces, p)
-        updates, new_state = tx.inner.update(
-            plan.view(b, grad_pieces, g), inner_state, params, **extra_args
+        params = plan.view(b, pieces, p, tx.axis_name)
+        grads = plan.view(b, grad_pieces, g, tx.axis_name)
+        updates, new_state = plan.update(
+            tx.inner, grads, inner_state, params, tx.axis_name, **extra_args
         )
         new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         if tx.skip_nonfinite:

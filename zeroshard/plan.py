@@ -20,15 +20,15 @@ Built once per parameter layout, at trace time, from shapes alone:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.guard import Analysis, NotElementwiseError, analyze
+from zeroshard.guard import CLEAN, Analysis, NotElementwiseError, analyze, run_with_sums
 from zeroshard.layout import Layout, PyTree
 
 Key = tuple[str, int]
@@ -112,7 +112,7 @@ class Plan:
       branch_of: per device, its branch.
       storage: where owned state and owned master weights live.
       state_treedef: the inner state's tree structure.
-      matrix: the owned leaves whose update cost is a matrix product's.
+      analysis: what the guard found in the traced update.
     """
 
     layout: Layout
@@ -123,7 +123,7 @@ class Plan:
     branch_of: tuple[int, ...]
     storage: Storage
     state_treedef: Any
-    matrix: frozenset[int] = frozenset()
+    analysis: Analysis
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -138,16 +138,38 @@ class Plan:
             for p, s in zip(pieces, self.layout.slots, strict=True)
         ]
 
-    def view(self, branch: int, pieces: list, wholes: list) -> PyTree:
+    def update(
+        self,
+        inner: Any,
+        grads: PyTree,
+        state: PyTree,
+        params: PyTree,
+        axis_name: str,
+        **extra_args: Any,
+    ) -> tuple[PyTree, PyTree]:
+        """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
+        the guard found them (:func:`zeroshard.guard.run_with_sums`)."""
+        if not self.analysis.sums:
+            return inner.update(grads, state, params, **extra_args)
+        fn = lambda g, s, p, e: inner.update(g, s, p, **e)
+        tags = self.analysis.in_tags(len(self.layout.slots))
+        tags += [(CLEAN, frozenset())] * len(jax.tree.leaves(extra_args))
+        names = [s.path for s in self.layout.slots]
+        return run_with_sums(fn, (grads, state, params, extra_args), tags, axis_name, names)
+
+    def view(self, branch: int, pieces: list, wholes: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
         the piece shape) for a sliced leaf, ``wholes[i]`` for a leaf it owns, an empty
         array of the inner dtype for any other owned leaf."""
         dtypes = self.inner_dtypes
         owned = self.branches[branch]
+        stand_in = lambda s: jax.lax.pcast(
+            jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
+        )
         leaves = [
             wholes[i]
             if i in owned
-            else jnp.zeros(s.stand_in_shape, dtypes[s.bucket])
+            else stand_in(s)
             if s.owned
             else pieces[i].reshape(s.piece_shape)
             for i, s in enumerate(self.layout.slots)
@@ -181,7 +203,9 @@ class Plan:
     def owned_costs(self) -> list[float]:
         """Per device, the summed update cost of the leaves it owns."""
         return [
-            sum(leaf_cost(self.layout.slots[i], i in self.matrix) for i in self.branches[b])
+            sum(
+                leaf_cost(self.layout.slots[i], i in self.analysis.matrix) for i in self.branches[b]
+            )
             for b in self.branch_of
         ]
 
@@ -191,18 +215,21 @@ def leaf_cost(slot: Any, matrix: bool) -> float:
     return float(slot.size * (min(slot.shape[-2:]) if matrix and len(slot.shape) >= 2 else 1))
 
 
-def required_extra_args(inner: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    """Scalar stand-ins for keyword-only arguments ``inner.update`` requires (e.g. the
-    ``value=`` of ``optax.contrib.reduce_on_plateau``), to trace it without them."""
-    try:
-        params = inspect.signature(inner.update).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    return {
-        p.name: jax.ShapeDtypeStruct((), jnp.float32)
-        for p in params
-        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
-    }
+def required_extra_args(inner: Any, params: PyTree, state: PyTree) -> dict[str, Any]:
+    """Scalar stand-ins for the keyword arguments ``inner.update`` requires (e.g. the
+    ``value=`` of ``optax.polyak_sgd`` or ``optax.contrib.reduce_on_plateau``), found by
+    tracing it without them: the guard traces it with these."""
+    extra: dict[str, Any] = {}
+    for _ in range(8):
+        try:
+            jax.eval_shape(lambda g, s, p: inner.update(g, s, p, **extra), params, state, params)
+            return extra
+        except TypeError as e:
+            missing = re.search(r"required keyword-only argument: '(\w+)'", str(e))
+            if missing is None:
+                return extra
+            extra[missing.group(1)] = jax.ShapeDtypeStruct((), jnp.float32)
+    return extra
 
 
 def make_plan(tx: Any, base: Layout) -> Plan:
@@ -226,7 +253,7 @@ def make_plan(tx: Any, base: Layout) -> Plan:
     piece_state = jax.eval_shape(tx.inner.init, pieces)
     full_leaves, state_treedef = jax.tree_util.tree_flatten_with_path(full_state)
     _check_structure(state_treedef, piece_state)
-    extra = required_extra_args(tx.inner)
+    extra = required_extra_args(tx.inner, pieces, piece_state)
     analysis = analyze(
         tx.inner, full, full_state, pieces, piece_state, tx.axis_name, base.num_shards, extra
     )
@@ -244,7 +271,7 @@ def make_plan(tx: Any, base: Layout) -> Plan:
         branch_of,
         Storage((), (), ()),
         state_treedef,
-        analysis.matrix & frozenset(i for s in owned_sets for i in s),
+        analysis,
     )
     views = [jax.eval_shape(tx.inner.init, plan.view_structs(b)) for b in range(len(branches))]
     for v in views:
@@ -254,7 +281,7 @@ def make_plan(tx: Any, base: Layout) -> Plan:
     slots, sources = [], []
     for k, (path, f) in enumerate(full_leaves):
         leaf = analysis.state_leaves[k]
-        shapes = {(tuple(v[k].shape), np.dtype(v[k].dtype)) for v in views}
+        shapes = {(tuple(v[k].shape), v[k].dtype) for v in views}
         if (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
             slots.append(None)
             sources.append(_source(layout, plan, views, k, leaf, f, path))
