@@ -14,7 +14,9 @@ def hsdp_mesh(replicas: int = 2, shards: int = 4) -> jax.sharding.Mesh:
     return jax.make_mesh((replicas, shards), ("replica", "data"))
 
 
-@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adamw(1e-2)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "inner", [optax.sgd(0.1), optax.adamw(1e-2), optax.lamb(1e-2)], ids=["sgd", "adamw", "lamb"]
+)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hierarchical_sharding_matches_plain_optax(inner, stage, rng):
     params, data = awkward_params(rng), batches(rng, 3)

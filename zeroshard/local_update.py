@@ -146,22 +146,28 @@ def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
 
 def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
     """The replicated leaves of ``inner_state`` after :func:`run_branches`, typed
-    invariant over ``axis_name`` again (equal everywhere; device 0's are taken)."""
+    invariant over ``axis_name`` again: equal everywhere, device 0's are taken, with
+    one small all-gather per dtype."""
     if len(plan.branches) == 1:
         return inner_state
     leaves = plan.state_treedef.flatten_up_to(inner_state)
-    return plan.state_treedef.unflatten(
-        _first(x, axis_name) if plan.state_kind(k) == "replicated" else x
-        for k, x in enumerate(leaves)
-    )
+    replicated = [k for k in range(len(leaves)) if plan.state_kind(k) == "replicated"]
+    keys = {k: jax.random.key_impl(leaves[k]) for k in replicated if _is_key(leaves[k])}
+    flat = {k: jax.random.key_data(leaves[k]) if k in keys else leaves[k] for k in replicated}
+    for dtype in {x.dtype for x in flat.values()}:
+        group = [k for k in replicated if flat[k].dtype == dtype]
+        row = jnp.concatenate([jnp.ravel(flat[k]) for k in group])
+        row = jax.lax.all_gather(row, axis_name, to="invarying")[0]
+        start = 0
+        for k in group:
+            x = row[start : start + flat[k].size].reshape(flat[k].shape)
+            leaves[k] = jax.random.wrap_key_data(x, impl=keys[k]) if k in keys else x
+            start += flat[k].size
+    return plan.state_treedef.unflatten(leaves)
 
 
-def _first(x: jax.Array, axis_name: str) -> jax.Array:
-    """Device 0's ``x``, invariant over ``axis_name`` (a PRNG key by its key data)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = _first(jax.random.key_data(x), axis_name)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jax.lax.all_gather(x, axis_name, to="invarying")[0]
+def _is_key(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _kept_and_stored(plan: Plan, branch: int, state: PyTree, wholes: dict) -> tuple:

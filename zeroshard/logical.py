@@ -321,7 +321,7 @@ def from_optax_state(
             if plan.state_kind(k) == "sliced":
                 kept[k] = _from_logical(x, layout.slots[plan.state_slots[k]], axis_name)
             elif plan.state_kind(k) == "replicated":
-                kept[k] = x
+                kept[k] = _gather(x, opt_leaves[k].shape, axis_name)
             else:
                 full = _gather(x, opt_leaves[k].shape, axis_name)
                 owned = _store(plan, owned, ("state", k), plan.state_sources[k], full, axis_name)

@@ -38,12 +38,20 @@ class MemoryEstimate(NamedTuple):
       grads: gradients in the compute dtype (the full-size buffer a step holds).
       optimizer_state: the optimizer's per-parameter buffers.
       master: fp32 master weights (0 when the parameters are fp32 already).
+      imbalance: the optimizer state and master each device allocates over the mean
+        of what devices use (1.0 when every leaf is sliced). Leaves whose update
+        needs the whole tensor are owned by one device each; every device allocates
+        rows as long as the most loaded one's, which ``optimizer_state`` counts.
+      update_imbalance: the same for the update's compute (whole-tensor work, e.g.
+        Newton-Schulz at ``m * n * min(m, n)`` per matrix); 1.0 without owned leaves.
     """
 
     params: float
     grads: float
     optimizer_state: float
     master: float
+    imbalance: float = 1.0
+    update_imbalance: float = 1.0
 
     @property
     def total(self) -> float:
@@ -91,7 +99,9 @@ def estimate_memory(
       param_dtype: the compute dtype of parameters and gradients.
       master_dtype: the master weights' dtype (``None``: no master).
       optimizer: a name (``"adam"``, ``"sgd"``, ...), a number of fp32 buffers per
-        parameter, or an optax transformation (measured with ``jax.eval_shape``).
+        parameter, or an optax transformation (measured with ``jax.eval_shape``; with
+        a parameter tree and stage >= 1, laid out as :func:`zeroshard.sharded` would,
+        owned leaves and their imbalance included).
 
     Returns:
       A :class:`MemoryEstimate` in bytes (floats: counts may be fractional per device).
@@ -104,12 +114,47 @@ def estimate_memory(
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
-    o = _optimizer_bytes(optimizer)
     shard = lambda bytes_per_param, from_stage: (
         psi * bytes_per_param / (n if stage >= from_stage else 1)
     )
+    if stage and hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
+        return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
+            params=shard(p, 3), grads=shard(p, 2)
+        )
+    o = _optimizer_bytes(optimizer)
     return MemoryEstimate(
         params=shard(p, 3), grads=shard(p, 2), optimizer_state=shard(o, 1), master=shard(m, 1)
+    )
+
+
+def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: Any):
+    """Optimizer state and master bytes per device as :func:`zeroshard.sharded` lays
+    them out (params and grads left to the caller)."""
+    from zeroshard.local_update import sharded
+
+    plan = sharded(inner, master_dtype=master_dtype).plan(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params), n
+    )
+    nbytes = lambda x: float(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
+    view = plan.state_treedef.flatten_up_to(jax.eval_shape(inner.init, plan.view_structs(0)))
+    shared = sum(nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
+    master = sum(
+        b.row_size * jnp.dtype(m).itemsize
+        for b, m in zip(plan.layout.buckets, plan.master_dtypes, strict=True)
+        if m is not None
+    )
+    rows = sum(
+        w * d.itemsize for w, d in zip(plan.storage.widths, plan.storage.dtypes, strict=True)
+    )
+    used = shared + master + sum(plan.owned_bytes()) / n
+    costs = plan.owned_costs()
+    return MemoryEstimate(
+        0.0,
+        0.0,
+        shared + rows,
+        master,
+        (shared + rows + master) / used if used else 1.0,
+        max(costs) / (sum(costs) / n) if sum(costs) else 1.0,
     )
 
 

@@ -399,7 +399,9 @@ class TrainStep:
         self, state: TrainState, batch: PyTree, key: jax.Array | None
     ) -> tuple[TrainState, dict]:
         _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
-        if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) != (self.stage == 3):
+        layout = self.tx.plan(full_structs(state.params), self.num_shards).layout
+        pieces = [is_shard(x) for x in layout.treedef.flatten_up_to(state.params)]
+        if pieces != [self.stage == 3 and not s.owned for s in layout.slots]:
             raise ValueError(
                 f"this is a stage-{self.stage} step, but the state's params are "
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
