@@ -8,12 +8,17 @@ Variants, per device count N and model size:
   ``shard_optimizer_over_data`` do);
 - (c) ``zeroshard-1``, ``zeroshard-2``, ``zeroshard-3``: the three stages.
 
+``--optimizer muon`` runs ``optax.contrib.muon`` instead of Adam: replicated data
+parallelism orthogonalises every matrix on every device; zeroshard places each matrix
+whole on one device (owned), which orthogonalises only its own.
+
 Per variant: optimizer-state + master bytes per device (live arrays), XLA's argument,
 temp, output and alias bytes, the collectives of the compiled step with their
 ring-normalised bytes, and the median step time (variants interleaved step by step,
 after a warm-up). Prints markdown tables, writes JSON and a PNG.
 
     .venv/bin/python benchmarks/compare.py --devices 1 2 4 8 --widths 256 512 1024
+    .venv/bin/python benchmarks/compare.py --optimizer muon --layers 8 --widths 256
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> None:
     parser.add_argument(
         "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
     )
+    parser.add_argument("--optimizer", choices=["adam", "muon"], default="adam")
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -52,7 +58,8 @@ def main() -> None:
 
     import zeroshard as zs
 
-    inner = optax.adam(1e-4)
+    inner = optax.adam(1e-4) if args.optimizer == "adam" else optax.contrib.muon(1e-4)
+    suffix = "" if args.optimizer == "adam" else f"-{args.optimizer}"
     machine = (
         f"{jax.devices()[0].device_kind} x{jax.device_count()} "
         f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
@@ -128,7 +135,7 @@ def main() -> None:
                 lambda s, step=step: step(s, batch)[0],
                 lambda s, step=step: step.lower(s, batch),
                 zs.init_train_state(params, tx, mesh, stage=stage),
-                lambda s: (s.opt_state.inner_state, s.opt_state.master),
+                lambda s: (s.opt_state.inner_state, s.opt_state.master, s.opt_state.owned),
             )
         return out
 
@@ -184,12 +191,21 @@ def main() -> None:
                 results.append(row)
             print_table(width, size, n, rows)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"machine": machine, "steps": args.steps, "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out, "memory_vs_devices.png"))
+    with open(os.path.join(args.out, f"compare{suffix}.json"), "w") as f:
+        json.dump(
+            {
+                "machine": machine,
+                "optimizer": args.optimizer,
+                "steps": args.steps,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
+    plot(results, os.path.join(args.out, f"memory_vs_devices{suffix}.png"))
     print(
-        f"\n{machine}; medians of {args.steps} interleaved steps. "
-        f"Wrote {args.out}/compare.json and memory_vs_devices.png"
+        f"\n{machine}, {args.optimizer}; medians of {args.steps} interleaved steps. "
+        f"Wrote {args.out}/compare{suffix}.json and memory_vs_devices{suffix}.png"
     )
 
 

@@ -102,10 +102,7 @@ def square_updates():
 
 
 big = {"w": jnp.ones((256, 300)), "b": jnp.ones(300)}
-REFUSED = {  # they combine several leaves without a sum over the axis
-    "optax.clip_by_global_norm": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adam(1e-3)
-    ),
+REFUSED = {  # they combine several leaves other than by sums
     "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(0.1), 3),
 }
 OWNED = {  # name: (optimizer, the leaves that need whole tensors)
@@ -131,6 +128,9 @@ ACCEPTED = {
     "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-3), 2),
     "zs_clip_chain": lambda: optax.chain(
         zs.clip_by_global_norm(1.0, axis_name="data"), optax.adamw(1e-3)
+    ),
+    "optax.clip_by_global_norm": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(1e-3)
     ),
     "hand_written_elementwise": square_updates,
 }
@@ -163,10 +163,12 @@ def test_elementwise_inner_is_accepted(name):
 
 
 def test_error_names_the_offending_operation():
-    tx = zs.sharded(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)))
+    tx = zs.sharded(optax.apply_if_finite(optax.sgd(0.1), 3))
     with jax.set_mesh(make_mesh(8)), pytest.raises(ValueError) as e:
         tx.init(big)
-    assert "sqrt" in str(e.value) and "zs.clip_by_global_norm" in str(e.value)
+    message = str(e.value)
+    assert "`concatenate`" in message and "_conditionality.py" in message, message
+    assert "['b'], ['w']" in message and "skip_nonfinite" in message, message
 
 
 def test_clear_errors_on_bad_trees():

@@ -162,7 +162,7 @@ class _Tagger:
         """``leaves`` need their whole tensors: refused unless that is one leaf."""
         if len(leaves) > 1:
             names = ", ".join(self.leaf_names[i] for i in sorted(leaves)[:4])
-            _refuse(eqn, f"{why} across several parameters ({names}, ...)")
+            _refuse(eqn, f"{why} across several parameters ({names}{', ...' * (len(leaves) > 4)})")
         self.whole |= leaves
         if eqn.primitive.name == "dot_general" or (
             (sub := _sub_jaxpr(eqn) or _as_jaxpr(eqn.params.get("body_jaxpr")))

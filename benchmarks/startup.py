@@ -1,0 +1,285 @@
+"""Time to first step: zeroshard stage 1 against replicated data parallelism.
+
+The model is an MLP of ``--width``-wide tanh layers (a weight and a bias per layer, so
+``L`` leaves are ``L / 2`` layers), trained with AdamW on ``--devices`` devices. Every
+measurement runs in a fresh Python process, so no jax cache from another variant helps
+(the persistent compilation cache is off unless the environment turns it on).
+
+- ``total``: what a user waits for, from parameters on the host to the first step's
+  result: zeroshard's ``zs.init_train_state`` and first ``train_step(state, batch)``,
+  or replicated data parallelism's jitted state copy + ``optax.adamw(...).init`` and
+  first call of a jitted ``shard_map`` step with ``pmean`` (plain optax).
+- ``breakdown`` (another fresh process per variant): the same work split into the
+  plan and guard (``tx.plan``, zeroshard only), the state init, tracing
+  (``jitted.trace``), lowering, XLA's compile and the first run of the compiled step,
+  plus the number of instructions of the compiled HLO and some of their kinds.
+
+    .venv/bin/python benchmarks/startup.py --leaves 32 128 512 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("replicated", "zeroshard")
+OPS = ("pad", "concatenate", "slice", "dynamic-slice", "copy", "reduce-scatter", "all-gather")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--leaves", type=int, nargs="+", default=[32, 128, 512, 2048])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument(
+        "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per cell")
+    parser.add_argument(
+        "--no-breakdown", action="store_true", help="only the end-to-end time to first step"
+    )
+    parser.add_argument("--out", default="benchmarks/results", help="JSON goes here")
+    # Internal: run one measurement in this process and print it as JSON.
+    parser.add_argument("--child", nargs=3, metavar=("VARIANT", "MODE", "LEAVES"))
+    parser.add_argument("--cprofile", default=None, help="(with --child) write pstats here")
+    args = parser.parse_args()
+    if args.child:
+        variant, mode, leaves = args.child
+        print(json.dumps(measure(args, variant, mode, int(leaves))))
+        return
+
+    results = []
+    modes = ("total",) if args.no_breakdown else ("total", "breakdown")
+    machine = None
+    for leaves in args.leaves:
+        for mode in modes:
+            for _ in range(args.repeats):
+                for variant in VARIANTS:
+                    row = run_child(args, variant, mode, leaves)
+                    machine = row.pop("machine")
+                    results.append(row)
+                    print(
+                        f"{leaves} leaves, {variant}, {mode}: {row['seconds']:.2f} s",
+                        file=sys.stderr,
+                    )
+    print_tables(results, machine, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "startup.json"), "w") as f:
+        json.dump({"machine": machine, "results": results}, f, indent=1)
+
+
+def run_child(args, variant: str, mode: str, leaves: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, mode, str(leaves)]
+    cmd += ["--devices", str(args.devices), "--width", str(args.width)]
+    cmd += ["--batch", str(args.batch)]
+    if args.pack_bytes is not None:
+        cmd += ["--pack-bytes", str(args.pack_bytes)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(args, variant: str, mode: str, leaves: int) -> dict:
+    """One measurement in this (fresh) process."""
+    t_start = time.perf_counter()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zeroshard as zs
+
+    t_import = time.perf_counter() - t_start
+    n, w = args.devices, args.width
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer{i:04d}": {
+            "w": (rng.normal(size=(w, w)) / np.sqrt(w)).astype(np.float32),
+            "b": np.zeros(w, np.float32),
+        }
+        for i in range(leaves // 2)
+    }
+    batch = {
+        "x": rng.normal(size=(args.batch, w)).astype(np.float32),
+        "y": rng.normal(size=(args.batch, w)).astype(np.float32),
+    }
+
+    def loss_fn(p, b):
+        x = b["x"]
+        for i in range(leaves // 2):
+            x = jnp.tanh(x @ p[f"layer{i:04d}"]["w"] + p[f"layer{i:04d}"]["b"])
+        return jnp.mean((x - b["y"]) ** 2)
+
+    inner = optax.adamw(1e-3)
+    times: dict[str, float] = {}
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+
+    def lap(name: str, t0: float) -> float:
+        t1 = time.perf_counter()
+        times[name] = t1 - t0
+        return t1
+
+    t0 = time.perf_counter()
+    if variant == "zeroshard":
+        pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+        tx = zs.sharded(inner, axis_name="data", **pack)
+        if mode == "breakdown" and hasattr(tx, "plan"):
+            tx.plan(params, n)
+            t0 = lap("plan+guard", t0)
+        state = jax.block_until_ready(zs.init_train_state(params, tx, mesh))
+        t0 = lap("init", t0)
+        train_step = zs.make_train_step(loss_fn, tx, mesh)
+        if mode == "total":
+            out = jax.block_until_ready(train_step(state, batch))
+            lap("first step", t0)
+        else:
+            placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            out, sizes = staged(train_step.jitted, (state, placed, None), lap, t0)
+    else:
+        replicated = NamedSharding(mesh, P())
+
+        def dp_local(p, s, b):
+            grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), b)
+            updates, s = inner.update(jax.lax.pmean(grads, "data"), s, p)
+            return optax.apply_updates(p, updates), s
+
+        specs = (P(), P(), P("data"))
+        dp = jax.jit(
+            jax.shard_map(dp_local, mesh=mesh, in_specs=specs, out_specs=specs[:2]),
+            donate_argnums=(0, 1),
+        )
+        init = jax.jit(
+            lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=replicated
+        )
+        state = jax.block_until_ready(init(params))
+        t0 = lap("init", t0)
+        placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        if mode == "total":
+            out = jax.block_until_ready(dp(*state, placed))
+            lap("first step", t0)
+        else:
+            out, sizes = staged(dp, (*state, placed), lap, t0)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.cprofile)
+    del out
+    row = {
+        "variant": variant,
+        "mode": mode,
+        "leaves": leaves,
+        "params": sum(x.size for x in jax.tree.leaves(params)),
+        "devices": n,
+        "import_s": t_import,
+        "times": times,
+        "seconds": sum(times.values()),
+        "machine": (
+            f"{jax.devices()[0].device_kind} x{jax.device_count()} "
+            f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
+        ),
+    }
+    if mode == "breakdown":
+        row.update(sizes)
+    return row
+
+
+def staged(jitted, args: tuple, lap, t0: float) -> tuple[object, dict]:
+    """Traces, lowers, compiles and runs ``jitted(*args)``, timing each stage; returns
+    the output and the size of the program at each stage."""
+    import jax
+
+    traced = jitted.trace(*args)
+    t0 = lap("trace", t0)
+    lowered = traced.lower()
+    t0 = lap("lower", t0)
+    compiled = lowered.compile()
+    t0 = lap("compile", t0)
+    out = jax.block_until_ready(compiled(*args))
+    lap("first run", t0)
+    ops = re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([a-z][\w-]*)\(", compiled.as_text())
+    return out, {
+        "jaxpr_eqns": count_eqns(traced.jaxpr.jaxpr),
+        "stablehlo_lines": lowered.as_text().count("\n"),
+        "hlo_instructions": len(ops),
+        "hlo_ops": {op: sum(o == op for o in ops) for op in OPS},
+    }
+
+
+def count_eqns(jaxpr) -> int:
+    """Equations of ``jaxpr``, counting those of nested jaxprs (shard_map, pjit, ...)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple) else (p,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns") and hasattr(sub, "invars"):
+                    total += count_eqns(sub)
+    return total
+
+
+def print_tables(results: list[dict], machine: str, args) -> None:
+    by = {}
+    for r in results:
+        by.setdefault((r["leaves"], r["mode"], r["variant"]), []).append(r)
+    med = lambda rows, key: statistics.median(r["times"].get(key, 0.0) for r in rows)
+    total = lambda rows: statistics.median(r["seconds"] for r in rows)
+    leaves_list = sorted({r["leaves"] for r in results})
+    print(
+        f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, AdamW\n"
+        f"\n{machine}; one fresh process per measurement, "
+        f"median of {args.repeats}\n"
+    )
+    print("| leaves | params | replicated s | zeroshard s | ratio |")
+    print("|---:|---:|---:|---:|---:|")
+    for leaves in leaves_list:
+        a, z = by[leaves, "total", "replicated"], by[leaves, "total", "zeroshard"]
+        print(
+            f"| {leaves} | {a[0]['params']:,} | {total(a):.2f} | {total(z):.2f} | "
+            f"{total(z) / total(a):.2f} |"
+        )
+    if not any(r["mode"] == "breakdown" for r in results):
+        return
+    stages = ("plan+guard", "init", "trace", "lower", "compile", "first run")
+    print("\n### Breakdown (seconds; HLO: instructions of the compiled step)\n")
+    print(
+        "| leaves | variant | "
+        + " | ".join(stages)
+        + " | sum | HLO instr | "
+        + " | ".join(OPS)
+        + " |"
+    )
+    print("|---:|---|" + "---:|" * (len(stages) + 2 + len(OPS)))
+    for leaves in leaves_list:
+        for variant in VARIANTS:
+            rows = by[leaves, "breakdown", variant]
+            cells = " | ".join(
+                f"{med(rows, s):.2f}" if s in rows[0]["times"] else "-" for s in stages
+            )
+            ops = " | ".join(str(rows[0]["hlo_ops"][op]) for op in OPS)
+            print(
+                f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | "
+                f"{rows[0]['hlo_instructions']:,} | {ops} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
