@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import (
@@ -97,3 +98,24 @@ def test_bad_stage_and_accumulation_arguments(rng):
     state = zs.init_train_state(params, tx, mesh)
     with pytest.raises(ValueError, match="times accum_steps=4.*multiple of 32"):
         step(state, batches(rng, 1, size=16)[0])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_device_step_is_plain_optax(stage, rng):
+    """N = 1: no collective, padding, concatenation or slicing in the step; same numbers."""
+    params, data = awkward_params(rng), batches(rng, 2)
+    expected = reference_run(awkward_loss, optax.adamw(1e-2), params, data)
+    mesh = make_mesh(1)
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="data")
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    gathered = lambda p, b: awkward_loss(zs.gather(p), b)
+    train_step = zs.make_train_step(gathered if stage == 3 else awkward_loss, tx, mesh, stage=stage)
+    hlo = train_step.lower(state, data[0]).compile().as_text()
+    assert zs.collectives(hlo, 1) == []
+    ops = set(re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([a-z][\w-]*)\(", hlo))
+    assert not ops & {"pad", "concatenate", "slice", "dynamic-slice", "all-reduce"}, ops
+    for batch in data:
+        state, _ = train_step(state, batch)
+    whole = lambda x: np.asarray(x.piece).reshape(x.shape) if isinstance(x, zs.Shard) else x
+    params = jax.tree.map(whole, state.params, is_leaf=lambda x: isinstance(x, zs.Shard))
+    assert_trees_close(params, expected, rtol=1e-5)

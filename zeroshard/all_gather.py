@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.layout import Layout, PyTree
+from zeroshard.reduce_scatter import is_identity
 
 
 def all_gather_params(
@@ -40,7 +41,14 @@ def all_gather_params(
       The full parameter tree, invariant over ``axis_name`` (usable with ``P()``).
     """
     leaves: list[jax.Array] = [None] * len(layout.slots)
-    for group in layout.groups(pack_bytes):
+    groups = layout.groups(pack_bytes)
+    if is_identity([p for p in pieces if p is not None], axis_name):  # one device
+        leaves = [
+            None if s.owned else p.astype(s.dtype).reshape(s.shape)
+            for p, s in zip(pieces, layout.slots, strict=True)
+        ]
+        groups = ()
+    for group in groups:
         own = [pieces[i].astype(layout.slots[i].dtype) for i in group]
         row = own[0] if len(own) == 1 else jnp.concatenate(own)
         full = jax.lax.all_gather(row, axis_name, tiled=False, to="invarying")  # (N, row)
@@ -60,7 +68,12 @@ def all_gather_owned(
     for b, row in enumerate(owned_rows):
         if row is None:
             continue
-        rows = jax.lax.all_gather(row.astype(layout.buckets[b].dtype), axis_name, to="invarying")
+        row = row.astype(layout.buckets[b].dtype)
+        rows = (
+            row
+            if is_identity(row, axis_name)
+            else jax.lax.all_gather(row, axis_name, to="invarying")
+        )
         for i, s in enumerate(layout.slots):
             if s.owned and s.bucket == b:
                 out[i] = layout.owned_leaf(rows, i)

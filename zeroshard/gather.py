@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.layout import PyTree, Slot
+from zeroshard.reduce_scatter import is_identity
 
 
 @jax.tree_util.register_pytree_node_class
@@ -150,6 +151,10 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
+        if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
+            for i, piece in zip(group, pieces, strict=True):
+                out[i] = piece.reshape(slots[i].shape)
+            continue
         rows = jax.lax.all_gather(jnp.concatenate(pieces), axis_name)  # (N, sum of pieces)
         offset = 0
         for i, piece in zip(group, pieces, strict=True):

@@ -26,10 +26,12 @@ when large, or masked by shape) is owned too.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from zeroshard.layout import PyTree
@@ -284,8 +286,20 @@ def run_with_sums(
 
 
 def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
+    """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
+    ``extra`` plus a float32 scalar for each keyword argument the update requires that
+    ``extra`` lacks (e.g. the ``value=`` of ``optax.polyak_sgd``)."""
+    extra = dict(extra)
     fn = lambda u, s, p, e: inner.update(u, s, p, **e)
-    return jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])(params, state, params, extra)
+    while True:
+        try:
+            jaxpr = jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])
+            return jaxpr(params, state, params, extra), extra
+        except TypeError as e:
+            missing = re.search(r"required keyword-only argument: '(\w+)'", str(e))
+            if missing is None or missing.group(1) in extra:
+                raise
+            extra[missing.group(1)] = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def analyze(
@@ -308,13 +322,13 @@ def analyze(
       piece_state: ``jax.eval_shape(inner.init, piece_params)``.
       axis_name: the sharded mesh axis.
       num_shards: its size.
-      extra_args: ``ShapeDtypeStruct``s of the inner update's extra arguments.
+      extra_args: ``ShapeDtypeStruct``s of the inner update's extra arguments (those
+        it requires and is not given are traced as float32 scalars).
 
     Raises:
       NotElementwiseError: where the update mixes several leaves without a psum over
         ``axis_name`` (no placement makes that exact).
     """
-    extra = extra_args or {}
     path_leaves = jax.tree_util.tree_flatten_with_path(full_params)[0]
     names = [jax.tree_util.keystr(p) for p, _ in path_leaves]
     n_params, n_state = len(names), len(jax.tree.leaves(full_state))
@@ -324,13 +338,13 @@ def analyze(
         "itself (skip_nonfinite=True), with no optax.apply_if_finite."
     )
     params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
+    full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
     extra_in = [_CLEAN] * len(jax.tree.leaves(extra))
 
     def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[_Tagger, list[Tag]]:
         tagger = _Tagger(axis_name, names)
         return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
 
-    full = _trace(inner, full_params, full_state, axis_name, num_shards, extra)
     try:
         # A second pass gives the state the tags the first pass computed for it.
         state_in = tag(full, [_CLEAN] * n_state)[1][n_params:]
@@ -361,7 +375,7 @@ def analyze(
         state_leaves.append(min(leaves, default=None))
     whole = set(tagger.whole)
     try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
-        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)
+        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
         sliced = tag(pieces, state_in)[0]
         whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
     except NotElementwiseError:

@@ -127,10 +127,13 @@ class Slot:
     def _padded(self, leaf: jax.Array) -> jax.Array:
         """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
         rows = jnp.reshape(leaf, (self.layers, -1))
-        return jnp.pad(rows, ((0, 0), (0, self.num_shards * self.width - rows.shape[1])))
+        pad = self.num_shards * self.width - rows.shape[1]
+        return jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
+        if self.num_shards == 1:
+            return jnp.ravel(leaf)
         cols = jax.lax.dynamic_slice_in_dim(self._padded(leaf), index * self.width, self.width, 1)
         return cols.reshape(-1)
 

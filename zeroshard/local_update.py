@@ -23,7 +23,7 @@ from zeroshard.clipping import local_squares
 from zeroshard.layout import Layout, PyTree, Stacked
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.plan import Plan, make_plan
-from zeroshard.reduce_scatter import reduce_scatter_leaves, reduce_scatter_owned
+from zeroshard.reduce_scatter import is_identity, reduce_scatter_leaves, reduce_scatter_owned
 
 Placement = Any
 """Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
@@ -133,15 +133,20 @@ def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
     index = jnp.asarray(plan.branch_of, jnp.int32)[jax.lax.axis_index(axis_name)]
 
     def branch(b, *args):  # every output varies over the axis, as the switch's do
-        vary = lambda x: (
-            x
-            if axis_name in jax.typeof(x).manual_axis_type.varying
-            else jax.lax.pcast(x, axis_name, to="varying")
-        )
-        return jax.tree.map(vary, fn(b, *args))
+        return varying(fn(b, *args), axis_name)
 
     branches = [functools.partial(branch, b) for b in range(len(plan.branches))]
     return jax.lax.switch(index, branches, *args)
+
+
+def varying(tree: PyTree, axis_name: str) -> PyTree:
+    """``tree`` typed as varying over ``axis_name`` (a cast; no data moves)."""
+    vary = lambda x: (
+        x
+        if axis_name in jax.typeof(x).manual_axis_type.varying
+        else jax.lax.pcast(x, axis_name, to="varying")
+    )
+    return jax.tree.map(vary, tree)
 
 
 def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
@@ -392,16 +397,23 @@ def update_parts(
             stored[("state", k)] if plan.state_kind(k) == "owned" else x
             for k, x in enumerate(leaves)
         )
-        params = plan.view(b, pieces, p, tx.axis_name)
+        # The new weights vary over the axis: so must the old ones (whole leaves come
+        # from the replicated params) for the conditional below.
+        params = varying(plan.view(b, pieces, p, tx.axis_name), tx.axis_name)
         grads = plan.view(b, grad_pieces, g, tx.axis_name)
-        updates, new_state = plan.update(
-            tx.inner, grads, inner_state, params, tx.axis_name, **extra_args
-        )
-        new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+
+        def step(inner_state, params):
+            updates, new_state = plan.update(
+                tx.inner, grads, inner_state, params, tx.axis_name, **extra_args
+            )
+            return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), new_state
+
         if tx.skip_nonfinite:
-            keep = lambda a, b: jnp.where(finite, a, b)
-            new = jax.tree.map(keep, new, params)
-            new_state = jax.tree.map(keep, new_state, inner_state)
+            # One conditional, not a select per element: the update runs in place, with
+            # no copy of the old state kept alive until the verdict.
+            new, new_state = jax.lax.cond(finite, step, _unchanged, inner_state, params)
+        else:
+            new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
         device = plan.branch_of.index(b)
         rows = tuple(
@@ -427,12 +439,17 @@ def update_parts(
     return new, rows, ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
 
 
+def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+    return params, inner_state
+
+
 def _norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
     """The global L2 norm of the pieces and whether every element on every device is
     finite: one scalar all-reduce, so every device takes the same decision."""
     squares = local_squares(pieces)
     bad = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in pieces), jnp.int32(0))
-    squares, bad = jax.lax.psum((squares, bad), axis_name)
+    if not is_identity((squares, bad), axis_name):
+        squares, bad = jax.lax.psum((squares, bad), axis_name)
     return jnp.sqrt(squares), bad == 0
 
 

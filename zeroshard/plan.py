@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
@@ -215,26 +214,6 @@ def leaf_cost(slot: Any, matrix: bool) -> float:
     return float(slot.size * (min(slot.shape[-2:]) if matrix and len(slot.shape) >= 2 else 1))
 
 
-def required_extra_args(
-    inner: Any, params: PyTree, state: PyTree, axis_env: list[tuple[str, int]]
-) -> dict[str, Any]:
-    """Scalar stand-ins for the keyword arguments ``inner.update`` requires (e.g. the
-    ``value=`` of ``optax.polyak_sgd`` or ``optax.contrib.reduce_on_plateau``), found by
-    tracing it without them: the guard traces it with these."""
-    extra: dict[str, Any] = {}
-    for _ in range(8):
-        try:
-            fn = lambda g, s, p: inner.update(g, s, p, **extra)
-            jax.make_jaxpr(fn, axis_env=axis_env)(params, state, params)
-            return extra
-        except TypeError as e:
-            missing = re.search(r"required keyword-only argument: '(\w+)'", str(e))
-            if missing is None:
-                return extra
-            extra[missing.group(1)] = jax.ShapeDtypeStruct((), jnp.float32)
-    return extra
-
-
 def make_plan(tx: Any, base: Layout) -> Plan:
     """The :class:`Plan` for ``tx`` (a :class:`zeroshard.ShardedTransformation`) on
     ``base``, an all-sliced layout of the parameters.
@@ -256,10 +235,8 @@ def make_plan(tx: Any, base: Layout) -> Plan:
     piece_state = jax.eval_shape(tx.inner.init, pieces)
     full_leaves, state_treedef = jax.tree_util.tree_flatten_with_path(full_state)
     _check_structure(state_treedef, piece_state)
-    axis_env = [(tx.axis_name, base.num_shards)]
-    extra = required_extra_args(tx.inner, pieces, piece_state, axis_env)
     analysis = analyze(
-        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, base.num_shards, extra
+        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, base.num_shards
     )
     layout = _place(tx, base, analysis)
     n = layout.num_shards

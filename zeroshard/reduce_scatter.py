@@ -10,6 +10,21 @@ import jax.numpy as jnp
 from zeroshard.layout import Layout, PyTree
 
 
+def is_identity(x: PyTree, axes: str | tuple[str, ...]) -> bool:
+    """Whether a collective of ``x`` over ``axes`` is the identity and can be left out:
+    the axes hold one device and no leaf of ``x`` is typed as varying over them (in a
+    ``shard_map`` with ``check_vma=False``, or on invariant values). Where a leaf is
+    varying, only the collective makes it invariant, so it stays."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if any(jax.lax.axis_size(a) != 1 for a in axes):
+        return False
+    for leaf in jax.tree.leaves(x):
+        manual = getattr(jax.typeof(leaf), "manual_axis_type", None)
+        if set(getattr(manual, "varying", ())) & set(axes):
+            return False
+    return True
+
+
 def reduce_scatter_grads(
     grads: PyTree, layout: Layout, axis_name: str, reduce_dtype: Any = None, pack_bytes: int = 0
 ) -> tuple[jax.Array, ...]:
@@ -50,9 +65,14 @@ def reduce_scatter_leaves(
     """
     leaves = layout.treedef.flatten_up_to(grads)
     n = layout.num_shards
+    cast = lambda x: x.astype(reduce_dtype or x.dtype)
+    if is_identity(leaves, axis_name):  # one device: each piece is the whole leaf
+        return [
+            None if s.owned else jnp.ravel(cast(x))
+            for x, s in zip(leaves, layout.slots, strict=True)
+        ]
     pieces: list[jax.Array] = [None] * len(leaves)
     for group in layout.groups(pack_bytes):
-        cast = lambda x: x.astype(reduce_dtype or x.dtype)
         blocks = [layout.slots[i].blocks(cast(leaves[i])) for i in group]
         matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
         row = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)[0] / n
@@ -75,6 +95,13 @@ def reduce_scatter_owned(
     """
     leaves = layout.treedef.flatten_up_to(grads)
     n = layout.num_shards
+    if is_identity(leaves, axis_name):  # one device: its row holds every owned leaf
+        return tuple(
+            layout.owned_row(leaves, 0, b, reduce_dtype or bucket.dtype)
+            if bucket.owned_width
+            else None
+            for b, bucket in enumerate(layout.buckets)
+        )
     return tuple(
         jax.lax.psum_scatter(
             layout.owned_blocks(leaves, b, reduce_dtype or bucket.dtype), axis_name, tiled=True

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.layout import PyTree
+from zeroshard.reduce_scatter import is_identity
 
 Axes = str | tuple[str, ...]
 
@@ -32,12 +33,18 @@ def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
     return jax.random.fold_in(key, jax.lax.axis_index(axes))
 
 
+def pmean(x: Any, axes: Axes) -> Any:
+    """``jax.lax.pmean``, left out where it is the identity (one device, see
+    :func:`zeroshard.reduce_scatter.is_identity`)."""
+    return x if is_identity(x, axes) else jax.lax.pmean(x, axes)
+
+
 def mean_state(tree: PyTree, axes: Axes) -> PyTree:
     """Floating-point leaves of ``tree`` averaged over ``axes``; other leaves as they are."""
 
     def mean(x: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            return jax.lax.pmean(x, axes)
+            return pmean(x, axes)
         return x
 
     return jax.tree.map(mean, tree)
@@ -53,6 +60,8 @@ def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
     the global batch, in its order; other leaves averaged over ``axes``."""
 
     def combine(x: Any) -> Any:
+        if is_identity(x, axes):
+            return x
         if is_per_example(x, rows):
             return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
         return jax.lax.pmean(x, axes)
@@ -72,7 +81,7 @@ def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
 def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, rows: int) -> dict:
     """A step's metrics: the global mean ``loss``, the gradient norm and, when there is
     one, ``aux`` as :func:`global_aux` returns it (``rows``: the local batch size)."""
-    metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
+    metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
     if aux is not None:
         metrics["aux"] = global_aux(aux, rows, axes)
     return metrics

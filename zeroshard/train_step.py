@@ -415,6 +415,9 @@ class TrainStep:
             in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
             axis_names=set(self.tx.batch_axes),
+            # On one device nothing is reduced or gathered: without the varying types,
+            # the gradients are not all-reduced for us and the collectives are left out.
+            check_vma=self.batch_parts > 1,
         )
         return step(state, batch, key)
 
