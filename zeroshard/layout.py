@@ -1,4 +1,4 @@
-"""Partition: how a parameter tree maps onto N equal slices, one per device.
+"""Partition: how a parameter tree maps onto N devices, leaf by leaf.
 
 Each floating-point leaf has a *placement*, held by its :class:`Slot` together with
 the geometry that cuts a leaf into pieces and puts the pieces back together:
@@ -11,15 +11,20 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
   raveled, padded and cut into ``num_shards`` pieces, and device ``d`` owns piece
   ``d`` of *every* layer. Scanning over a stage-3 parameter then hands each
   iteration this device's piece of one layer (see :mod:`zeroshard.gather`).
+- **owned**: the whole leaf lives on one device, its owner, for optimizers whose
+  update needs the whole tensor (chosen by :mod:`zeroshard.plan`; owners balanced
+  largest cost first). The leaves a device owns, end to end, are its *owned row* of
+  the bucket, padded to the most loaded device's (``Bucket.owned_width``).
 
-Leaves of one dtype form a *bucket*: the pieces a device owns, laid end to end, are
-that device's *row* of the bucket (how the master weights are stored). The
-collectives of a step move a large leaf's pieces directly, with no copy into or out
-of a packed buffer; small leaves of one dtype are packed together (:meth:`groups`).
+Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
+laid end to end, are that device's *row* of the bucket (how the master weights are
+stored). The collectives of a step move a large leaf's pieces directly, with no copy
+into or out of a packed buffer; small leaves of one dtype are packed together
+(:meth:`groups`).
 
-Owning a piece of every leaf keeps the tree structure visible to the inner
+Holding a piece of every sliced leaf keeps the tree structure visible to the inner
 optimizer: it sees a pytree shaped like the parameters whose leaves are this
-device's pieces. Each piece keeps its leaf's rank (shape ``(1, ..., 1, width)``, or
+device's pieces (and whole leaves where it owns them). Each piece keeps its leaf's rank (shape ``(1, ..., 1, width)``, or
 ``(layers, 1, ..., width)`` for a stacked leaf), so the common ``p.ndim > 1``
 weight-decay masks select the same leaves as on full parameters. The padding is less
 than ``num_shards`` elements per leaf (per layer, for stacked leaves).
