@@ -119,6 +119,19 @@ def test_nnx_mnist_tutorial_matches_plain_optax(mode, rng):
         )
 
 
+def test_nnx_mnist_tutorial_with_muon(rng):
+    """An optimizer that needs whole matrices (its dense kernels owned) in the NNX step."""
+    batches = mnist_like(rng)
+    model, reference = CNN(rngs=nnx.Rngs(0), rate=0.0), CNN(rngs=nnx.Rngs(0), rate=0.0)
+    nnx_reference(reference, optax.contrib.muon(0.02), batches)
+    nnx_zeroshard(model, optax.contrib.muon(0.02), batches)
+    params, ref_params = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (model, reference))
+    for p in (params, ref_params):  # biases right before BatchNorm: zero gradients
+        for conv in ("conv1", "conv2"):
+            p[conv].pop("bias")
+    assert_trees_close(params, ref_params, 1e-5)
+
+
 def test_nnx_mnist_tutorial_with_dropout_and_metrics(rng):
     """The tutorial as written (dropout 0.025, BatchNorm, nnx.MultiMetric on the logits)."""
     batches = mnist_like(rng)
