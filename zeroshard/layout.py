@@ -24,9 +24,10 @@ into or out of a packed buffer; small leaves of one dtype are packed together
 
 Holding a piece of every sliced leaf keeps the tree structure visible to the inner
 optimizer: it sees a pytree shaped like the parameters whose leaves are this
-device's pieces (and whole leaves where it owns them). Each piece keeps its leaf's rank (shape ``(1, ..., 1, width)``, or
-``(layers, 1, ..., width)`` for a stacked leaf), so the common ``p.ndim > 1``
-weight-decay masks select the same leaves as on full parameters. The padding is less
+device's pieces (and whole leaves where it owns them). Each piece keeps its leaf's
+rank (shape ``(1, ..., 1, width)``, or ``(layers, 1, ..., width)`` for a stacked
+leaf), so the common ``p.ndim > 1`` weight-decay masks select the same leaves as on
+full parameters. The padding is less
 than ``num_shards`` elements per leaf (per layer, for stacked leaves).
 
 Example:
