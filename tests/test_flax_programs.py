@@ -209,10 +209,15 @@ def xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def test_linen_mnist_example_matches_plain_optax(rng):
+@pytest.mark.parametrize(
+    "optimizer",
+    [lambda: optax.sgd(0.05, momentum=0.9), lambda: optax.lamb(1e-2)],
+    ids=["example_sgd", "lamb_owned"],
+)
+def test_linen_mnist_example_matches_plain_optax(optimizer, rng):
     batches, model = mnist_like(rng), LinenCNN()
     params = model.init(jax.random.key(0), jnp.ones((1, SIDE, SIDE, 1)))["params"]
-    tx = optax.sgd(0.05, momentum=0.9)  # the example's optimizer
+    tx = optimizer()  # the example's optimizer, and one whose leaves are owned
 
     def apply_model(params, batch):  # the example's loss: (loss, logits)
         logits = model.apply({"params": params}, batch["image"])
