@@ -159,7 +159,7 @@ def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
     replicated = [k for k in range(len(leaves)) if plan.state_kind(k) == "replicated"]
     keys = {k: jax.random.key_impl(leaves[k]) for k in replicated if _is_key(leaves[k])}
     flat = {k: jax.random.key_data(leaves[k]) if k in keys else leaves[k] for k in replicated}
-    for dtype in {x.dtype for x in flat.values()}:
+    for dtype in dict.fromkeys(x.dtype for x in flat.values()):  # the same order everywhere
         group = [k for k in replicated if flat[k].dtype == dtype]
         row = jnp.concatenate([jnp.ravel(flat[k]) for k in group])
         row = jax.lax.all_gather(row, axis_name, to="invarying")[0]
