@@ -53,6 +53,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from baseline import replicated_step
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -87,16 +88,7 @@ def main() -> None:
         loss_fn = make_loss(1)
         out = {}
 
-        def dp_local(p, s, b):
-            grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), b)
-            updates, s = inner.update(jax.lax.pmean(grads, "data"), s, p)
-            return optax.apply_updates(p, updates), s
-
-        specs = (P(), P(), P("data"))
-        dp = jax.jit(
-            jax.shard_map(dp_local, mesh=mesh, in_specs=specs, out_specs=specs[:2]),
-            donate_argnums=(0, 1),
-        )
+        dp = replicated_step(loss_fn, inner, mesh)
         out["replicated"] = (
             lambda s: dp(*s, batch),
             lambda s: dp.lower(*s, batch),

@@ -97,6 +97,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from baseline import replicated_step
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -157,16 +158,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     else:
         replicated = NamedSharding(mesh, P())
 
-        def dp_local(p, s, b):
-            grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), b)
-            updates, s = inner.update(jax.lax.pmean(grads, "data"), s, p)
-            return optax.apply_updates(p, updates), s
-
-        specs = (P(), P(), P("data"))
-        dp = jax.jit(
-            jax.shard_map(dp_local, mesh=mesh, in_specs=specs, out_specs=specs[:2]),
-            donate_argnums=(0, 1),
-        )
+        dp = replicated_step(loss_fn, inner, mesh)
         init = jax.jit(
             lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=replicated
         )

@@ -32,6 +32,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from baseline import replicated_step
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -62,15 +63,7 @@ def main() -> None:
     inner = optax.adam(1e-4)
 
     # (a) Replicated data parallel: plain optax, gradients all-reduced with pmean.
-    def dp_local(p, s, b):
-        grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), b)
-        updates, s = inner.update(jax.lax.pmean(grads, "data"), s, p)
-        return optax.apply_updates(p, updates), s
-
-    dp_step = jax.jit(
-        jax.shard_map(dp_local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())),
-        donate_argnums=(0, 1),
-    )
+    dp_step = replicated_step(loss_fn, inner, mesh)
     replicated = NamedSharding(mesh, P())
     dp_state = jax.jit(
         lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=replicated
