@@ -16,6 +16,7 @@ from helpers import (
 )
 
 import zeroshard as zs
+from zeroshard.layout import Layout
 
 STEPS = 4
 
@@ -78,7 +79,7 @@ def test_parity_global_norm_clipping_that_clips(n, rng):
 
 def sharded_master(state, params, n):
     """The master weights as full fp32 leaves (fp32 params are their own master)."""
-    layout = zs.Layout.from_tree(params, n)
+    layout = Layout.from_tree(params, n)
     leaves = []
     for leaf, s in zip(jax.tree.leaves(state.params), layout.slots, strict=True):
         row = state.opt_state.master[s.bucket]

@@ -11,6 +11,7 @@ from helpers import assert_trees_close, make_mesh, reference_run
 
 import zeroshard as zs
 import zeroshard.flax as zf
+from zeroshard.layout import Layout
 
 LAYERS, WIDTH = 4, 16
 
@@ -87,7 +88,7 @@ def test_scanning_unstacked_pieces_raises(rng):
 
 def test_stacked_option_checks_leaves():
     with pytest.raises(ValueError, match="no axis besides"):
-        zs.Layout.from_tree({"blocks": {"gate": jnp.zeros(4)}}, 2, stacked=["blocks"])
+        Layout.from_tree({"blocks": {"gate": jnp.zeros(4)}}, 2, stacked=["blocks"])
 
 
 def test_scan_stage3_memory_and_per_layer_gathers(rng):

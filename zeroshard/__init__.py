@@ -1,18 +1,21 @@
 """zeroshard: ZeRO for JAX — optimizer state and master weights sharded over data-parallel devices.
 
-The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition),
-:mod:`~zeroshard.reduce_scatter`, :mod:`~zeroshard.local_update` (the optax wrapper),
-:mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`. Around the loop:
-:mod:`~zeroshard.checkpoint` (with :mod:`~zeroshard.checksum` and
-:mod:`~zeroshard.integrity`), :mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`.
+The optimizer: :mod:`~zeroshard.config` (its options), :mod:`~zeroshard.sharded` (the
+optax wrapper and its state), :mod:`~zeroshard.update` (the one update flow). The data
+flow of one step, module by module: :mod:`~zeroshard.layout` (each leaf's placement and
+geometry), :mod:`~zeroshard.placement` (choosing placements from
+:mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.collectives`
+(reduce-scatter, all-gather), :mod:`~zeroshard.branches` (per-owner work),
+:mod:`~zeroshard.stage3` (weights as pieces), :mod:`~zeroshard.step` (the jitted
+step). Around the loop: :mod:`~zeroshard.checkpoint` with :mod:`~zeroshard.logical`,
+:mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
 """
 
-from zeroshard.all_gather import all_gather_params
+from zeroshard.analysis import NotElementwiseError
 from zeroshard.checkpoint import CheckpointManager
 from zeroshard.checksum import checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
-from zeroshard.gather import Shard, gather, layer
-from zeroshard.guard import NotElementwiseError
+from zeroshard.config import ShardConfig
 from zeroshard.instruments import (
     Collective,
     collective_dtypes,
@@ -22,15 +25,14 @@ from zeroshard.instruments import (
     summarize,
 )
 from zeroshard.integrity import CheckpointCorruptedError
-from zeroshard.layout import Layout
-from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.memory import MemoryEstimate, estimate_memory
 from zeroshard.peers import PeerWatchdog
-from zeroshard.planner import MemoryEstimate, estimate_memory
 from zeroshard.preemption import PreemptionGuard
-from zeroshard.reduce_scatter import reduce_scatter_grads
-from zeroshard.train_step import TrainState, TrainStep, init_train_state, make_train_step
+from zeroshard.sharded import Sharded, ShardedState, ShardedTransformation, sharded
+from zeroshard.stage3 import Shard, gather, layer
+from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
 
 __version__ = "0.1.0"
 
@@ -40,19 +42,19 @@ __all__ = [
     "ClipByGlobalNormState",
     "Collective",
     "DynamicLossScale",
-    "Layout",
     "LossScaleState",
     "MemoryEstimate",
     "NotElementwiseError",
     "PeerWatchdog",
     "PreemptionGuard",
     "Shard",
+    "ShardConfig",
+    "Sharded",
     "ShardedState",
     "ShardedTransformation",
     "TrainState",
     "TrainStep",
     "__version__",
-    "all_gather_params",
     "checksums",
     "clip_by_global_norm",
     "collective_dtypes",
@@ -65,7 +67,6 @@ __all__ = [
     "layer",
     "lowered_collectives",
     "make_train_step",
-    "reduce_scatter_grads",
     "sharded",
     "state_bytes_per_device",
     "summarize",

@@ -71,7 +71,7 @@ def _describe(manager, meta: dict) -> None:
 
 def plan(count: float, devices: int, param_dtype: str, optimizer: str) -> int:
     """Prints model-state bytes per device for ZeRO stages 0-3."""
-    from zeroshard.planner import plan_table
+    from zeroshard.memory import plan_table
 
     print(
         f"{count:,.0f} parameters on {devices} devices, {param_dtype} params and grads, "

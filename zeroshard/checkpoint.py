@@ -46,8 +46,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.checks import check_mesh
 from zeroshard.checksum import ALGORITHM
-from zeroshard.gather import full_structs
 from zeroshard.integrity import (
     RECORD_DIGEST,
     CheckpointCorruptedError,
@@ -59,16 +59,17 @@ from zeroshard.integrity import (
     record,
 )
 from zeroshard.layout import PyTree
-from zeroshard.local_update import ShardedTransformation
 from zeroshard.logical import (
-    _logical_structs,
-    _mesh_of,
     from_optax_state,
     logical_spec,
+    logical_structs,
+    mesh_of,
     to_optax_state,
 )
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.train_step import TrainState, _check_setup
+from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.stage3 import full_structs
+from zeroshard.step import TrainState
 
 STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
@@ -235,7 +236,7 @@ class CheckpointManager:
                 f"step {step} is already saved in {self.directory}; nothing was overwritten."
             )
         params, opt_state = to_optax_state(state, tx)
-        mesh = _mesh_of(state)
+        mesh = mesh_of(state)
         scale = state.opt_state.loss_scale
         metadata = {
             "format": FORMAT,
@@ -249,7 +250,7 @@ class CheckpointManager:
             "num_shards": mesh.shape[tx.axis_name],
             "axis_name": tx.axis_name,
             "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
-            "master_dtype": None if tx.master_dtype is None else tx.master_dtype.name,
+            "master_dtype": None if tx.config.master_dtype is None else tx.config.master_dtype.name,
             "param_tree": str(jax.tree.structure(full_structs(state.params))),
             "param_dtypes": {
                 k: v["dtype"] for k, v in _describe(full_structs(state.params)).items()
@@ -337,14 +338,14 @@ class CheckpointManager:
         self, mesh: jax.sharding.Mesh, like: PyTree, step: int, stage: int, model_state: PyTree
     ) -> TrainState:
         tx = self._require_tx()
-        _check_setup(tx, mesh, tx.axis_name)
+        check_mesh(sharding_of(tx).config, mesh, tx.axis_name)
         like = full_structs(like)
         saved = self.metadata(step)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{self.directory} step {step} is not a {FORMAT} checkpoint.")
         num_shards = mesh.shape[tx.axis_name]
         plan = tx.plan(like, num_shards)
-        params_structs, opt_structs = _logical_structs(plan, tx)
+        params_structs, opt_structs = logical_structs(plan, tx)
         hint = "Restore with the model (like=...) and optimizer the checkpoint was saved with."
         saved_compute = {
             path: {"shape": leaf["shape"], "dtype": saved["param_dtypes"].get(path)}
@@ -397,7 +398,7 @@ class CheckpointManager:
             step=restored["step"],
             stage=stage,
             skipped=saved.get("skipped_steps", 0),
-            loss_scale=_loss_scale(saved.get("loss_scale")) if tx.loss_scale else None,
+            loss_scale=_loss_scale(saved.get("loss_scale")) if tx.config.loss_scale else None,
             model_state=restored.get("model_state"),
         )
 

@@ -54,8 +54,10 @@ from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.checks import check_batch, check_mesh, check_other_axes
 from zeroshard.layout import PyTree
-from zeroshard.local_update import ShardedTransformation, apply_update, init_global, init_local
+from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.stage3 import layer
 from zeroshard.step_io import (
     call_loss,
     device_key,
@@ -64,12 +66,12 @@ from zeroshard.step_io import (
     stacked_aux,
     step_metrics,
 )
-from zeroshard.train_step import _check_batch, _check_other_axes, _check_setup
 
 
 def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
-    _check_setup(tx, mesh, axis_name)
-    for option, value in (("replica_axis", tx.replica_axis), ("loss_scale", tx.loss_scale)):
+    config = sharding_of(tx).config
+    check_mesh(config, mesh, axis_name)
+    for option, value in (("replica_axis", config.replica_axis), ("loss_scale", config.loss_scale)):
         if value is not None:
             raise ValueError(
                 f"the Flax steps do not support zs.sharded(..., {option}=...); use "
@@ -138,7 +140,7 @@ def nnx_optimizer(
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
-    opt_state = init_global(tx, params, mesh, jax.device_put(master, replicated))
+    opt_state = tx.sharding.init_global(params, mesh, jax.device_put(master, replicated))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(to_opt_state(opt_state))
@@ -216,7 +218,7 @@ class NNXTrainStep:
             tx, opt_state = optimizer.tx, nnx.as_pure(optimizer.opt_state)
             specs = tx.state_specs(params, self.num_shards)
             update = jax.shard_map(
-                lambda g, s, p: apply_update(tx, jax.tree.map(lambda x: x[0], g), s, p),
+                lambda g, s, p: tx.sharding.apply(jax.tree.map(lambda x: x[0], g), s, p),
                 mesh=mesh,
                 in_specs=(P(axis), specs, P()),
                 out_specs=(P(), specs),
@@ -245,7 +247,7 @@ class NNXTrainStep:
                 "nnx_train_step needs the optimizer from zeroshard.flax.nnx_optimizer(model, "
                 "zs.sharded(inner), mesh), not a plain nnx.Optimizer."
             )
-        _check_batch(batch, self.num_shards, self.axis_name)
+        check_batch(batch, self.num_shards, self.axis_name)
         graphdef, state = nnx.split((model, optimizer))
         specs = jax.tree.map(_spec, state)
         param_specs = jax.tree.map(_spec, nnx.as_pure(nnx.state(model, optimizer.wrt)))
@@ -362,7 +364,7 @@ def linen_train_state(
       ``opt_state`` 1/N per device.
     """
     _check_flax_setup(tx, mesh, axis_name)
-    _check_other_axes(mesh, (axis_name,))
+    check_other_axes(mesh, (axis_name,))
 
     def local(master: PyTree, model_state: PyTree) -> LinenTrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
@@ -372,7 +374,7 @@ def linen_train_state(
             apply_fn=apply_fn,
             params=params,
             tx=tx,
-            opt_state=init_local(tx, params, master),
+            opt_state=tx.sharding.init_local(params, master),
             model_state=jax.tree.map(lambda x: jnp.array(x, copy=True), model_state),
         )
 
@@ -457,7 +459,7 @@ def linen_train_step(
       ``train_step(state, batch, key=None) -> (state, metrics)``.
     """
     _check_flax_setup(tx, mesh, axis_name)
-    _check_other_axes(mesh, (axis_name,))
+    check_other_axes(mesh, (axis_name,))
     num_shards = mesh.shape[axis_name]
 
     def local(state, batch, key):
@@ -475,7 +477,7 @@ def linen_train_step(
         return state, step_metrics(loss, aux, grad_norm, axis_name, local_rows(batch))
 
     def global_step(state, batch, key):
-        _check_batch(batch, num_shards, axis_name)
+        check_batch(batch, num_shards, axis_name)
         if not isinstance(state, LinenTrainState):
             state = LinenTrainState(**{f: getattr(state, f) for f in _FIELDS}, model_state=None)
         specs = _linen_specs(tx, state.apply_fn, state.params, num_shards)
@@ -492,7 +494,7 @@ def linen_train_step(
     batch_sharding = NamedSharding(mesh, P(axis_name))
 
     def train_step(state, batch, key=None):
-        _check_batch(batch, num_shards, axis_name)
+        check_batch(batch, num_shards, axis_name)
         return jitted(state, jax.device_put(batch, batch_sharding), key)
 
     train_step.jitted = jitted
@@ -517,8 +519,6 @@ def linen_layer(module: Any, axis_name: str = "data") -> Callable[..., Any]:
       module's ``Shard`` parameters and the call's arguments, with the weights gathered
       again in the backward pass (:func:`zeroshard.layer`).
     """
-    from zeroshard.gather import layer
-
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
 
 
@@ -536,8 +536,6 @@ def nnx_layer(module: nnx.Module, axis_name: str = "data") -> Callable[..., Any]
       gathers the weights with one all-gather per dtype and recomputes them in the
       backward pass (:func:`zeroshard.layer`).
     """
-    from zeroshard.gather import layer
-
     graphdef, _, rest = nnx.split(module, nnx.Param, ...)
 
     def apply(params: PyTree, *args: Any) -> Any:

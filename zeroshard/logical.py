@@ -39,61 +39,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.gather import full_structs, is_shard
-from zeroshard.layout import Layout, PyTree, Slot
-from zeroshard.local_update import (
-    ShardedState,
-    ShardedTransformation,
-    init_parts,
-    master_pieces,
-    owned_wholes,
-)
+from zeroshard.branches import init_parts, owned_wholes
+from zeroshard.checks import check_mesh
+from zeroshard.layout import Layout, PyTree, logical_block, logical_gather, logical_spec
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.plan import Key, Plan
-from zeroshard.train_step import TrainState, _check_setup, state_specs, to_shards
+from zeroshard.placement import Key, Plan
+from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
+from zeroshard.stage3 import full_structs, is_shard, to_shards
+from zeroshard.step import TrainState, state_specs
+from zeroshard.update import master_pieces, own_pieces
 
-
-def _split_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
-    """The first dimension that divides by ``num_shards``, if any."""
-    return next((k for k, d in enumerate(shape) if d > 0 and d % num_shards == 0), None)
-
-
-def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
-    """Splits the first dimension that divides by ``num_shards``; else replicates."""
-    k = _split_dim(shape, num_shards)
-    return P() if k is None else P(*(None,) * k, axis_name)
-
-
-def _gather(local: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
-    """The full logical leaf from this device's part of it."""
-    k = _split_dim(shape, jax.lax.axis_size(axis_name))
-    if k is None:
-        return local
-    return jax.lax.all_gather(local, axis_name, axis=k, tiled=True, to="invarying")
-
-
-def _block(full: jax.Array, axis_name: str) -> jax.Array:
-    """This device's block of a full logical leaf (all of it if no dimension divides)."""
-    k = _split_dim(full.shape, jax.lax.axis_size(axis_name))
-    if k is None:
-        return full
-    block = full.shape[k] // jax.lax.axis_size(axis_name)
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
-
-
-def _to_logical(piece: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
-    """This device's piece of a sliced leaf -> its part of the logical leaf.
-
-    Split along the first dimension, a sliced leaf's piece *is* the device's block of
-    rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time) and the
-    device keeps its block, or all of it when no dimension divides by the device count.
-    """
-    n, shape = jax.lax.axis_size(axis_name), slot.shape
-    if _split_dim(shape, n) == 0 and not slot.stacked:
-        return piece.reshape((shape[0] // n, *shape[1:]))
-    full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
-    return _block(full, axis_name)
+__all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
@@ -125,15 +81,7 @@ def _store(plan, rows, key, device, value, axis_name) -> tuple[jax.Array, ...]:
     return (*rows[:r], row.at[offset:end].set(new), *rows[r + 1 :])
 
 
-def _from_logical(local: jax.Array, slot: Slot, axis_name: str) -> jax.Array:
-    """This device's part of a logical leaf -> its piece, shaped ``slot.piece_shape``."""
-    if _split_dim(slot.shape, jax.lax.axis_size(axis_name)) == 0 and not slot.stacked:
-        return local.reshape(slot.piece_shape)
-    full = _gather(local, slot.shape, axis_name)
-    return slot.cut(full, jax.lax.axis_index(axis_name)).reshape(slot.piece_shape)
-
-
-def _logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
+def logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
     """``ShapeDtypeStruct`` trees of the logical params (master dtype) and inner state."""
     params = plan.layout.full_structs(plan.inner_dtypes)
     return params, jax.eval_shape(tx.inner.init, params)
@@ -143,7 +91,8 @@ def _specs(structs: PyTree, num_shards: int, axis_name: str) -> PyTree:
     return jax.tree.map(lambda x: logical_spec(x.shape, num_shards, axis_name), structs)
 
 
-def _mesh_of(state: TrainState) -> jax.sharding.Mesh:
+def mesh_of(state: TrainState) -> jax.sharding.Mesh:
+    """The mesh a :class:`zeroshard.TrainState` is laid out on."""
     sharding = getattr(state.step, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         raise TypeError(
@@ -188,7 +137,7 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       as ``inner.init(params)`` would shape it. Leaves are sharded over the axis along
       their first dimension where it divides by the axis size, else replicated.
     """
-    mesh = _mesh_of(state)
+    mesh = mesh_of(state)
     stage = 3 if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) else 1
     layout = tx.plan(full_structs(state.params), mesh.shape[tx.axis_name]).layout
     return _to_optax_converter(tx, mesh, stage, layout)(state.params, state.opt_state)
@@ -202,29 +151,24 @@ def _to_optax_converter(
     stage and layout (a checkpoint save does not trace it again)."""
     num_shards, axis = layout.num_shards, tx.axis_name
     plan = tx.plan(layout.full_structs(), num_shards)
-    params_structs, opt_structs = _logical_structs(plan, tx)
+    params_structs, opt_structs = logical_structs(plan, tx)
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
-        leaves = layout.treedef.flatten_up_to(params)
-        if stage == 3:
-            own = [x.piece.reshape(-1) if is_shard(x) else None for x in leaves]
-        else:
-            own = layout.pieces(params, jax.lax.axis_index(axis))
-        pieces = master_pieces(plan, opt_state, own)
+        pieces = master_pieces(plan, opt_state, own_pieces(plan, params, axis))
         wholes = owned_wholes(plan, params)
         master = [
-            _to_logical(p, s, axis)
+            s.to_logical(p, axis)
             if not s.owned
-            else _block(_stored(plan, opt_state.owned, ("master", i), s.owner, axis), axis)
+            else logical_block(_stored(plan, opt_state.owned, ("master", i), s.owner, axis), axis)
             if plan.master_dtypes[s.bucket] is not None
-            else _block(wholes[i], axis)
+            else logical_block(wholes[i], axis)
             for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
         ]
         inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
         inner = [
-            _to_logical(x, layout.slots[plan.state_slots[k]], axis)
+            layout.slots[plan.state_slots[k]].to_logical(x, axis)
             if plan.state_kind(k) == "sliced"
-            else _block(
+            else logical_block(
                 _stored(plan, opt_state.owned, ("state", k), plan.state_sources[k], axis), axis
             )
             if plan.state_kind(k) == "owned"
@@ -281,7 +225,7 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    _check_setup(tx, mesh, axis_name)
+    check_mesh(sharding_of(tx).config, mesh, axis_name)
     if param_dtype is None or not isinstance(param_dtype, (dict, list, tuple)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(
@@ -289,47 +233,10 @@ def from_optax_state(
     )
     num_shards = mesh.shape[axis_name]
     plan = tx.plan(compute_structs, num_shards)
-    layout = plan.layout
-    params_structs, opt_structs = _logical_structs(plan, tx)
+    params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
-    opt_leaves = jax.tree.leaves(opt_structs)
-
-    def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
-        leaves = layout.treedef.flatten_up_to(params)
-        pieces = [
-            None if s.owned else _from_logical(x, s, axis_name)
-            for x, s in zip(leaves, layout.slots, strict=True)
-        ]
-        rows = layout.rows(pieces)
-        master = tuple(
-            None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
-        )
-        fulls = [_gather(x, s.shape, axis_name) for x, s in zip(leaves, layout.slots, strict=True)]
-        if stage == 3:
-            compute = to_shards(layout, pieces, fulls)
-        else:
-            compute = layout.treedef.unflatten(
-                x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)
-            )
-        inner_state, owned = init_parts(
-            tx, plan, pieces, owned_wholes(plan, layout.treedef.unflatten(fulls))
-        )
-        inner = plan.state_treedef.flatten_up_to(opt_state)
-        kept = plan.state_treedef.flatten_up_to(inner_state)
-        for k, x in enumerate(inner):
-            if plan.state_kind(k) == "sliced":
-                kept[k] = _from_logical(x, layout.slots[plan.state_slots[k]], axis_name)
-            elif plan.state_kind(k) == "replicated":
-                kept[k] = _gather(x, opt_leaves[k].shape, axis_name)
-            else:
-                full = _gather(x, opt_leaves[k].shape, axis_name)
-                owned = _store(plan, owned, ("state", k), plan.state_sources[k], full, axis_name)
-        grad_norm = jnp.zeros((), jnp.float32)
-        state = plan.state_treedef.unflatten(kept)
-        opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
-        return TrainState(step, compute, opt, model_state)
-
+    local = _from_logical_local(tx, plan, stage, jax.tree.leaves(opt_structs))
     in_specs = (
         _specs(params_structs, num_shards, axis_name),
         _specs(opt_structs, num_shards, axis_name),
@@ -339,8 +246,8 @@ def from_optax_state(
         P(),
     )
     out_specs = state_specs(tx, compute_structs, num_shards, stage)
-    if tx.loss_scale is not None and loss_scale is None:
-        loss_scale = tx.loss_scale.init()
+    if tx.config.loss_scale is not None and loss_scale is None:
+        loss_scale = tx.config.loss_scale.init()
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     placed = jax.device_put(
         (params, opt_state, *counters, loss_scale, model_state),
@@ -352,3 +259,48 @@ def from_optax_state(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
     )
     return jax.jit(convert)(*placed)
+
+
+def _from_logical_local(
+    tx: ShardedTransformation, plan: Plan, stage: int, opt_leaves: list
+) -> Callable[..., TrainState]:
+    """The per-device body of :func:`from_optax_state`: this device's block of every
+    logical leaf -> its part of the sharded :class:`zeroshard.TrainState`."""
+    layout, axis = plan.layout, tx.axis_name
+
+    def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
+        leaves = layout.treedef.flatten_up_to(params)
+        pieces = [
+            None if s.owned else s.from_logical(x, axis)
+            for x, s in zip(leaves, layout.slots, strict=True)
+        ]
+        rows = layout.rows(pieces)
+        master = tuple(
+            None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
+        )
+        fulls = [
+            logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
+        ]
+        if stage == 3:
+            compute = to_shards(layout, pieces, fulls)
+        else:
+            compute = layout.treedef.unflatten(
+                x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)
+            )
+        wholes = owned_wholes(plan, layout.treedef.unflatten(fulls))
+        inner_state, owned = init_parts(tx.inner, plan, axis, pieces, wholes)
+        kept = plan.state_treedef.flatten_up_to(inner_state)
+        for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
+            if plan.state_kind(k) == "sliced":
+                kept[k] = layout.slots[plan.state_slots[k]].from_logical(x, axis)
+            elif plan.state_kind(k) == "replicated":
+                kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
+            else:
+                full = logical_gather(x, opt_leaves[k].shape, axis)
+                owned = _store(plan, owned, ("state", k), plan.state_sources[k], full, axis)
+        grad_norm = jnp.zeros((), jnp.float32)
+        state = plan.state_treedef.unflatten(kept)
+        opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
+        return TrainState(step, compute, opt, model_state)
+
+    return local

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroshard.collectives import is_identity
 from zeroshard.layout import PyTree
-from zeroshard.reduce_scatter import is_identity
 
 Axes = str | tuple[str, ...]
 
@@ -35,7 +35,7 @@ def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
 
 def pmean(x: Any, axes: Axes) -> Any:
     """``jax.lax.pmean``, left out where it is the identity (one device, see
-    :func:`zeroshard.reduce_scatter.is_identity`)."""
+    :func:`zeroshard.collectives.is_identity`)."""
     return x if is_identity(x, axes) else jax.lax.pmean(x, axes)
 
 

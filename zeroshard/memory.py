@@ -130,7 +130,7 @@ def estimate_memory(
 def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: Any):
     """Optimizer state and master bytes per device as :func:`zeroshard.sharded` lays
     them out (params and grads left to the caller)."""
-    from zeroshard.local_update import sharded
+    from zeroshard.sharded import sharded
 
     plan = sharded(inner, master_dtype=master_dtype).plan(
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params), n

@@ -1,15 +1,15 @@
-"""Plan: each leaf's placement, what each device's inner optimizer sees, where its state lives.
+"""Placement: each leaf's placement, what each device's inner optimizer sees, where its state lives.
 
 Built once per parameter layout, at trace time, from shapes alone:
 
-1. :func:`zeroshard.guard.analyze` traces the inner update and finds the leaves whose
+1. :func:`zeroshard.analysis.analyze` traces the inner update and finds the leaves whose
    update needs the whole tensor; they (and any the user forces) are *owned*, the
    others *sliced* (:mod:`zeroshard.layout` places them, balancing owners).
 2. Devices owning the same leaves share a *branch*. On branch ``b`` the inner
    optimizer sees its *view* of the parameters: a slice of every sliced leaf, the
    whole of each leaf the branch owns, and a stand-in (a single zero of the leaf's
    rank) for every other owned leaf. Every device runs one program: a ``lax.switch`` on
-   its branch (DESIGN.md, pitfall 18).
+   its branch (:mod:`zeroshard.branches`).
 3. Each leaf of the inner state is classified: *sliced* (per-element, like its
    leaf's slices), *replicated* (counts, hyperparameters) or *owned* (belongs to an
    owned leaf, or differs between views). Owned state, and the master weights of
@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.guard import CLEAN, Analysis, NotElementwiseError, analyze, run_with_sums
+from zeroshard.analysis import CLEAN, Analysis, NotElementwiseError, analyze
 from zeroshard.layout import Layout, PyTree
+from zeroshard.sums import run_with_sums
 
 Key = tuple[str, int]
 """A storage entry: ``("state", k)`` for leaf ``k`` of the inner state, ``("master",
@@ -111,7 +112,7 @@ class Plan:
       branch_of: per device, its branch.
       storage: where owned state and owned master weights live.
       state_treedef: the inner state's tree structure.
-      analysis: what the guard found in the traced update.
+      analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
     """
 
     layout: Layout
@@ -147,7 +148,7 @@ class Plan:
         **extra_args: Any,
     ) -> tuple[PyTree, PyTree]:
         """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
-        the guard found them (:func:`zeroshard.guard.run_with_sums`)."""
+        the analysis found them (:func:`zeroshard.sums.run_with_sums`)."""
         if not self.analysis.sums:
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
@@ -214,9 +215,9 @@ def leaf_cost(slot: Any, matrix: bool) -> float:
     return float(slot.size * (min(slot.shape[-2:]) if matrix and len(slot.shape) >= 2 else 1))
 
 
-def make_plan(tx: Any, base: Layout) -> Plan:
-    """The :class:`Plan` for ``tx`` (a :class:`zeroshard.ShardedTransformation`) on
-    ``base``, an all-sliced layout of the parameters.
+def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
+    """The :class:`Plan` for ``inner`` with the options ``config`` (a
+    :class:`zeroshard.ShardConfig`) on ``base``, an all-sliced layout of the parameters.
 
     Raises:
       NotElementwiseError: if no placement makes the inner update exact, or a leaf
@@ -224,23 +225,23 @@ def make_plan(tx: Any, base: Layout) -> Plan:
       ValueError: if the inner state's structure depends on the leaves' shapes.
     """
     master_dtypes = tuple(
-        tx.master_dtype
-        if tx.master_dtype is not None and jnp.finfo(b.dtype).bits < jnp.finfo(tx.master_dtype).bits
+        config.master_dtype
+        if config.master_dtype is not None
+        and jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits
         else None
         for b in base.buckets
     )
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
     full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
-    full_state = jax.eval_shape(tx.inner.init, full)
-    piece_state = jax.eval_shape(tx.inner.init, pieces)
-    full_leaves, state_treedef = jax.tree_util.tree_flatten_with_path(full_state)
+    full_state = jax.eval_shape(inner.init, full)
+    piece_state = jax.eval_shape(inner.init, pieces)
+    state_treedef = jax.tree.structure(full_state)
     _check_structure(state_treedef, piece_state)
     analysis = analyze(
-        tx.inner, full, full_state, pieces, piece_state, tx.axis_name, base.num_shards
+        inner, full, full_state, pieces, piece_state, config.axis_name, base.num_shards
     )
-    layout = _place(tx, base, analysis)
-    n = layout.num_shards
-    owned_sets = [layout.owned_by(d) for d in range(n)]
+    layout = _place(config.placement, base, analysis)
+    owned_sets = [layout.owned_by(d) for d in range(layout.num_shards)]
     branches = tuple(dict.fromkeys(owned_sets))
     branch_of = tuple(branches.index(o) for o in owned_sets)
     plan = Plan(
@@ -254,13 +255,20 @@ def make_plan(tx: Any, base: Layout) -> Plan:
         state_treedef,
         analysis,
     )
-    views = [jax.eval_shape(tx.inner.init, plan.view_structs(b)) for b in range(len(branches))]
+    return _with_state(plan, inner, full_state)
+
+
+def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
+    """``plan`` with each inner state leaf classified (sliced: the parameter it is
+    shaped like; owned: the device holding it) and the owned values' storage."""
+    layout, analysis = plan.layout, plan.analysis
+    views = [jax.eval_shape(inner.init, plan.view_structs(b)) for b in range(len(plan.branches))]
     for v in views:
-        _check_structure(state_treedef, v)
+        _check_structure(plan.state_treedef, v)
     views = [jax.tree.leaves(v) for v in views]
-    longer = jax.tree.leaves(jax.eval_shape(tx.inner.init, plan.view_structs(0, longer=True)))
+    longer = jax.tree.leaves(jax.eval_shape(inner.init, plan.view_structs(0, longer=True)))
     slots, sources = [], []
-    for k, (path, f) in enumerate(full_leaves):
+    for k, (path, f) in enumerate(jax.tree_util.tree_flatten_with_path(full_state)[0]):
         leaf = analysis.state_leaves[k]
         shapes = {(tuple(v[k].shape), v[k].dtype) for v in views}
         if (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
@@ -279,17 +287,21 @@ def make_plan(tx: Any, base: Layout) -> Plan:
                 f"{tuple(f.shape)} for the full parameters but {tuple(p.shape)} for a slice: "
                 "it is neither per-element nor independent of the parameters."
             )
-    plan = dataclasses.replace(plan, state_slots=tuple(slots), state_sources=tuple(sources))
     storage = []
-    for b, owned in enumerate(branches):
+    for b, owned in enumerate(plan.branches):
         values = [(("state", k), views[b][k]) for k in range(len(slots)) if sources[k] is not None]
         values += [
-            (("master", i), jax.ShapeDtypeStruct(s.shape, master_dtypes[s.bucket]))
+            (("master", i), jax.ShapeDtypeStruct(s.shape, plan.master_dtypes[s.bucket]))
             for i in owned
-            if master_dtypes[(s := layout.slots[i]).bucket] is not None
+            if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
-    return dataclasses.replace(plan, storage=Storage.build(storage))
+    return dataclasses.replace(
+        plan,
+        state_slots=tuple(slots),
+        state_sources=tuple(sources),
+        storage=Storage.build(storage),
+    )
 
 
 def _check_structure(treedef: Any, state: PyTree) -> None:
@@ -300,9 +312,9 @@ def _check_structure(treedef: Any, state: PyTree) -> None:
         )
 
 
-def _place(tx: Any, base: Layout, analysis: Analysis) -> Layout:
+def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     """``base`` with the leaves that need whole tensors (or are forced to) owned."""
-    forced = _forced(tx.placement, base)
+    forced = _forced(placement, base)
     for i, s in enumerate(base.slots):
         if forced.get(i) == "sliced" and i in analysis.whole:
             raise NotElementwiseError(

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.layout import PyTree, Slot
-from zeroshard.reduce_scatter import is_identity
+from zeroshard.collectives import is_identity
+from zeroshard.layout import Layout, PyTree, Slot
 
 
 @jax.tree_util.register_pytree_node_class
@@ -80,7 +80,7 @@ class Shard:
             or vmapped in a way the layout does not support).
         """
         dropped = self._dropped
-        slot = Slot("", self.shape, self.dtype, 0, 0, num_shards, self.stacked)
+        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked)
         if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
             how = (
                 f"laid out with {self._stacked} stacked layer axes"
@@ -122,6 +122,27 @@ def is_shard(x: Any) -> bool:
 def full_structs(params: PyTree) -> PyTree:
     """``ShapeDtypeStruct`` of the full parameters (``Shard`` leaves or arrays)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)
+
+
+def to_shards(layout: Layout, pieces: list[jax.Array | None], wholes: Any) -> PyTree:
+    """Stage-3 parameters: this device's 1-D pieces of the sliced leaves -> :class:`Shard`
+    pieces, and ``wholes[i]`` (full, replicated) for each owned leaf ``i``, in the
+    parameters' dtypes."""
+    return layout.treedef.unflatten(
+        wholes[i].astype(s.dtype)
+        if s.owned
+        else Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
+        for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
+    )
+
+
+def shard_specs(layout: Layout, axis_name: str) -> PyTree:
+    """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's
+    spec for a sliced leaf, ``P()`` (replicated) for an owned one."""
+    return layout.treedef.unflatten(
+        s.spec(axis_name) if s.owned else Shard(s.spec(axis_name), s.shape, s.dtype, s.stacked)
+        for s in layout.slots
+    )
 
 
 def gather(tree: PyTree, axis_name: str = "data") -> PyTree:

@@ -1,4 +1,4 @@
-"""Guard: which leaves the inner optimizer may update as slices, and which need whole tensors.
+"""Analysis: which leaves the inner optimizer may update as slices, and which need whole tensors.
 
 Running an optimizer on a slice of a leaf gives the same numbers as running it on the
 full leaf only if each output element depends on the same element of the gradients
@@ -76,7 +76,7 @@ class Analysis:
         in the update, or ``None`` (counts, hyperparameters, leaves never updated).
       state_tags: the inner state's tags, as the update reads them.
       sums: whether partial sums over several leaves meet a non-linear operation
-        (a global norm): the update then runs with :func:`run_with_sums`.
+        (a global norm): the update then runs with :func:`zeroshard.sums.run_with_sums`.
     """
 
     whole: frozenset[int]
@@ -119,7 +119,11 @@ def _where(eqn: Any) -> str:
     if frame is None:
         return ""
     for f in frame.frames:
-        if "/jax/" not in f.file_name and "zeroshard/guard" not in f.file_name:
+        if (
+            "/jax/" not in f.file_name
+            and "zeroshard/analysis" not in f.file_name
+            and "zeroshard/sums" not in f.file_name
+        ):
             return f" (at {f.file_name}:{getattr(f, 'line_num', '?')})"
     return ""
 
@@ -142,14 +146,14 @@ def _primitives(jaxpr: Any) -> list[str]:
     return names
 
 
-class _Tagger:
+class Tagger:
     """Propagates tags through a jaxpr, collecting the leaves that need whole tensors
     and, per leaf, the primitives applied to its data.
 
     Where several leaves' partial sums meet a non-linear operation (a global norm, as
     in ``optax.clip_by_global_norm``), the partial sums are summed over the axis
     first: ``sums`` records that. Given ``values``, :meth:`run` also evaluates the
-    jaxpr on them, with those sums inserted (:func:`run_with_sums`).
+    jaxpr on them, with those sums inserted (:func:`zeroshard.sums.run_with_sums`).
     """
 
     def __init__(self, axis_name: str, leaf_names: list[str]):
@@ -275,16 +279,6 @@ class _Tagger:
         return [self._own(eqn, leaves, why)] * n_out
 
 
-def run_with_sums(
-    fn: Any, args: tuple, in_tags: list[Tag], axis_name: str, leaf_names: list[str]
-) -> Any:
-    """``fn(*args)``, evaluated from its jaxpr with each global sum over several leaves
-    summed over ``axis_name`` where it meets a non-linear operation (see :class:`_Tagger`)."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    _, values = _Tagger(axis_name, leaf_names).run(closed, in_tags, jax.tree.leaves(args))
-    return jax.tree.unflatten(jax.tree.structure(out_shape), values)
-
-
 def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
     """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
     ``extra`` plus a float32 scalar for each keyword argument the update requires that
@@ -341,8 +335,8 @@ def analyze(
     full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
     extra_in = [_CLEAN] * len(jax.tree.leaves(extra))
 
-    def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[_Tagger, list[Tag]]:
-        tagger = _Tagger(axis_name, names)
+    def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[Tagger, list[Tag]]:
+        tagger = Tagger(axis_name, names)
         return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
 
     try:

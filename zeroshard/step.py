@@ -17,24 +17,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.all_gather import all_gather_owned, all_gather_params
-from zeroshard.gather import Shard, full_structs, is_shard
-from zeroshard.layout import Layout, PyTree
-from zeroshard.local_update import (
-    GradParts,
-    ShardedState,
-    ShardedTransformation,
-    checked_plan,
-    init_local,
-    master_pieces,
-    mean_over_replicas,
-    owned_wholes,
-    reduce_scatter_parts,
-    to_inner,
-    update_parts,
-)
-from zeroshard.plan import Plan
-from zeroshard.reduce_scatter import reduce_scatter_owned
+from zeroshard.checks import check_batch, check_mesh, check_other_axes, check_stage
+from zeroshard.layout import PyTree
+from zeroshard.placement import Plan
+from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
+from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.step_io import (
     call_loss,
     device_key,
@@ -43,6 +30,7 @@ from zeroshard.step_io import (
     stacked_aux,
     step_metrics,
 )
+from zeroshard.update import arrive, update
 
 
 class TrainState(NamedTuple):
@@ -65,81 +53,6 @@ class TrainState(NamedTuple):
     model_state: PyTree = None
 
 
-def _check_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
-    if not isinstance(tx, ShardedTransformation):
-        raise TypeError(
-            f"expected the optimizer returned by zs.sharded(...), got {type(tx).__name__}: "
-            f"wrap it, e.g. zs.sharded(optax.adamw(3e-4), axis_name={axis_name!r})."
-        )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"mesh has no axis {axis_name!r} (its axes: {tuple(mesh.axis_names)}); pass "
-            f"axis_name= one of them, or build the mesh with jax.make_mesh((n,), "
-            f"({axis_name!r},))."
-        )
-    if tx.axis_name != axis_name:
-        raise ValueError(
-            f"the optimizer was built with axis_name={tx.axis_name!r} but the step uses "
-            f"axis_name={axis_name!r}; use the same axis for both."
-        )
-    if tx.replica_axis is not None and tx.replica_axis not in mesh.axis_names:
-        raise ValueError(
-            f"the optimizer replicates over replica_axis={tx.replica_axis!r}, but the mesh "
-            f"has no such axis (its axes: {tuple(mesh.axis_names)})."
-        )
-
-
-def _check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
-    """Refuses, with the fix, a mesh whose other Explicit axes this jax cannot lower a
-    reduce-scatter next to (DESIGN.md, pitfall 4: jax 0.12.0.1); probed, not assumed."""
-    explicit = [
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if a not in axes and t == jax.sharding.AxisType.Explicit
-    ]
-    if not explicit:
-        return
-    n = math.prod(mesh.shape[a] for a in axes)
-    probe = jax.shard_map(
-        lambda x: jax.lax.psum_scatter(x, axes, tiled=True),
-        mesh=mesh,
-        in_specs=P(axes),
-        out_specs=P(axes),
-        axis_names=set(axes),
-    )
-    try:
-        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
-        jax.jit(probe).lower(x)
-    except ValueError as e:
-        types = ", ".join(
-            "AxisType.Auto" if a in explicit else f"AxisType.{t.name}"
-            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        )
-        raise ValueError(
-            f"mesh axes {explicit} are AxisType.Explicit, and jax {jax.__version__} cannot "
-            f"lower a reduce-scatter over {axes} inside shard_map while another axis is "
-            "Explicit. Make the other axes Auto: jax.make_mesh(shape, names, "
-            f"axis_types=({types}))."
-        ) from e
-
-
-def _check_stage(stage: int) -> None:
-    if stage not in (1, 2, 3):
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}.")
-
-
-def to_shards(layout: Layout, pieces: list[jax.Array | None], wholes: Any) -> PyTree:
-    """Stage-3 parameters: this device's 1-D pieces of the sliced leaves -> :class:`Shard`
-    pieces, and ``wholes[i]`` (full, replicated) for each owned leaf ``i``, in the
-    parameters' dtypes."""
-    return layout.treedef.unflatten(
-        wholes[i].astype(s.dtype)
-        if s.owned
-        else Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
-        for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
-    )
-
-
 def state_specs(
     tx: ShardedTransformation, params: PyTree, num_shards: int, stage: int
 ) -> TrainState:
@@ -149,15 +62,7 @@ def state_specs(
     if stage < 3:
         return TrainState(P(), P(), opt_specs, P())
     layout = tx.plan(structs, num_shards).layout
-    param_specs = layout.treedef.unflatten(
-        P()
-        if s.owned
-        else Shard(
-            P(*(None,) * (len(s.piece_shape) - 1), tx.axis_name), s.shape, s.dtype, s.stacked
-        )
-        for s in layout.slots
-    )
-    return TrainState(P(), param_specs, opt_specs, P())
+    return TrainState(P(), shard_specs(layout, tx.axis_name), opt_specs, P())
 
 
 def init_train_state(
@@ -196,14 +101,14 @@ def init_train_state(
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
-    _check_setup(tx, mesh, axis_name)
-    _check_stage(stage)
+    check_mesh(sharding_of(tx).config, mesh, axis_name)
+    check_stage(stage)
     num_shards = mesh.shape[axis_name]
 
     def local_init(master_params: PyTree, model_state: PyTree) -> TrainState:
         cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
         params = jax.tree.map(cast, master_params)
-        opt_state = init_local(tx, params, master_params)
+        opt_state = tx.sharding.init_local(params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
             index = jax.lax.axis_index(axis_name)
@@ -223,27 +128,6 @@ def init_train_state(
         local_init, mesh=mesh, in_specs=(P(), P()), out_specs=specs, axis_names={axis_name}
     )
     return jax.jit(init)(params, model_state)
-
-
-def _check_batch(
-    batch: PyTree, num_shards: int, axis_name: str | tuple[str, ...], accum_steps: int = 1
-) -> None:
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not leaves:
-        raise ValueError("the batch is empty: pass a pytree of arrays with a batch dimension.")
-    parts = num_shards * accum_steps
-    noun = "axes" if isinstance(axis_name, tuple) else "axis"
-    what = f"the {num_shards} devices of {noun} {axis_name!r}"
-    if accum_steps > 1:
-        what += f" times accum_steps={accum_steps}"
-    for path, x in leaves:
-        shape = jnp.shape(x)
-        if not shape or shape[0] % parts:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}: its leading "
-                f"(global batch) dimension must be divisible by {what}. Use a global "
-                f"batch size that is a multiple of {parts}."
-            )
 
 
 class TrainStep:
@@ -266,10 +150,11 @@ class TrainStep:
         accum_steps: int = 1,
     ):
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
+        self.opt = sharding_of(tx)
         self.axis_name, self.has_aux = axis_name, has_aux
         self.stage, self.accum_steps = stage, accum_steps
         self.num_shards = mesh.shape[axis_name]
-        axes = tx.batch_axes
+        axes = self.opt.config.batch_axes
         self.batch_axes = axes if len(axes) > 1 else axis_name
         self.batch_parts = math.prod(mesh.shape[a] for a in axes)
         self._batch_sharding = NamedSharding(mesh, P(self.batch_axes))
@@ -278,9 +163,9 @@ class TrainStep:
     def _local_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
     ) -> tuple[TrainState, dict]:
-        axis, tx, stage = self.axis_name, self.tx, self.stage
-        plan = checked_plan(tx, state.opt_state, full_structs(state.params))
-        diff_params = self._varying(plan, state.params)
+        """One step on this device: the loss and gradients of its rows, then the one
+        update flow of :mod:`zeroshard.update`."""
+        plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
 
         def loss_fn(params, batch, key, model_state):
@@ -290,68 +175,37 @@ class TrainStep:
             return loss, rest
 
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-        key = device_key(key, self.batch_axes)
+        args = (self._varying(plan, state.params), batch, device_key(key, self.batch_axes))
         if self.accum_steps > 1:
-            out, parts = self._accumulate(
-                value_and_grad, diff_params, batch, key, state.model_state, plan
-            )
+            out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
         else:
-            out, grads = value_and_grad(diff_params, batch, key, state.model_state)
-            parts = self._scatter(plan, grads)
-        parts = to_inner(plan, mean_over_replicas(tx, parts))
+            out, grads = value_and_grad(*args, state.model_state)
+            parts = arrive(self.opt, plan, grads)
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
-        if stage == 3:
-            own = [
-                x.piece.reshape(-1) if is_shard(x) else None for x in _leaves(plan, state.params)
-            ]
-        else:
-            own = plan.layout.pieces(state.params, jax.lax.axis_index(axis))
-        pieces = master_pieces(plan, state.opt_state, own)
-        wholes = owned_wholes(plan, state.params)
-        new, rows, opt_state = update_parts(tx, plan, parts, state.opt_state, pieces, wholes)
-        if stage == 3:
-            params = to_shards(plan.layout, new, all_gather_owned(rows, plan.layout, axis))
-        else:
-            params = all_gather_params(new, plan.layout, axis, tx.pack_bytes, rows)
+        params, opt_state = update(self.opt, plan, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _varying(self, plan: Plan, params: PyTree) -> PyTree:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
-        input would be all-reduced automatically (DESIGN.md, pitfall 1). Stage-3 pieces
-        vary over the sharding axis already (only over the replica axis, if any, not)."""
+        input would be all-reduced automatically (a local gradient is what the
+        reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
+        over the replica axis, if any, not)."""
         cast = lambda x, axes: x if not axes else jax.lax.pcast(x, axes, to="varying")
+        config = self.opt.config
         if self.stage < 3:
-            return cast(params, self.tx.batch_axes)
-        replica = () if self.tx.replica_axis is None else (self.tx.replica_axis,)
+            return cast(params, config.batch_axes)
+        replica = () if config.replica_axis is None else (config.replica_axis,)
         return plan.layout.treedef.unflatten(
-            cast(x, replica) if is_shard(x) else cast(x, self.tx.batch_axes)
-            for x in _leaves(plan, params)
+            cast(x, replica) if is_shard(x) else cast(x, config.batch_axes)
+            for x in plan.layout.treedef.flatten_up_to(params)
         )
 
-    def _scatter(self, plan: Plan, grads: PyTree) -> GradParts:
-        """This device's part of the gradient (see :data:`zeroshard.local_update.GradParts`),
-        averaged over the sharding axis (the replica axis, if any, is averaged
-        afterwards, once per step).
-
-        Stages 1 and 2 reduce-scatter each leaf; in stage 3 the gradient of a piece
-        arrives reduced already (the transpose of the gather), summed over the devices,
-        and only owned leaves (kept whole) are reduce-scattered.
-        """
-        if self.stage < 3:
-            return reduce_scatter_parts(self.tx, plan, grads)
-        tx, layout = self.tx, plan.layout
-        pieces = [
-            g.piece.reshape(-1) / layout.num_shards if is_shard(g) else None
-            for g in _leaves(plan, grads)
-        ]
-        return pieces, reduce_scatter_owned(grads, layout, tx.axis_name, tx.reduce_dtype)
-
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
-        """Loss, aux, model state and gradient pieces over ``accum_steps`` micro-batches
+        """Loss, aux, model state and gradient parts over ``accum_steps`` micro-batches
         (a scan): the mean loss and gradient, per-example aux concatenated in batch
         order (other aux averaged), the model state after the last micro-batch, and
         micro-batch ``i`` gets ``fold_in(key, i)``.
@@ -360,7 +214,7 @@ class TrainStep:
         Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
         so no full-size gradient buffer lives across micro-batches.
         """
-        k, axes = self.accum_steps, self.tx.batch_axes
+        k, axes = self.accum_steps, self.opt.config.batch_axes
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
         layout = plan.layout
@@ -378,12 +232,9 @@ class TrainStep:
             mb, i = xs
             mb_key = None if key is None else jax.random.fold_in(key, i)
             (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            if self.stage == 1:
-                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-            else:
-                acc = jax.tree.map(
-                    lambda a, g: a + g.astype(jnp.float32), acc, self._scatter(plan, grads)
-                )
+            if self.stage > 1:
+                grads = arrive(self.opt, plan, grads)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             return (model_state, acc), (loss, aux)
 
         xs = (micro, jnp.arange(k))
@@ -392,13 +243,13 @@ class TrainStep:
         aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         if self.stage == 1:
-            return out, self._scatter(plan, jax.tree.map(lambda a: a / k, acc))
+            return out, arrive(self.opt, plan, jax.tree.map(lambda a: a / k, acc))
         return out, jax.tree.map(lambda a: a / k, acc)
 
     def _global_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
     ) -> tuple[TrainState, dict]:
-        _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
+        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         layout = self.tx.plan(full_structs(state.params), self.num_shards).layout
         pieces = [is_shard(x) for x in layout.treedef.flatten_up_to(state.params)]
         if pieces != [self.stage == 3 and not s.owned for s in layout.slots]:
@@ -414,7 +265,7 @@ class TrainStep:
             mesh=self.mesh,
             in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
-            axis_names=set(self.tx.batch_axes),
+            axis_names=set(self.opt.config.batch_axes),
             # On one device nothing is reduced or gathered: without the varying types,
             # the gradients are not all-reduced for us and the collectives are left out.
             check_vma=self.batch_parts > 1,
@@ -422,7 +273,7 @@ class TrainStep:
         return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
-        _check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
+        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         return jax.device_put(batch, self._batch_sharding)
 
     def __call__(
@@ -525,14 +376,10 @@ def make_train_step(
       >>> float(metrics["loss"]), int(state.step)
       (1.0, 1)
     """
-    _check_setup(tx, mesh, axis_name)
-    _check_stage(stage)
-    _check_other_axes(mesh, tx.batch_axes)
+    config = sharding_of(tx).config
+    check_mesh(config, mesh, axis_name)
+    check_stage(stage)
+    check_other_axes(mesh, config.batch_axes)
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
-
-
-def _leaves(plan: Plan, tree: PyTree) -> list[Any]:
-    """The leaves of a params-shaped ``tree``, :class:`Shard` pieces kept whole."""
-    return plan.layout.treedef.flatten_up_to(tree)

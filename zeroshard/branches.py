@@ -1,0 +1,126 @@
+"""Branches: per-owner work in one SPMD program.
+
+Devices that own different leaves see different trees: each runs the inner
+optimizer on its pieces of the sliced leaves, the whole leaves it owns, and a
+one-element stand-in for every leaf owned elsewhere. Devices that own the same
+leaves share a *branch* (:attr:`zeroshard.placement.Plan.branches`); a
+``lax.switch`` on the device's index runs each device's branch only. What only an
+owner keeps (the owned leaves' optimizer state and master weights) is packed into
+per-device storage rows (:class:`zeroshard.placement.Storage`), padded to the most
+loaded branch, so every device's state has the same shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.layout import PyTree
+from zeroshard.placement import Plan
+
+
+def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
+    """``fn(branch, *args)`` for this device's branch: a ``lax.switch`` on the device's
+    index over the branches (each device runs only its own), or a plain call when
+    every device has the same view."""
+    if len(plan.branches) == 1:
+        return fn(0, *args)
+    index = jnp.asarray(plan.branch_of, jnp.int32)[jax.lax.axis_index(axis_name)]
+
+    def branch(b, *args):  # every output varies over the axis, as the switch's do
+        return varying(fn(b, *args), axis_name)
+
+    branches = [functools.partial(branch, b) for b in range(len(plan.branches))]
+    return jax.lax.switch(index, branches, *args)
+
+
+def varying(tree: PyTree, axis_name: str) -> PyTree:
+    """``tree`` typed as varying over ``axis_name`` (a cast; no data moves)."""
+    vary = lambda x: (
+        x
+        if axis_name in jax.typeof(x).manual_axis_type.varying
+        else jax.lax.pcast(x, axis_name, to="varying")
+    )
+    return jax.tree.map(vary, tree)
+
+
+def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
+    """The replicated leaves of ``inner_state`` after :func:`run_branches`, typed
+    invariant over ``axis_name`` again: equal everywhere, device 0's are taken, with
+    one small all-gather per dtype."""
+    if len(plan.branches) == 1:
+        return inner_state
+    leaves = plan.state_treedef.flatten_up_to(inner_state)
+    replicated = [k for k in range(len(leaves)) if plan.state_kind(k) == "replicated"]
+    keys = {k: jax.random.key_impl(leaves[k]) for k in replicated if _is_key(leaves[k])}
+    flat = {k: jax.random.key_data(leaves[k]) if k in keys else leaves[k] for k in replicated}
+    for dtype in dict.fromkeys(x.dtype for x in flat.values()):  # the same order everywhere
+        group = [k for k in replicated if flat[k].dtype == dtype]
+        row = jnp.concatenate([jnp.ravel(flat[k]) for k in group])
+        row = jax.lax.all_gather(row, axis_name, to="invarying")[0]
+        start = 0
+        for k in group:
+            x = row[start : start + flat[k].size].reshape(flat[k].shape)
+            leaves[k] = jax.random.wrap_key_data(x, impl=keys[k]) if k in keys else x
+            start += flat[k].size
+    return plan.state_treedef.unflatten(leaves)
+
+
+def _is_key(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def kept_and_stored(plan: Plan, branch: int, state: PyTree, wholes: list) -> tuple:
+    """Inner ``state`` of ``branch`` split into the tree it keeps (``None`` at owned
+    leaves) and its storage rows (owned state, plus the owned master weights taken
+    from ``wholes``, the branch's whole leaves)."""
+    leaves = plan.state_treedef.flatten_up_to(state)
+    values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
+    values.update(
+        (("master", i), wholes[i])
+        for i in plan.branches[branch]
+        if plan.master_dtypes[plan.layout.slots[i].bucket] is not None
+    )
+    kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
+    return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
+
+
+def stored_state(plan: Plan, branch: int, kept: PyTree, stored: dict) -> PyTree:
+    """The inner state of ``branch``: the kept tree with its owned leaves filled in from
+    ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows)."""
+    leaves = plan.state_treedef.flatten_up_to(kept)
+    return plan.state_treedef.unflatten(
+        stored[("state", k)] if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)
+    )
+
+
+def owned_wholes(plan: Plan, params: PyTree) -> list[jax.Array | None]:
+    """The full leaves of ``params`` that are owned, in the inner dtypes (``None`` for
+    sliced leaves)."""
+    leaves = plan.layout.treedef.flatten_up_to(params)
+    dtypes = plan.inner_dtypes
+    return [
+        x.astype(dtypes[s.bucket]) if s.owned else None
+        for x, s in zip(leaves, plan.layout.slots, strict=True)
+    ]
+
+
+def init_parts(
+    inner: Any,
+    plan: Plan,
+    axis_name: str,
+    pieces: list[jax.Array | None],
+    wholes: list[jax.Array | None],
+) -> tuple[PyTree, tuple[jax.Array, ...]]:
+    """This device's initial inner state (``None`` at owned leaves) and owned rows, from
+    its master pieces of the sliced leaves and the owned leaves' full master weights."""
+
+    def init_branch(b, pieces, wholes):
+        state = inner.init(plan.view(b, pieces, wholes, axis_name))
+        return kept_and_stored(plan, b, state, wholes)
+
+    inner_state, owned = run_branches(plan, axis_name, init_branch, pieces, wholes)
+    return replicated_again(plan, axis_name, inner_state), owned

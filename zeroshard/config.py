@@ -1,0 +1,133 @@
+"""Config: the options of :func:`zeroshard.sharded`, declared, frozen and validated once.
+
+A :class:`ShardConfig` says how the state is laid out and how a step treats the
+gradients: which mesh axis the state is sharded over (and which it is replicated
+over), the dtypes of the master weights and of the reduce-scatter, how collectives
+are packed, non-finite skipping, loss scaling, stacked layers and forced placements.
+The transformation :func:`zeroshard.sharded` returns is built from ``(inner, config)``
+and nothing is set on it afterwards.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> config = ShardConfig(axis_name="data", master_dtype=jnp.float32, stacked="blocks")
+    >>> config.stacked, config.batch_axes
+    (('blocks',), ('data',))
+    >>> ShardConfig(pack_bytes=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: pack_bytes must be a non-negative int, got -1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from zeroshard.layout import Stacked
+from zeroshard.loss_scale import DynamicLossScale
+
+Placement = Any
+"""Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
+giving ``"sliced"``, ``"owned"`` or ``None`` (automatic) per leaf."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardConfig:
+    """The options of :func:`zeroshard.sharded` (documented there, argument by argument).
+
+    Frozen: a step, a plan or a checkpoint built from a config can rely on it not
+    changing. Compared (and hashed) by identity, since ``placement`` and ``stacked``
+    may be trees or functions.
+
+    Attributes:
+      axis_name: the mesh axis the batch and the state are split over.
+      master_dtype: dtype of the master weights of narrower parameters, or ``None``.
+      reduce_dtype: dtype of the gradient reduce-scatter, or ``None`` (the gradients').
+      replica_axis: a second data-parallel axis the state is replicated over, or ``None``.
+      skip_nonfinite: skip the update everywhere when the mean gradient is not finite.
+      pack_bytes: leaves smaller than this share collectives, per dtype.
+      loss_scale: dynamic loss scaling, or ``None``.
+      stacked: names (a sorted tuple) or a function marking stacked layers, or ``None``.
+      placement: forced placements (a tree or a function), or ``None``.
+
+    Raises:
+      TypeError: if an axis name is not a string or ``loss_scale`` is not a
+        :class:`zeroshard.DynamicLossScale`.
+      ValueError: if ``replica_axis`` equals ``axis_name``, ``pack_bytes`` is negative,
+        or ``loss_scale`` is given without ``skip_nonfinite`` or with bad constants.
+    """
+
+    axis_name: str = "data"
+    master_dtype: Any = jnp.float32
+    reduce_dtype: Any = None
+    replica_axis: str | None = None
+    skip_nonfinite: bool = True
+    pack_bytes: int = 1 << 18
+    loss_scale: DynamicLossScale | None = None
+    stacked: Stacked = None
+    placement: Placement = None
+
+    def __post_init__(self) -> None:
+        _check_axes(self.axis_name, self.replica_axis)
+        if not isinstance(self.pack_bytes, int) or self.pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be a non-negative int, got {self.pack_bytes!r}.")
+        if self.loss_scale is not None:
+            _check_loss_scale(self.loss_scale, self.skip_nonfinite)
+        normal = {
+            "master_dtype": _dtype(self.master_dtype),
+            "reduce_dtype": _dtype(self.reduce_dtype),
+            "skip_nonfinite": bool(self.skip_nonfinite),
+            "stacked": _stacked(self.stacked),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: the replica axis (if any), then the
+        sharding axis."""
+        if self.replica_axis is None:
+            return (self.axis_name,)
+        return (self.replica_axis, self.axis_name)
+
+
+def _dtype(dtype: Any) -> np.dtype | None:
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def _stacked(stacked: Stacked) -> Stacked:
+    if stacked is None or callable(stacked):
+        return stacked
+    return tuple(sorted(set((stacked,) if isinstance(stacked, str) else stacked)))
+
+
+def _check_axes(axis_name: Any, replica_axis: Any) -> None:
+    for name, axis in (("axis_name", axis_name), ("replica_axis", replica_axis)):
+        if not isinstance(axis, str) and not (name == "replica_axis" and axis is None):
+            raise TypeError(f"{name} must be a mesh axis name (str), got {axis!r}.")
+    if replica_axis == axis_name:
+        raise ValueError(
+            f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
+            "sharded over axis_name and replicated over replica_axis."
+        )
+
+
+def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:
+    if not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a zs.DynamicLossScale, got {type(loss_scale).__name__}."
+        )
+    if not skip_nonfinite:
+        raise ValueError(
+            "loss_scale needs skip_nonfinite=True: a scale that is too large overflows the "
+            "gradients, and that step must be skipped while the scale halves."
+        )
+    c = loss_scale
+    if not (c.initial > 0 and c.minimum > 0 and c.factor > 1 and c.growth_interval >= 1):
+        raise ValueError(
+            "DynamicLossScale needs initial > 0, minimum > 0, factor > 1 and "
+            f"growth_interval >= 1; got {loss_scale}."
+        )

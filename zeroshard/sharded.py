@@ -1,0 +1,400 @@
+"""Sharded: the optax wrapper ``zs.sharded(inner, **options)`` and its state.
+
+The transformation is an ordinary ``optax.GradientTransformationExtraArgs``. Its
+``init`` and ``update`` are the methods of a frozen :class:`Sharded`: the inner
+optimizer and a :class:`zeroshard.ShardConfig`. ``init`` lays the state out 1/N per
+device; ``update`` is the one update flow of :mod:`zeroshard.update` (reduce-scatter,
+the inner update on this device's part, all-gather). The plan for a parameter tree
+(:mod:`zeroshard.placement`) is built once per optimizer and layout, in a cache of
+this module, not on the transformation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.branches import init_parts, owned_wholes
+from zeroshard.checks import bound_axis_size, context_mesh
+from zeroshard.config import Placement, ShardConfig
+from zeroshard.layout import Layout, PyTree, Stacked
+from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.placement import Plan, make_plan
+from zeroshard.stage3 import full_structs
+from zeroshard.update import arrive, update
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedState(NamedTuple):
+    """State of :func:`sharded`; every array is this device's part or a scalar.
+
+    Attributes:
+      inner_state: the inner optimizer's state for this device's pieces, with
+        ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
+      master: per dtype bucket, this device's row of master weights of its sliced
+        leaves, or ``None`` where the parameters are already in the master dtype
+        (their slice is the master).
+      grad_norm: global L2 norm of the mean gradient at the last update, before any
+        clipping (``nan`` or ``inf`` when that gradient was not finite).
+      skipped: number of updates skipped because the mean gradient was not finite
+        (int32; see ``skip_nonfinite`` in :func:`sharded`).
+      loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
+      owned: per dtype, this device's row of the inner state and master weights of
+        the leaves it owns (see :class:`zeroshard.placement.Storage`); ``()`` when no
+        leaf is owned.
+    """
+
+    inner_state: optax.OptState
+    master: tuple[jax.Array | None, ...]
+    grad_norm: jax.Array
+    skipped: jax.Array
+    loss_scale: LossScaleState | None = None
+    owned: tuple[jax.Array, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sharded:
+    """A sharded optimizer: ``inner`` run on each device's part, as ``config`` says.
+
+    Attributes:
+      inner: the inner optax transformation (with extra-args support).
+      config: the options of :func:`sharded`.
+    """
+
+    inner: optax.GradientTransformationExtraArgs
+    config: ShardConfig
+
+    def plan(self, params: PyTree, num_shards: int) -> Plan:
+        """The (cached) :class:`zeroshard.placement.Plan` for ``params`` (arrays,
+        ``ShapeDtypeStruct`` or stage-3 pieces) over ``num_shards`` devices."""
+        layout = Layout.from_tree(full_structs(params), num_shards, self.config.stacked)
+        return _plan(self, layout)
+
+    def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
+        plan, axis = self.plan(params, num_shards), self.config.axis_name
+        views = jax.eval_shape(self.inner.init, plan.view_structs(0))
+        specs = [
+            None
+            if plan.state_kind(k) == "owned"
+            else P()
+            if plan.state_kind(k) == "replicated"
+            else P(*(None,) * (leaf.ndim - 1), axis)
+            for k, leaf in enumerate(plan.state_treedef.flatten_up_to(views))
+        ]
+        master = tuple(None if m is None else P(axis) for m in plan.master_dtypes)
+        scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
+        owned = tuple(P(axis) for _ in plan.storage.dtypes)
+        return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
+
+    def init(self, params: PyTree) -> ShardedState:
+        """``tx.init``: this device's state inside ``shard_map`` over the axis, else the
+        global state on the mesh set with ``jax.set_mesh``."""
+        if bound_axis_size(self.config.axis_name) is not None:
+            return self.init_local(params)
+        return self.init_global(params, context_mesh(self.config.axis_name))
+
+    def init_local(self, params: PyTree, master_params: PyTree | None = None) -> ShardedState:
+        """This device's state, inside ``shard_map`` over the sharding axis.
+
+        Args:
+          params: the full parameters in their compute dtype.
+          master_params: optional full-precision values to start the master weights
+            from (default: ``params``).
+        """
+        axis = self.config.axis_name
+        plan = self.plan(params, jax.lax.axis_size(axis))
+        source = params if master_params is None else master_params
+        plan.layout.check_matches(source, "master_params")
+        pieces = plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis)))
+        rows = plan.layout.rows(pieces)
+        master = tuple(
+            None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
+        )
+        inner_state, owned = init_parts(self.inner, plan, axis, pieces, owned_wholes(plan, source))
+        scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
+        zero = jnp.zeros((), jnp.float32)
+        return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)
+
+    def init_global(
+        self,
+        params: PyTree,
+        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+        master_params: PyTree | None = None,
+    ) -> ShardedState:
+        """The global state (arrays sharded over the axis of ``mesh``); ``params`` (and
+        ``master_params``) must be replicated or not yet placed."""
+        axis = self.config.axis_name
+        init = jax.shard_map(
+            self.init_local,
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=self.state_specs(params, mesh.shape[axis]),
+            axis_names={axis},
+        )
+        return jax.jit(init)(params, master_params)
+
+    def update(
+        self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
+    ) -> tuple[PyTree, ShardedState]:
+        """``tx.update`` inside ``shard_map``: local gradients in, full-shape updates out,
+        such that ``optax.apply_updates(params, updates)`` gives the new weights."""
+        new, state = self.apply(updates, state, params, **extra_args)
+        return jax.tree.map(lambda n, p: n - p, new, params), state
+
+    def apply(
+        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
+    ) -> tuple[PyTree, ShardedState]:
+        """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
+        local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
+        the new state out."""
+        plan = self.checked_plan(state, params)
+        return update(self, plan, arrive(self, plan, grads), state, params, **extra_args)
+
+    def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
+        """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
+        if params is None:
+            raise ValueError(
+                "zs.sharded(...).update needs `params` (the current full parameters): "
+                "call tx.update(grads, opt_state, params)."
+            )
+        if not isinstance(state, ShardedState):
+            raise TypeError(
+                f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
+                "returned by the same transformation's init."
+            )
+        axis = self.config.axis_name
+        num_shards = bound_axis_size(axis)
+        if num_shards is None:
+            raise ValueError(
+                f"zs.sharded(...).update must run inside jax.shard_map over {axis!r}: it "
+                "reduce-scatters each device's local gradients (jax.set_mesh is not enough). "
+                "Use a ready step: zs.make_train_step(loss_fn, tx, mesh); with Linen, "
+                "zeroshard.flax.linen_train_step(loss_fn, tx, mesh) instead of calling "
+                "state.apply_gradients yourself; with NNX, zeroshard.flax.nnx_train_step("
+                "loss_fn, mesh) instead of optimizer.update in nnx.jit."
+            )
+        plan = self.plan(params, num_shards)
+        if len(state.master) != len(plan.layout.buckets) or len(state.owned) != len(
+            plan.storage.dtypes
+        ):
+            raise ValueError(
+                "zs.sharded: the optimizer state was made for other parameters "
+                f"({len(state.master)} dtype buckets, these params have "
+                f"{len(plan.layout.buckets)})."
+            )
+        return plan
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(opt: Sharded, layout: Layout) -> Plan:
+    plan = make_plan(opt.inner, opt.config, layout)
+    _log_owned(plan)
+    return plan
+
+
+def _log_owned(plan: Plan) -> None:
+    """One line at init when leaves are owned: how many, and the load per device."""
+    owned = [s for s in plan.layout.slots if s.owned]
+    if not owned:
+        return
+    nbytes, costs = plan.owned_bytes(), plan.owned_costs()
+    mean = sum(costs) / len(costs)
+    logger.info(
+        "zeroshard: %d of %d leaves owned whole (their update needs the whole tensor) over "
+        "%d devices: owned state %s..%s bytes per device, update cost max/mean %.2f",
+        len(owned),
+        len(plan.layout.slots),
+        plan.layout.num_shards,
+        f"{min(nbytes):,}",
+        f"{max(nbytes):,}",
+        max(costs) / mean if mean else 1.0,
+    )
+
+
+class ShardedTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`sharded` returns: an optax transformation whose ``init`` and
+    ``update`` are the methods of a :class:`Sharded`, reachable as :attr:`sharding`.
+    It adds no fields and holds no attributes of its own."""
+
+    __slots__ = ()
+
+    @property
+    def sharding(self) -> Sharded:
+        """The frozen optimizer behind ``init`` and ``update``."""
+        return self.init.__self__
+
+    @property
+    def inner(self) -> optax.GradientTransformationExtraArgs:
+        return self.sharding.inner
+
+    @property
+    def config(self) -> ShardConfig:
+        return self.sharding.config
+
+    @property
+    def axis_name(self) -> str:
+        return self.config.axis_name
+
+    def plan(self, params: PyTree, num_shards: int) -> Plan:
+        """See :meth:`Sharded.plan`."""
+        return self.sharding.plan(params, num_shards)
+
+    def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
+        """See :meth:`Sharded.state_specs`."""
+        return self.sharding.state_specs(params, num_shards)
+
+
+def sharding_of(tx: Any) -> Sharded:
+    """The :class:`Sharded` behind a transformation from :func:`sharded`.
+
+    Raises:
+      TypeError: if ``tx`` is not from :func:`sharded`, with the fix.
+    """
+    if not isinstance(tx, ShardedTransformation):
+        raise TypeError(
+            f"expected the optimizer returned by zs.sharded(...), got {type(tx).__name__}: "
+            "wrap it, e.g. zs.sharded(optax.adamw(3e-4), axis_name='data')."
+        )
+    return tx.sharding
+
+
+def sharded(
+    inner: optax.GradientTransformation,
+    *,
+    axis_name: str = "data",
+    master_dtype: Any = jnp.float32,
+    reduce_dtype: Any = None,
+    replica_axis: str | None = None,
+    skip_nonfinite: bool = True,
+    pack_bytes: int = 1 << 18,
+    loss_scale: DynamicLossScale | None = None,
+    stacked: Stacked = None,
+    placement: Placement = None,
+) -> ShardedTransformation:
+    """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
+
+    ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
+    ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
+    gradients (one collective per large leaf, small ones packed; see
+    ``pack_bytes``), runs ``inner`` on this device's part only, and all-gathers the
+    new weights in the parameters' dtype.
+
+    Each leaf is placed where ``inner`` computes on it exactly. Where its update is
+    elementwise (sgd, adam, lion, ...), the leaf is *sliced*: every device updates
+    1/N of it. Where the update needs the whole tensor (per-tensor norms as in lamb,
+    lars, novograd, fromage; factored moments as in adafactor; matrix functions as
+    in muon), the leaf is *owned*: one device updates all of it and keeps its state,
+    owners balanced by bytes or, for matrix work, by ``m * n * min(m, n)``. The
+    choice is read from the traced update, per leaf (see :mod:`zeroshard.plan`). The returned
+    updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
+    gathered weights (exactly whenever each new weight lies within a factor two of the
+    old one, by Sterbenz's lemma; otherwise within one rounding of them).
+
+    ``init(params)`` returns this device's slices inside ``shard_map``, or global
+    arrays sharded over ``axis_name`` under ``jax.set_mesh(mesh)``; it works on
+    ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
+
+    Args:
+      inner: any optax transformation whose update treats leaves separately, or
+        combines them through :func:`zeroshard.clip_by_global_norm`'s sum over the
+        axis. Combining leaves otherwise (``optax.clip_by_global_norm``,
+        ``optax.apply_if_finite``) is refused with a ``ValueError``.
+      axis_name: the mesh axis the batch (and the state) is split over.
+      master_dtype: dtype of the master weights kept for lower-precision parameters;
+        ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
+        Parameters already in ``master_dtype`` (or wider) need no copy.
+      reduce_dtype: dtype of the gradient reduce-scatter; ``None`` uses the
+        gradients' own dtype.
+      replica_axis: an optional second data-parallel mesh axis to *replicate* the
+        state over (hierarchical sharding, as in HSDP / MiCS): the batch is split
+        over both axes, the state only over ``axis_name``. The gradients are
+        reduce-scattered over ``axis_name`` and their 1/N pieces all-reduced over
+        ``replica_axis``, so e.g. with ``axis_name`` within a host and
+        ``replica_axis`` across hosts the slow links carry 1/N of the gradient.
+      skip_nonfinite: skip the update on every device when any element of the mean
+        gradient is ``nan`` or ``inf`` (a NaN on one device's local gradient reaches
+        the mean): the state, master and weights stay as they were and
+        ``state.skipped`` counts the step. The decision rides on the gradient-norm
+        all-reduce, so all devices agree. ``False`` applies every update.
+      pack_bytes: each leaf of at least this many bytes has its own reduce-scatter and
+        all-gather, with no copy into or out of a packed buffer; smaller leaves of
+        one dtype are packed together, up to ``pack_bytes`` per collective, so they
+        do not each pay a collective's fixed cost. ``0``: one collective per leaf.
+      loss_scale: dynamic loss scaling for fp16 compute (needs ``skip_nonfinite``):
+        :func:`zeroshard.make_train_step` multiplies the loss by
+        ``state.loss_scale.scale`` before differentiating, and the update divides the
+        gradients by it; a non-finite step halves it on every device, and
+        ``growth_interval`` finite steps double it. In a hand-written step, multiply
+        the loss by ``opt_state.loss_scale.scale`` yourself.
+      stacked: which parameters hold stacked layers (a leading layer axis, for
+        scan-over-layers models): a collection of names (every leaf below a dict key
+        or attribute of that name, e.g. ``["blocks"]``) or a function
+        ``(path, leaf) -> number of layer axes``. Each device then holds 1/N of
+        every layer, and in stage 3 ``jax.lax.scan`` over the stacked pieces gathers
+        one layer per iteration (:func:`zeroshard.layer`). Numbers are the same
+        either way; ``None`` (default) marks nothing.
+      placement: forces leaves ``"sliced"`` or ``"owned"``: a tree like the
+        parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
+        (``None``: automatic). Forcing a leaf sliced whose update needs the whole
+        tensor is refused. An owned stacked leaf is owned with all its layers.
+
+    Returns:
+      A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``
+      whose ``init`` and ``update`` belong to a frozen :class:`Sharded` built from
+      ``inner`` and a :class:`zeroshard.ShardConfig` of the options above (validated
+      here; nothing is set on the transformation afterwards).
+
+    Raises:
+      ValueError: for inconsistent options (see :class:`zeroshard.ShardConfig`); at
+        ``init`` when ``inner`` mixes leaves, the params are empty, or ``axis_name``
+        is not bound; at ``update`` when the gradients do not match the params.
+      TypeError: for an ``inner`` that is not an optax transformation, an axis name
+        that is not a string; when a parameter leaf is not floating point.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = zs.sharded(optax.adam(1e-2), axis_name="data")
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> params = {"w": jnp.ones((3, 5))}
+      >>> with jax.set_mesh(mesh):
+      ...     opt_state = tx.init(params)
+      >>> def step(params, opt_state, x):
+      ...     local = jax.lax.pcast(params, "data", to="varying")
+      ...     grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(local)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> specs = tx.state_specs(params, jax.device_count())
+      >>> step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+      ...                              out_specs=(P(), specs)))
+      >>> x = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, P("data")))
+      >>> params, opt_state = step(params, opt_state, x)
+      >>> params["w"].shape
+      (3, 5)
+    """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"zs.sharded expects an optax GradientTransformation, got {type(inner).__name__}."
+        )
+    config = ShardConfig(
+        axis_name=axis_name,
+        master_dtype=master_dtype,
+        reduce_dtype=reduce_dtype,
+        replica_axis=replica_axis,
+        skip_nonfinite=skip_nonfinite,
+        pack_bytes=pack_bytes,
+        loss_scale=loss_scale,
+        stacked=stacked,
+        placement=placement,
+    )
+    opt = Sharded(optax.with_extra_args_support(inner), config)
+    return ShardedTransformation(opt.init, opt.update)

@@ -1,0 +1,260 @@
+"""Update: the one update flow, shared by every entry point.
+
+Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer is:
+
+1. the gradients *arrive* as this device's part of the mean gradient
+   (:func:`arrive`): local full gradients are reduce-scattered; in stage 3 the
+   gradient of a :class:`zeroshard.Shard` piece arrives reduced already (the
+   transpose of its gather) and only owned leaves are reduce-scattered;
+2. :func:`update` averages that part over the replica axis (if any), casts it to
+   the inner dtypes, skips the step everywhere if it is not finite, and runs the
+   inner optimizer on this device's part (a 1/N piece of every sliced leaf and the
+   whole of each leaf it owns), with the moments and master weights kept here;
+3. the parameters *leave*: all-gathered whole (stages 1 and 2), or as
+   :class:`zeroshard.Shard` pieces again (stage 3: only owned leaves are gathered).
+
+``tx.update`` in a user's ``shard_map``, :func:`zeroshard.make_train_step` (stages
+1-3, with and without accumulation) and the Flax steps all call these functions;
+they differ only in how the gradients arrive and how the parameters leave.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.branches import (
+    kept_and_stored,
+    owned_wholes,
+    replicated_again,
+    run_branches,
+    stored_state,
+    varying,
+)
+from zeroshard.clipping import local_squares
+from zeroshard.collectives import (
+    all_gather_owned,
+    all_gather_params,
+    is_identity,
+    reduce_scatter_leaves,
+    reduce_scatter_owned,
+)
+from zeroshard.layout import PyTree
+from zeroshard.placement import Plan
+from zeroshard.stage3 import full_structs, is_shard, to_shards
+
+if TYPE_CHECKING:
+    from zeroshard.sharded import Sharded, ShardedState
+
+GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
+"""This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
+owned leaves), and per bucket its row of owned leaves (``None`` if it has none)."""
+
+
+def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
+    """This device's part of the mean gradient over the sharding axis (the replica
+    axis, if any, is averaged in :func:`update`, once per step).
+
+    Full local gradients are reduce-scattered leaf by leaf (small leaves packed). The
+    gradient of a stage-3 :class:`zeroshard.Shard` arrives as a piece summed over the
+    devices (the transpose of its gather) and is divided by their number; only the
+    owned leaves, kept whole, are reduce-scattered.
+    """
+    layout, config = plan.layout, opt.config
+    layout.check_matches(full_structs(grads), "gradients")
+    axis, dtype = config.axis_name, config.reduce_dtype
+    leaves = layout.treedef.flatten_up_to(grads)
+    if any(is_shard(g) for g in leaves):
+        pieces = [g.piece.reshape(-1) / layout.num_shards if is_shard(g) else None for g in leaves]
+    else:
+        pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
+    return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
+
+
+def update(
+    opt: Sharded,
+    plan: Plan,
+    parts: GradParts,
+    state: ShardedState,
+    params: PyTree,
+    **extra_args: Any,
+) -> tuple[PyTree, ShardedState]:
+    """The sharded update of this device's part: returns the new parameters, laid out
+    as ``params`` (whole, or stage-3 :class:`zeroshard.Shard` pieces), and state.
+
+    Args:
+      opt: the sharded optimizer.
+      plan: its plan for the parameters.
+      parts: this device's part of the mean gradient over the sharding axis
+        (:func:`arrive`).
+      state: this device's :class:`zeroshard.ShardedState`.
+      params: the current parameters: whole and replicated, or stage-3 pieces.
+      **extra_args: passed on to the inner ``update``.
+    """
+    config, layout = opt.config, plan.layout
+    if config.replica_axis is not None:
+        parts = jax.lax.pmean(parts, config.replica_axis)
+    parts = to_inner(plan, parts)
+    pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
+    wholes = owned_wholes(plan, params)
+    new, rows, state = update_parts(opt, plan, parts, state, pieces, wholes, **extra_args)
+    if any(is_shard(x) for x in layout.treedef.flatten_up_to(params)):
+        return to_shards(layout, new, all_gather_owned(rows, layout, config.axis_name)), state
+    return all_gather_params(new, layout, config.axis_name, config.pack_bytes, rows), state
+
+
+def to_inner(plan: Plan, parts: GradParts) -> GradParts:
+    """``parts`` in the dtypes the inner optimizer works in."""
+    pieces, rows = parts
+    dtypes = plan.inner_dtypes
+    return plan.to_inner(pieces), tuple(
+        None if r is None else r.astype(d) for r, d in zip(rows, dtypes, strict=True)
+    )
+
+
+def own_pieces(plan: Plan, params: PyTree, axis_name: str) -> list[jax.Array | None]:
+    """This device's 1-D piece of every sliced leaf of ``params`` (whole leaves are cut,
+    stage-3 pieces taken as they are); ``None`` for owned leaves."""
+    index = jax.lax.axis_index(axis_name)
+    return [
+        None if s.owned else x.piece.reshape(-1) if is_shard(x) else s.cut(x, index)
+        for x, s in zip(plan.layout.treedef.flatten_up_to(params), plan.layout.slots, strict=True)
+    ]
+
+
+def master_pieces(
+    plan: Plan, state: ShardedState, own: list[jax.Array | None]
+) -> list[jax.Array | None]:
+    """This device's pieces of the sliced leaves' master weights (1-D, inner dtypes;
+    ``None`` for owned leaves).
+
+    Args:
+      plan: the plan for the parameters.
+      state: this device's :class:`zeroshard.ShardedState`.
+      own: this device's pieces of the parameters themselves (used where no separate
+        master is kept).
+    """
+    return [
+        None
+        if s.owned
+        else p.astype(plan.inner_dtypes[s.bucket])
+        if state.master[s.bucket] is None
+        else state.master[s.bucket][s.offset : s.offset + s.piece_size]
+        for p, s in zip(own, plan.layout.slots, strict=True)
+    ]
+
+
+def update_parts(
+    opt: Sharded,
+    plan: Plan,
+    grads: GradParts,
+    state: ShardedState,
+    pieces: list[jax.Array | None],
+    wholes: list[jax.Array | None],
+    **extra_args: Any,
+) -> tuple[list[jax.Array | None], tuple[jax.Array | None, ...], ShardedState]:
+    """The inner update on this device's part: returns the new pieces of the sliced
+    leaves, the new owned row per bucket (as :data:`GradParts`) and the new state.
+
+    Args:
+      opt: the sharded optimizer.
+      plan: its plan for the parameters.
+      grads: this device's part of the mean gradient, in the inner dtypes.
+      state: this device's :class:`zeroshard.ShardedState`.
+      pieces: this device's pieces of the sliced leaves' master weights (see
+        :func:`master_pieces`).
+      wholes: the owned leaves' full parameters (see
+        :func:`zeroshard.branches.owned_wholes`), used where no separate master is kept.
+      **extra_args: passed on to the inner ``update``.
+    """
+    config = opt.config
+    grad_pieces, grad_rows = grads
+    if config.loss_scale is not None:  # the gradients are of the scaled loss
+        unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
+        grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
+    present = [g for g in (*grad_pieces, *grad_rows) if g is not None]
+    grad_norm, finite = norm_and_finite(present, config.axis_name)
+    update_branch = _branch_update(opt, plan, extra_args)
+    new, rows, inner_state, owned = run_branches(
+        plan, config.axis_name, update_branch, grad_pieces, grad_rows, pieces, wholes, state, finite
+    )
+    inner_state = replicated_again(plan, config.axis_name, inner_state)
+    skipped = state.skipped
+    if config.skip_nonfinite:
+        skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
+    master_rows = plan.layout.rows(new) if any(m is not None for m in state.master) else None
+    master = tuple(None if m is None else master_rows[b] for b, m in enumerate(state.master))
+    scale = None
+    if config.loss_scale is not None:
+        scale = config.loss_scale.adjust(state.loss_scale, finite)
+    new_state = state._replace(
+        inner_state=inner_state,
+        master=master,
+        grad_norm=grad_norm,
+        skipped=skipped,
+        loss_scale=scale,
+        owned=owned,
+    )
+    return new, rows, new_state
+
+
+def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
+    """The update of one branch (see :mod:`zeroshard.branches`): its view of the
+    gradients and weights, the inner update (in a conditional on ``finite`` when
+    non-finite steps are skipped), and its new pieces, owned rows and state."""
+    axis, layout = opt.config.axis_name, plan.layout
+
+    def update_branch(b, grad_pieces, grad_rows, pieces, wholes, state, finite):
+        stored, owned = plan.storage.unpack(state.owned, b), plan.branches[b]
+        g = [
+            layout.owned_leaf(grad_rows[s.bucket], i) if i in owned else None
+            for i, s in enumerate(layout.slots)
+        ]
+        p = [stored.get(("master", i), wholes[i]) if i in owned else None for i in range(len(g))]
+        inner_state = stored_state(plan, b, state.inner_state, stored)
+        # The new weights vary over the axis: so must the old ones (whole leaves come
+        # from the replicated params) for the conditional below.
+        params = varying(plan.view(b, pieces, p, axis), axis)
+        grads = plan.view(b, grad_pieces, g, axis)
+
+        def step(inner_state, params):
+            updates, new_state = plan.update(
+                opt.inner, grads, inner_state, params, axis, **extra_args
+            )
+            return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), new_state
+
+        if opt.config.skip_nonfinite:
+            # One conditional, not a select per element: the update runs in place, with
+            # no copy of the old state kept alive until the verdict.
+            new, new_state = jax.lax.cond(finite, step, _unchanged, inner_state, params)
+        else:
+            new, new_state = step(inner_state, params)
+        new = layout.treedef.flatten_up_to(new)
+        device = plan.branch_of.index(b)
+        rows = tuple(
+            layout.owned_row(new, device, k, dtype) if bucket.owned_width else None
+            for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))
+        )
+        kept, owned_rows = kept_and_stored(plan, b, new_state, new)
+        new_pieces = [
+            None if s.owned else jnp.ravel(x) for x, s in zip(new, layout.slots, strict=True)
+        ]
+        return new_pieces, rows, kept, owned_rows
+
+    return update_branch
+
+
+def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+    return params, inner_state
+
+
+def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """The global L2 norm of the pieces and whether every element on every device is
+    finite: one scalar all-reduce, so every device takes the same decision."""
+    squares = local_squares(pieces)
+    bad = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in pieces), jnp.int32(0))
+    if not is_identity((squares, bad), axis_name):
+        squares, bad = jax.lax.psum((squares, bad), axis_name)
+    return jnp.sqrt(squares), bad == 0
