@@ -348,6 +348,34 @@ def analyze(
             f"zs.sharded cannot run this inner optimizer exactly on any placement of the "
             f"parameters over {num_shards} devices: {e}. {fix}"
         ) from None
+    state_leaves = _state_leaves(outs, names, full_state, fix)
+    whole = set(tagger.whole)
+    try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
+        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
+        sliced = tag(pieces, state_in)[0]
+        whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
+    except NotElementwiseError:
+        whole = set(range(n_params))
+    return Analysis(
+        frozenset(whole),
+        frozenset(tagger.matrix),
+        state_leaves,
+        tuple(state_in),
+        tagger.sums,
+    )
+
+
+def _state_leaves(
+    outs: list[Tag], names: list[str], full_state: PyTree, fix: str
+) -> tuple[int | None, ...]:
+    """Checks the tags of the update's outputs (each parameter's update from itself
+    alone, each state leaf from at most one parameter, no sum left partial) and
+    returns, per state leaf, the parameter it derives from (or ``None``).
+
+    Raises:
+      NotElementwiseError: naming the first output that breaks one of these.
+    """
+    n_params = len(names)
     for i, (kind, leaves) in enumerate(outs[:n_params]):
         if kind == PARTIAL or not leaves <= {i}:
             why = (
@@ -367,17 +395,4 @@ def analyze(
                 f"parameters, or on a sum that is never summed across the axis. {fix}"
             )
         state_leaves.append(min(leaves, default=None))
-    whole = set(tagger.whole)
-    try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
-        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
-        sliced = tag(pieces, state_in)[0]
-        whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
-    except NotElementwiseError:
-        whole = set(range(n_params))
-    return Analysis(
-        frozenset(whole),
-        frozenset(tagger.matrix),
-        tuple(state_leaves),
-        tuple(state_in),
-        tagger.sums,
-    )
+    return tuple(state_leaves)
