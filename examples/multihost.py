@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         h = jax.numpy.tanh(batch["x"] @ p["hidden"]["w"] + p["hidden"]["b"])
         return jax.numpy.mean((h @ p["out"]["w"] + p["out"]["b"] - batch["y"]) ** 2)
 
-    batch_sharding = NamedSharding(mesh, P(tx.batch_axes))
+    batch_sharding = NamedSharding(mesh, P(tx.config.batch_axes))
 
     def global_batch(step: int, size: int = 32) -> dict:
         """This process's rows of global batch ``step`` as global arrays. (Here every

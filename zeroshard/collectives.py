@@ -76,7 +76,7 @@ def reduce_scatter_leaves(
     cast = lambda x: x.astype(reduce_dtype or x.dtype)
     if is_identity(leaves, axis_name):  # one device: each piece is the whole leaf
         return [
-            None if s.owned else jnp.ravel(cast(x))
+            None if s.owned else s.cut(cast(x), 0)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
     pieces: list[jax.Array] = [None] * len(leaves)
@@ -154,7 +154,7 @@ def all_gather_params(
     groups = layout.groups(pack_bytes)
     if is_identity([p for p in pieces if p is not None], axis_name):  # one device
         leaves = [
-            None if s.owned else p.astype(s.dtype).reshape(s.shape)
+            None if s.owned else s.uncut(p.astype(s.dtype))
             for p, s in zip(pieces, layout.slots, strict=True)
         ]
         groups = ()

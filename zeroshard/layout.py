@@ -167,6 +167,8 @@ class Slot:
     def uncut(self, pieces: jax.Array) -> jax.Array:
         """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
         device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
+        if self.num_shards == 1:  # one device: its piece is the whole leaf
+            return pieces.reshape(self.shape)
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
@@ -390,10 +392,6 @@ class Layout:
             out.append((i, start, start + self.slots[i].piece_size))
             start += self.slots[i].piece_size
         return out
-
-    def piece_shape(self, slot: Slot) -> tuple[int, ...]:
-        """Shape of one device's piece of ``slot`` (:attr:`Slot.piece_shape`)."""
-        return slot.piece_shape
 
     def full_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves (bucket ``b`` in ``dtypes[b]``)."""

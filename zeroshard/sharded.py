@@ -81,14 +81,14 @@ class Sharded:
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan, axis = self.plan(params, num_shards), self.config.axis_name
-        views = jax.eval_shape(self.inner.init, plan.view_structs(0))
+        kinds = [plan.state_kind(k) for k in range(len(plan.state_slots))]
         specs = [
             None
-            if plan.state_kind(k) == "owned"
+            if kind == "owned"
             else P()
-            if plan.state_kind(k) == "replicated"
-            else P(*(None,) * (leaf.ndim - 1), axis)
-            for k, leaf in enumerate(plan.state_treedef.flatten_up_to(views))
+            if kind == "replicated"
+            else plan.layout.slots[plan.state_slots[k]].spec(axis)
+            for k, kind in enumerate(kinds)
         ]
         master = tuple(None if m is None else P(axis) for m in plan.master_dtypes)
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -294,7 +294,7 @@ def sharded(
     lars, novograd, fromage; factored moments as in adafactor; matrix functions as
     in muon), the leaf is *owned*: one device updates all of it and keeps its state,
     owners balanced by bytes or, for matrix work, by ``m * n * min(m, n)``. The
-    choice is read from the traced update, per leaf (see :mod:`zeroshard.plan`). The returned
+    choice is read from the traced update, per leaf (see :mod:`zeroshard.placement`). The returned
     updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
     gathered weights (exactly whenever each new weight lies within a factor two of the
     old one, by Sterbenz's lemma; otherwise within one rounding of them).

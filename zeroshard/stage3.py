@@ -174,7 +174,7 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
         if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
             for i, piece in zip(group, pieces, strict=True):
-                out[i] = piece.reshape(slots[i].shape)
+                out[i] = slots[i].uncut(piece)
             continue
         rows = jax.lax.all_gather(jnp.concatenate(pieces), axis_name)  # (N, sum of pieces)
         offset = 0

@@ -1,4 +1,4 @@
-"""Train step: forward and backward on the local batch, then the sharded update.
+"""Step: forward and backward on the local batch, then the one update flow.
 
 ``init_train_state`` lays the state out on the mesh (optimizer state and master
 weights sharded; parameters in the compute dtype, replicated for stages 1 and 2 and
@@ -343,7 +343,7 @@ def make_train_step(
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
       axis_name: the axis the state is sharded over; the batch's leading dimension
-        is split over it, and over ``tx.replica_axis`` too when the optimizer has one
+        is split over it, and over ``tx.config.replica_axis`` too when the optimizer has one
         (hierarchical sharding). Other mesh axes are left to ``loss_fn``.
       has_aux: whether ``loss_fn`` returns aux, into ``metrics["aux"]``: leaves with a
         leading dimension of the device's batch size are per-example and come back
@@ -360,7 +360,7 @@ def make_train_step(
 
     Raises:
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
-      ValueError: if ``mesh`` has no ``axis_name`` (or no ``tx.replica_axis``), or has
+      ValueError: if ``mesh`` has no ``axis_name`` (or no ``tx.config.replica_axis``), or has
         another Explicit axis this jax cannot lower the step next to; at call time,
         if a batch leaf's leading dimension is not divisible by the batch axes' size.
 
