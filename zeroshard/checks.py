@@ -9,6 +9,7 @@ update runs.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,13 +112,29 @@ def bound_axis_size(axis_name: str) -> int | None:
         return None
 
 
-def context_mesh(axis_name: str) -> jax.sharding.AbstractMesh:
-    """The mesh set with ``jax.set_mesh``; raises unless it has ``axis_name``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"zeroshard: axis {axis_name!r} is not bound. Call inside jax.shard_map over a "
-            f"mesh with axis {axis_name!r}, or under `with jax.set_mesh(mesh):` (mesh axes: "
-            f"{tuple(mesh.axis_names) if not mesh.empty else 'no mesh set'})."
-        )
-    return mesh
+def find_mesh(config: ShardConfig, tree: PyTree = None) -> Any:
+    """The mesh an update outside ``shard_map`` runs on: ``config.mesh``, else the mesh
+    set with ``jax.set_mesh``, else the mesh the arrays of ``tree`` are laid out on.
+
+    Raises:
+      ValueError: if none of them has ``config.axis_name``, naming the fixes.
+    """
+    axis = config.axis_name
+    if config.mesh is not None:
+        return config.mesh
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and axis in context.axis_names:
+        return context
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):  # a tracer: its type's sharding
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and axis in mesh.axis_names:
+            return mesh
+    raise ValueError(
+        f"zeroshard: no mesh with axis {axis!r} is known here. Build the optimizer with "
+        f"zs.sharded(inner, axis_name={axis!r}, mesh=mesh), or call under "
+        "`with jax.set_mesh(mesh):`; inside jax.shard_map over the axis, the local "
+        f"update runs. (Mesh set now: {tuple(context.axis_names) or 'none'}.)"
+    )

@@ -8,7 +8,9 @@ The transformation :func:`zeroshard.sharded` returns is built from ``(inner, con
 and nothing is set on it afterwards.
 
 Example:
-    >>> import jax.numpy as jnp
+    >>> import jax
+import jax
+import jax.numpy as jnp
     >>> config = ShardConfig(axis_name="data", master_dtype=jnp.float32, stacked="blocks")
     >>> config.stacked, config.batch_axes
     (('blocks',), ('data',))
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,6 +55,9 @@ class ShardConfig:
       loss_scale: dynamic loss scaling, or ``None``.
       stacked: names (a sorted tuple) or a function marking stacked layers, or ``None``.
       placement: forced placements (a tree or a function), or ``None``.
+      mesh: the mesh the state lives on when ``init`` and ``update`` run outside
+        ``shard_map`` (in the user's own ``jax.jit``), or ``None``: then the mesh set
+        with ``jax.set_mesh``, else the mesh of the state's arrays.
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -69,6 +75,7 @@ class ShardConfig:
     loss_scale: DynamicLossScale | None = None
     stacked: Stacked = None
     placement: Placement = None
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_name, self.replica_axis)
@@ -76,6 +83,8 @@ class ShardConfig:
             raise ValueError(f"pack_bytes must be a non-negative int, got {self.pack_bytes!r}.")
         if self.loss_scale is not None:
             _check_loss_scale(self.loss_scale, self.skip_nonfinite)
+        if self.mesh is not None:
+            _check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
         normal = {
             "master_dtype": _dtype(self.master_dtype),
             "reduce_dtype": _dtype(self.reduce_dtype),
@@ -131,3 +140,14 @@ def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:
             "DynamicLossScale needs initial > 0, minimum > 0, factor > 1 and "
             f"growth_interval >= 1; got {loss_scale}."
         )
+
+
+def _check_mesh_axes(mesh: Any, axis_name: str, replica_axis: str | None) -> None:
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    for axis in (axis_name, replica_axis):
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(
+                f"mesh has no axis {axis!r} (its axes: {tuple(mesh.axis_names)}): pass the "
+                "mesh the batch is split over, or name its axis with axis_name=."
+            )

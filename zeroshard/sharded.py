@@ -22,13 +22,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.checks import bound_axis_size, context_mesh
+from zeroshard.checks import bound_axis_size, find_mesh
 from zeroshard.config import Placement, ShardConfig
 from zeroshard.layout import Layout, PyTree, Stacked
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs
-from zeroshard.update import arrive, update
+from zeroshard.update import arrive, arrive_mean, update
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +96,12 @@ class Sharded:
         return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
 
     def init(self, params: PyTree) -> ShardedState:
-        """``tx.init``: this device's state inside ``shard_map`` over the axis, else the
-        global state on the mesh set with ``jax.set_mesh``."""
+        """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
+        global state, 1/N per device, on the mesh of :func:`zeroshard.checks.find_mesh`
+        (eagerly, or inside the user's ``jax.jit``)."""
         if bound_axis_size(self.config.axis_name) is not None:
             return self.init_local(params)
-        return self.init_global(params, context_mesh(self.config.axis_name))
+        return self.init_global(params, find_mesh(self.config, params))
 
     def init_local(self, params: PyTree, master_params: PyTree | None = None) -> ShardedState:
         """This device's state, inside ``shard_map`` over the sharding axis.
@@ -147,7 +148,10 @@ class Sharded:
     ) -> tuple[PyTree, ShardedState]:
         """``tx.update`` inside ``shard_map``: local gradients in, full-shape updates out,
         such that ``optax.apply_updates(params, updates)`` gives the new weights."""
-        new, state = self.apply(updates, state, params, **extra_args)
+        if params is not None and bound_axis_size(self.config.axis_name) is None:
+            new, state = self.apply_global(updates, state, params, **extra_args)
+        else:
+            new, state = self.apply(updates, state, params, **extra_args)
         return jax.tree.map(lambda n, p: n - p, new, params), state
 
     def apply(
@@ -158,6 +162,32 @@ class Sharded:
         the new state out."""
         plan = self.checked_plan(state, params)
         return update(self, plan, arrive(self, plan, grads), state, params, **extra_args)
+
+    def apply_global(
+        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
+    ) -> tuple[PyTree, ShardedState]:
+        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
+        ``grads`` is the mean gradient, already reduced by the program that computed
+        it; each device cuts its part out, updates it, and the new parameters are
+        all-gathered whole (see :func:`zeroshard.update.arrive_mean`)."""
+        axis = self.config.axis_name
+        mesh = find_mesh(self.config, state)
+        specs = self.state_specs(params, mesh.shape[axis])
+
+        def local(grads, state, params, extra_args):
+            plan = self.checked_plan(state, params)
+            parts = arrive_mean(self, plan, grads)
+            return update(self, plan, parts, state, params, averaged=True, **extra_args)
+
+        step = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), specs, P(), P()),
+            out_specs=(P(), specs),
+            axis_names={axis},
+            check_vma=mesh.shape[axis] > 1,
+        )
+        return step(grads, state, params, extra_args)
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
@@ -171,18 +201,7 @@ class Sharded:
                 f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
                 "returned by the same transformation's init."
             )
-        axis = self.config.axis_name
-        num_shards = bound_axis_size(axis)
-        if num_shards is None:
-            raise ValueError(
-                f"zs.sharded(...).update must run inside jax.shard_map over {axis!r}: it "
-                "reduce-scatters each device's local gradients (jax.set_mesh is not enough). "
-                "Use a ready step: zs.make_train_step(loss_fn, tx, mesh); with Linen, "
-                "zeroshard.flax.linen_train_step(loss_fn, tx, mesh) instead of calling "
-                "state.apply_gradients yourself; with NNX, zeroshard.flax.nnx_train_step("
-                "loss_fn, mesh) instead of optimizer.update in nnx.jit."
-            )
-        plan = self.plan(params, num_shards)
+        plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
         if len(state.master) != len(plan.layout.buckets) or len(state.owned) != len(
             plan.storage.dtypes
         ):
@@ -279,6 +298,7 @@ def sharded(
     loss_scale: DynamicLossScale | None = None,
     stacked: Stacked = None,
     placement: Placement = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> ShardedTransformation:
     """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
@@ -346,6 +366,10 @@ def sharded(
         parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
         (``None``: automatic). Forcing a leaf sliced whose update needs the whole
         tensor is refused. An owned stacked leaf is owned with all its layers.
+      mesh: the mesh the state lives on when ``init`` and ``update`` run outside
+        ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
+        ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
+        the mesh set with ``jax.set_mesh``, else that of the state's arrays.
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``
@@ -395,6 +419,7 @@ def sharded(
         loss_scale=loss_scale,
         stacked=stacked,
         placement=placement,
+        mesh=mesh,
     )
     opt = Sharded(optax.with_extra_args_support(inner), config)
     return ShardedTransformation(opt.init, opt.update)

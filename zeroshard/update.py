@@ -5,7 +5,9 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 1. the gradients *arrive* as this device's part of the mean gradient
    (:func:`arrive`): local full gradients are reduce-scattered; in stage 3 the
    gradient of a :class:`zeroshard.Shard` piece arrives reduced already (the
-   transpose of its gather) and only owned leaves are reduce-scattered;
+   transpose of its gather) and only owned leaves are reduce-scattered; in the
+   user's own ``jax.jit`` the gradient is the mean already and each device cuts its
+   part out (:func:`arrive_mean`);
 2. :func:`update` averages that part over the replica axis (if any), casts it to
    the inner dtypes, skips the step everywhere if it is not finite, and runs the
    inner optimizer on this device's part (a 1/N piece of every sliced leaf and the
@@ -13,8 +15,8 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 3. the parameters *leave*: all-gathered whole (stages 1 and 2), or as
    :class:`zeroshard.Shard` pieces again (stage 3: only owned leaves are gathered).
 
-``tx.update`` in a user's ``shard_map``, :func:`zeroshard.make_train_step` (stages
-1-3, with and without accumulation) and the Flax steps all call these functions;
+``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
+(stages 1-3, with and without accumulation) and the Flax steps all call these functions;
 they differ only in how the gradients arrive and how the parameters leave.
 """
 
@@ -73,12 +75,34 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
 
 
+def arrive_mean(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
+    """This device's part of ``grads``, the mean gradient itself (invariant over the
+    axis: reduced already, as ``jax.grad`` in a ``jax.jit`` over a sharded batch
+    reduces it): each device cuts its pieces, and its owned row, out of it."""
+    layout, config = plan.layout, opt.config
+    layout.check_matches(grads, "gradients")
+    index = jax.lax.axis_index(config.axis_name)
+    cast = lambda x: x.astype(config.reduce_dtype or x.dtype)
+    leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
+    pieces = [
+        None if s.owned else s.cut(g, index) for g, s in zip(leaves, layout.slots, strict=True)
+    ]
+    rows = tuple(
+        layout.owned_blocks(leaves, b, config.reduce_dtype or bucket.dtype)[index]
+        if bucket.owned_width
+        else None
+        for b, bucket in enumerate(layout.buckets)
+    )
+    return pieces, rows
+
+
 def update(
     opt: Sharded,
     plan: Plan,
     parts: GradParts,
     state: ShardedState,
     params: PyTree,
+    averaged: bool = False,
     **extra_args: Any,
 ) -> tuple[PyTree, ShardedState]:
     """The sharded update of this device's part: returns the new parameters, laid out
@@ -91,10 +115,12 @@ def update(
         (:func:`arrive`).
       state: this device's :class:`zeroshard.ShardedState`.
       params: the current parameters: whole and replicated, or stage-3 pieces.
+      averaged: whether ``parts`` are averaged over every batch axis already
+        (:func:`arrive_mean`); else they are averaged over the replica axis here.
       **extra_args: passed on to the inner ``update``.
     """
     config, layout = opt.config, plan.layout
-    if config.replica_axis is not None:
+    if config.replica_axis is not None and not averaged:
         parts = jax.lax.pmean(parts, config.replica_axis)
     parts = to_inner(plan, parts)
     pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
