@@ -127,3 +127,64 @@ def layered_loss(params: dict, batch: dict, stage: int = 1) -> jax.Array:
     for p in params.values():
         x = apply(p, x)
     return jnp.mean((x - batch["y"]) ** 2)
+
+
+# A gradient with one non-finite element, in one device's piece only.
+
+
+def one_piece_params(rng) -> dict:
+    """``w``: 64 fp32 elements, on 8 devices pieces of 8 (device ``d`` owns elements
+    ``8d`` to ``8d + 7``); ``m``: a second leaf whose gradient stays finite."""
+    return {
+        "w": jnp.asarray(rng.normal(size=64), jnp.float32),
+        "m": jnp.asarray(rng.normal(size=(7, 5)), jnp.float32),
+    }
+
+
+def one_piece_loss(p: dict, batch: dict) -> jax.Array:
+    """The mean gradient of ``w`` is the batch mean of ``c``: one element per column."""
+    w, m = p["w"].astype(jnp.float32), p["m"].astype(jnp.float32)
+    return jnp.mean(batch["c"] @ w) + jnp.mean((batch["x"] @ m) ** 2)
+
+
+def one_piece_batch(rng, row: int | None = None, column: int | None = None) -> dict:
+    """16 rows; with ``row``, ``c[row, column]`` is +inf: then the mean gradient's only
+    non-finite element is ``w[column]``, in the piece of device ``column // 8``."""
+    c = rng.normal(size=(16, 64)).astype(np.float32)
+    if row is not None:
+        c[row, column] = np.inf
+    return {"c": c, "x": rng.normal(size=(16, 7)).astype(np.float32)}
+
+
+def shards(tree) -> dict:
+    """Every device's data of every leaf, by (leaf path, device)."""
+    return {
+        (jax.tree_util.keystr(path), s.device.id): np.array(s.data)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        for s in leaf.addressable_shards
+    }
+
+
+# Row 0 is device 0's and element 45 in device 5's piece; then row 15 (device 7's) and
+# element 2 (device 0's piece): a verdict read from any one device misses one of them.
+BAD_ELEMENTS = [(0, 45), (15, 2)]
+
+
+def assert_skipped_everywhere(before: dict, after: dict, skips: int) -> None:
+    """``after`` (see :func:`shards`) counts ``skips`` skipped steps on every device,
+    and every device's weights and optimizer state are bitwise those of ``before``."""
+    for (path, device), x in after.items():
+        if path.endswith("skipped"):
+            assert x == skips, f"device {device} counted {x} skipped steps, not {skips}"
+    for (path, device), x in after.items():
+        if path.endswith("loss_scale.scale"):  # the overflow halves it everywhere
+            assert x == before[path, device] / 2, f"device {device}"
+        elif not path.endswith(("step", "skipped", "grad_norm", "good_steps")):
+            np.testing.assert_array_equal(x, before[path, device], err_msg=f"{path} {device}")
+
+
+def check_one_piece_batch(params: dict, batch: dict, column: int) -> None:
+    """The mean gradient's only non-finite element is ``w[column]``."""
+    grad = jax.grad(one_piece_loss)(params, batch)
+    bad = [(k, i) for k, g in grad.items() for i in np.flatnonzero(~np.isfinite(g))]
+    assert bad == [("w", column)]

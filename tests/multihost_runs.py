@@ -1,4 +1,5 @@
-"""Start ``examples/multihost.py`` processes, signal them, and bound them in time."""
+"""Start ``examples/multihost.py`` (or another script's) processes, signal them, and
+bound them in time."""
 
 from __future__ import annotations
 
@@ -21,13 +22,23 @@ def free_port() -> int:
 
 
 class Run:
-    """``processes`` processes of the example (8 devices in all), logs in ``tmp_path``.
+    """``processes`` processes of the example, or of ``script`` (8 devices in all), logs
+    in ``tmp_path``. The script takes the example's ``--local-devices``,
+    ``--num-processes``, ``--process-id`` and ``--coordinator``.
 
     Every process is started in its own session and killed, with its children, by
     :meth:`finish` if it outlives the run's deadline.
     """
 
-    def __init__(self, tmp_path: Path, name: str, processes: int, *args: str, timeout=120):
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        processes: int,
+        *args: str,
+        timeout: float = 120,
+        script: str = EXAMPLE,
+    ):
         self.logs = [tmp_path / f"{name}.{i}.log" for i in range(processes)]
         self.deadline = time.monotonic() + timeout
         common = ["--local-devices", str(8 // processes), *args]
@@ -39,7 +50,7 @@ class Run:
             with open(log, "w") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-u", EXAMPLE, *common, *extra],
+                        [sys.executable, "-u", script, *common, *extra],
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"},

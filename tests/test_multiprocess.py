@@ -13,8 +13,10 @@ import time
 
 import numpy as np
 import pytest
+from multihost_runs import Run
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "multihost.py")
+NONFINITE_WORKER = os.path.join(os.path.dirname(__file__), "nonfinite_worker.py")
 TIMEOUT = 240  # seconds per run, all processes together
 SAVE_AT, STEPS = 3, 6
 
@@ -117,6 +119,20 @@ def test_a_nan_on_one_process_is_skipped_by_both(single, tmp_path):
     assert np.isnan(two["losses"][2]) and np.isfinite(two["losses"][3:]).all()
     np.testing.assert_allclose(two["losses"][:2], single[1]["losses"][:2], rtol=1e-6)
     assert_same_run(two, one)  # NaN losses compare equal
+
+
+def test_an_inf_in_one_device_s_piece_on_the_other_process_is_skipped_by_both(tmp_path):
+    """The mean gradient's only non-finite element lies in the piece of a device of one
+    process, the bad row on the other's (and the other way round), stages 1 and 3:
+    every device of both processes counts the skip and changes nothing
+    (``tests/nonfinite_worker.py`` checks each process's own devices)."""
+    run = Run(tmp_path, "one-piece", 2, script=NONFINITE_WORKER, timeout=TIMEOUT)
+    codes = run.finish()
+    assert codes == [0, 0], run.report()
+    for i, devices in enumerate(["[0, 1, 2, 3]", "[4, 5, 6, 7]"]):
+        for stage in (1, 3):
+            line = f"stage {stage}: devices {devices} skipped 2 steps, changed nothing"
+            assert line in run.text(i), run.report()
 
 
 def test_a_missing_peer_fails_the_run_instead_of_hanging():

@@ -1,16 +1,24 @@
 """A non-finite gradient on one device: every device skips the step, agreed."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from helpers import (
+    BAD_ELEMENTS,
+    assert_skipped_everywhere,
     assert_trees_close,
     awkward_loss,
     awkward_params,
     batches,
+    check_one_piece_batch,
     make_mesh,
+    one_piece_batch,
+    one_piece_loss,
+    one_piece_params,
     reference_run,
+    shards,
 )
 
 import zeroshard as zs
@@ -143,3 +151,71 @@ def test_skipping_in_a_hand_written_shard_map_loop(rng):
     assert int(opt_state.skipped) == 1
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+ONE_PIECE = {
+    "stage1": dict(stage=1),
+    "stage2-accum2": dict(stage=2, accum_steps=2),
+    "stage3": dict(stage=3),
+    "stage1-bf16-loss-scale": dict(
+        stage=1, param_dtype=jnp.bfloat16, loss_scale=zs.DynamicLossScale(2.0**10)
+    ),
+}
+
+
+@pytest.mark.parametrize("setup", list(ONE_PIECE))
+def test_an_inf_in_one_device_s_piece_only_is_skipped_by_every_device(setup, rng):
+    """The only non-finite element of the mean gradient lies in one device's piece
+    (the bad row is another device's): no other device sees it, yet every device
+    must count the skip and change nothing (one verdict, agreed across devices)."""
+    options = dict(ONE_PIECE[setup])
+    stage, accum = options.pop("stage"), options.pop("accum_steps", 1)
+    param_dtype = options.pop("param_dtype", None)
+    mesh, params = make_mesh(8), one_piece_params(rng)
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="data", **options)
+    state = zs.init_train_state(params, tx, mesh, stage=stage, param_dtype=param_dtype)
+    loss_fn = (lambda p, b: one_piece_loss(zs.gather(p), b)) if stage == 3 else one_piece_loss
+    step = zs.make_train_step(loss_fn, tx, mesh, stage=stage, accum_steps=accum)
+    state, _ = step(state, one_piece_batch(rng))
+    assert int(state.opt_state.skipped) == 0
+    for skips, (row, column) in enumerate(BAD_ELEMENTS, start=1):
+        batch = one_piece_batch(rng, row, column)
+        check_one_piece_batch(params, batch, column)
+        before = shards(state)
+        state, metrics = step(state, batch)
+        assert not np.isfinite(float(metrics["grad_norm"]))
+        assert_skipped_everywhere(before, shards(state), skips)
+    assert_replicas_identical(state)
+
+
+def test_an_inf_in_one_device_s_piece_only_in_a_hand_written_shard_map(rng):
+    """The same in a user's shard_map without varying types (``check_vma=False``), where
+    nothing would stop a verdict local to each device from compiling."""
+    mesh, params = make_mesh(8), one_piece_params(rng)
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="data")
+    specs = tx.state_specs(params, 8)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+
+    def step(p, opt_state, batch):
+        updates, opt_state = tx.update(jax.grad(one_piece_loss)(p, batch), opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    step = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(jax.P(), specs, jax.P("data")),
+            out_specs=(jax.P(), specs),
+            check_vma=False,
+        )
+    )
+    place = lambda b: jax.device_put(b, jax.NamedSharding(mesh, jax.P("data")))
+    state = step(params, opt_state, place(one_piece_batch(rng)))
+    assert int(state[1].skipped) == 0
+    for skips, (row, column) in enumerate(BAD_ELEMENTS, start=1):
+        batch = one_piece_batch(rng, row, column)
+        check_one_piece_batch(params, batch, column)
+        before = shards(state)
+        state = step(*state, place(batch))
+        assert_skipped_everywhere(before, shards(state), skips)
