@@ -3,13 +3,12 @@
 The data flow of one step, module by module: :mod:`~zeroshard.layout` (partition),
 :mod:`~zeroshard.reduce_scatter`, :mod:`~zeroshard.local_update` (the optax wrapper),
 :mod:`~zeroshard.all_gather`, :mod:`~zeroshard.train_step`. Around the loop:
-:mod:`~zeroshard.checkpoint` (with :mod:`~zeroshard.checksum` and
-:mod:`~zeroshard.integrity`), :mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`.
+:mod:`~zeroshard.checkpoint` (its manager, metadata record and integrity checks),
+:mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`.
 """
 
 from zeroshard.all_gather import all_gather_params
-from zeroshard.checkpoint import CheckpointManager
-from zeroshard.checksum import checksums
+from zeroshard.checkpoint import CheckpointCorruptedError, CheckpointManager, checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.gather import Shard, gather, layer
 from zeroshard.guard import NotElementwiseError
@@ -21,7 +20,6 @@ from zeroshard.instruments import (
     state_bytes_per_device,
     summarize,
 )
-from zeroshard.integrity import CheckpointCorruptedError
 from zeroshard.layout import Layout
 from zeroshard.local_update import ShardedState, ShardedTransformation, sharded
 from zeroshard.logical import from_optax_state, to_optax_state
