@@ -16,17 +16,17 @@ On disk a step holds two orbax items:
   compute and master dtypes, every leaf's path and shape, the count of skipped
   non-finite steps, the loss scale, and every logical leaf's checksum), readable
   without loading arrays: ``python -m zeroshard inspect DIR``. Its schema, and the
-  checks of a saved record against the state to restore: :mod:`.metadata`.
+  checks of a saved record against the state to restore:
+  :mod:`zeroshard.checkpoint.metadata`.
 
 orbax does not verify what it reads: damaged bytes can restore as wrong values
 without an error. So :meth:`CheckpointManager.save` records a checksum of every
-logical leaf (:mod:`.integrity`: computed on device, the same on any device count),
-and :meth:`CheckpointManager.restore`
-recomputes them on the restored arrays and raises
-:class:`~zeroshard.CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
-restores the newest step that verifies, saying which it skipped;
-``python -m zeroshard inspect DIR --verify`` checks a step without training code.
-Steps saved before checksums existed restore with a warning that they were not
+logical leaf (:mod:`zeroshard.checkpoint.integrity`: computed on device, the same on
+any device count), and :meth:`CheckpointManager.restore` recomputes them on the
+restored arrays and raises :class:`~zeroshard.CheckpointCorruptedError` on a mismatch.
+``step="latest_valid"`` restores the newest step that verifies, saying which it
+skipped; ``python -m zeroshard inspect DIR --verify`` checks a step without training
+code. Steps saved before checksums existed restore with a warning that they were not
 verified.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
