@@ -7,13 +7,13 @@ geometry), :mod:`~zeroshard.placement` (choosing placements from
 :mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.collectives`
 (reduce-scatter, all-gather), :mod:`~zeroshard.branches` (per-owner work),
 :mod:`~zeroshard.stage3` (weights as pieces), :mod:`~zeroshard.step` (the jitted
-step). Around the loop: :mod:`~zeroshard.checkpoint` with :mod:`~zeroshard.logical`,
-:mod:`~zeroshard.preemption`, :mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
+step). Around the loop: :mod:`~zeroshard.checkpoint` (its manager, metadata record
+and integrity checks) with :mod:`~zeroshard.logical`, :mod:`~zeroshard.preemption`,
+:mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
 """
 
 from zeroshard.analysis import NotElementwiseError
-from zeroshard.checkpoint import CheckpointManager
-from zeroshard.checksum import checksums
+from zeroshard.checkpoint import CheckpointCorruptedError, CheckpointManager, checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.config import ShardConfig
 from zeroshard.instruments import (
@@ -24,7 +24,6 @@ from zeroshard.instruments import (
     state_bytes_per_device,
     summarize,
 )
-from zeroshard.integrity import CheckpointCorruptedError
 from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.memory import MemoryEstimate, estimate_memory

@@ -52,34 +52,101 @@ def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+    """Runs the demo (see the module docstring): train with zeroshard, resume on half the
+    devices, compare memory with replicated optax, sample, plot.
 
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    Returns:
+      The losses, the resumed run's losses, the memory table and the state ratio; only
+      the losses and ``preempted_at`` when stopped by SIGTERM.
+    """
+    args = parse_args(argv)
+    start_jax(args.devices, args.batch)
+    import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import zeroshard as zs
 
-    if jax.device_count() != args.devices:
-        raise SystemExit(f"JAX already started with {jax.device_count()} devices.")
     n = args.devices
-    if args.batch % n or (n % 2 and n > 1):
-        raise SystemExit(f"--batch must divide by --devices ({n}), and --devices be even or 1.")
+    text, vocab, tokens = corpus()
+    batch_at = batches(tokens, args.batch, args.context)
+    graphdef, params = transformer(args, len(vocab))
+    loss_fn = lm_loss(graphdef)
+    inner = adamw(args.lr, args.steps)
+    tx = zs.sharded(inner, axis_name="data")
+    mesh = jax.make_mesh((n,), ("data",))
+    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
+    train_step = zs.make_train_step(loss_fn, tx, mesh)
+    size = sum(x.size for x in jax.tree.leaves(params))
+    print(
+        f"zeroshard demo: {size:,}-parameter transformer LM ({args.layers} layers, d_model "
+        f"{args.d_model}) on {len(text):,} characters of text, {n} simulated CPU devices,\n"
+        f"global batch {args.batch} x {args.context} tokens, bf16 compute, fp32 master, "
+        "AdamW + global-norm clipping."
+    )
 
-    # The corpus: characters -> token ids.
+    directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="zeroshard_demo_")
+    ckpt = zs.CheckpointManager(directory, tx, max_to_keep=None)
+    save_at = args.steps // 2
+    state, losses, compiled, preempted_at = train(
+        args, mesh, state, train_step, batch_at, ckpt=ckpt, directory=directory, save_at=save_at
+    )
+    if preempted_at is not None:
+        return {"losses": losses, "preempted_at": preempted_at}
+    resumed, m = resume_on_half(ckpt, tx, loss_fn, state.params, batch_at, losses, save_at)
+    ckpt.close()
+
+    replicated = replicated_state(params, inner, mesh)
+    table = memory_table(replicated, state, loss_fn, batch_at)
+    base_mem = replicated_memory(replicated, inner, loss_fn, mesh, batch_at)
+    state_ratio = report_memory(n, table, base_mem, compiled.memory_analysis())
+    print_sample(graphdef, state.params, tokens, vocab, args.context, args.steps)
+
+    if args.plot:
+        plot(args.plot, losses, resumed, save_at, m, table, n)
+        print(f"Wrote {args.plot}")
+    return {"losses": losses, "resumed": resumed, "memory": table, "state_ratio": state_ratio}
+
+
+def start_jax(devices: int, batch: int) -> None:
+    """Starts JAX on ``devices`` simulated CPU devices (exits if it cannot)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    if jax.device_count() != devices:
+        raise SystemExit(f"JAX already started with {jax.device_count()} devices.")
+    if batch % devices or (devices % 2 and devices > 1):
+        raise SystemExit(
+            f"--batch must divide by --devices ({devices}), and --devices be even or 1."
+        )
+
+
+def corpus():
+    """The text that ships with the package, its characters, and it as token ids."""
+    import numpy as np
+
     text = resources.files("zeroshard").joinpath("data/corpus.txt").read_text()
     vocab = sorted(set(text))
     tokens = np.array([vocab.index(c) for c in text], np.int32)
+    return text, vocab, tokens
+
+
+def batches(tokens, batch: int, context: int):
+    """``batch_at(step)``: the global batch of step ``step`` (the same on every run)."""
+    import numpy as np
 
     def batch_at(step: int) -> dict:
-        starts = np.random.default_rng(step).integers(0, len(tokens) - args.context - 1, args.batch)
-        return {"tokens": np.stack([tokens[s : s + args.context + 1] for s in starts])}
+        starts = np.random.default_rng(step).integers(0, len(tokens) - context - 1, batch)
+        return {"tokens": np.stack([tokens[s : s + context + 1] for s in starts])}
+
+    return batch_at
+
+
+def transformer(args: argparse.Namespace, vocab_size: int):
+    """The model: ``(graphdef, params)``, the parameters as a dict of fp32 arrays."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
     class Block(nnx.Module):
         def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
@@ -96,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     class TransformerLM(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             d = args.d_model
-            self.embed = nnx.Embed(len(vocab), d, rngs=rngs)
+            self.embed = nnx.Embed(vocab_size, d, rngs=rngs)
             self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (args.context, d)))
             self.blocks = nnx.List([Block(d, args.heads, rngs) for _ in range(args.layers)])
             self.norm = nnx.LayerNorm(d, rngs=rngs)
@@ -109,7 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
             return self.embed.attend(self.norm(x))
 
     graphdef, params = nnx.split(TransformerLM(nnx.Rngs(0)), nnx.Param)
-    params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
+    return graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
+
+
+def lm_loss(graphdef):
+    """``loss_fn(params, batch)``: next-token cross-entropy of the model."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
 
     def loss_fn(p: dict, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, nnx.State(p))
@@ -117,25 +192,31 @@ def main(argv: list[str] | None = None) -> dict:
         logits = model(ids[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
-    inner = optax.chain(
+    return loss_fn
+
+
+def adamw(lr: float, steps: int):
+    """The inner optimizer: global-norm clipping, then AdamW with cosine decay."""
+    import optax
+
+    import zeroshard as zs
+
+    return optax.chain(
         zs.clip_by_global_norm(1.0, axis_name="data"),
-        optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01),
-    )
-    tx = zs.sharded(inner, axis_name="data")
-    mesh = jax.make_mesh((n,), ("data",))
-    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
-    train_step = zs.make_train_step(loss_fn, tx, mesh)
-    size = sum(x.size for x in jax.tree.leaves(params))
-    print(
-        f"zeroshard demo: {size:,}-parameter transformer LM ({args.layers} layers, d_model "
-        f"{args.d_model}) on {len(text):,} characters of text, {n} simulated CPU devices,\n"
-        f"global batch {args.batch} x {args.context} tokens, bf16 compute, fp32 master, "
-        "AdamW + global-norm clipping."
+        optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1), weight_decay=0.01),
     )
 
-    directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="zeroshard_demo_")
-    ckpt = zs.CheckpointManager(directory, tx, max_to_keep=None)
-    save_at = args.steps // 2
+
+def train(args, mesh, state, train_step, batch_at, *, ckpt, directory, save_at):
+    """Trains up to ``args.steps``, resuming from the latest step of ``ckpt`` if any and
+    saving step ``save_at``; on SIGTERM saves the step and stops.
+
+    Returns:
+      ``(state, losses, compiled, preempted_at)``: ``preempted_at`` is the step saved
+      when stopped by SIGTERM, else ``None``; ``compiled`` the compiled train step.
+    """
+    import zeroshard as zs
+
     first = ckpt.latest_step() or 0
     if first:  # a previous run of this command was preempted: continue it
         state = ckpt.restore(mesh, like=state.params)
@@ -157,18 +238,32 @@ def main(argv: list[str] | None = None) -> dict:
             ckpt.close()  # waits until the step is committed on disk
             print(f"Preempted: saved step {step + 1} in {directory}; run the same command")
             print(f"(with --checkpoint-dir {directory}) again to resume.")
-            return {"losses": losses, "preempted_at": step + 1}
+            return state, losses, compiled, step + 1
         rate = (step + 1 - first) * args.batch * args.context / (time.perf_counter() - start)
         progress(step + 1, args.steps, losses[-1], rate)
     ckpt.wait_until_finished()
+    return state, losses, compiled, None
 
-    # Resume from the checkpoint on half the devices and continue the curve.
+
+def resume_on_half(ckpt, tx, loss_fn, like, batch_at, losses, save_at):
+    """Restores step ``save_at`` on half the devices and trains to the end again, to
+    compare with ``losses``, the uninterrupted run's (one per step).
+
+    Returns:
+      ``(resumed, m)``: the resumed run's losses and its device count.
+    """
+    import jax
+    import numpy as np
+
+    import zeroshard as zs
+
+    n = jax.device_count()
     m = max(n // 2, 1)
     half = jax.make_mesh((m,), ("data",), devices=jax.devices()[:m])
-    resumed_state = ckpt.restore(half, like=state.params, step=save_at)
+    resumed_state = ckpt.restore(half, like=like, step=save_at)
     resumed_step = zs.make_train_step(loss_fn, tx, half)
     resumed: list[float] = []
-    for step in range(save_at, args.steps):
+    for step in range(save_at, len(losses)):
         resumed_state, metrics = resumed_step(resumed_state, batch_at(step))
         resumed.append(float(metrics["loss"]))
     pairs = zip(resumed, losses[save_at:], strict=True)
@@ -177,13 +272,30 @@ def main(argv: list[str] | None = None) -> dict:
         f"Resumed step {save_at} on {m} devices: final loss {resumed[-1]:.4f} vs "
         f"{losses[-1]:.4f} uninterrupted (largest gap over {len(resumed)} steps: {gap:.1e})"
     )
-    ckpt.close()
+    return resumed, m
 
-    # Memory per device: plain optax keeps everything on every device.
+
+def replicated_state(params, inner, mesh):
+    """What plain optax keeps on every device: ``(bf16 params, fp32 master, moments)``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     replicated = NamedSharding(mesh, P())
     rep_params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), replicated)
     rep_master = jax.device_put(params, replicated)
     rep_moments = jax.device_put(inner.init(params), replicated)
+    return rep_params, rep_master, rep_moments
+
+
+def memory_table(replicated, state, loss_fn, batch_at) -> dict[str, tuple[int, int]]:
+    """Bytes per device by component: ``{name: (replicated optax, zeroshard)}``."""
+    import jax
+
+    import zeroshard as zs
+
+    rep_params, rep_master, rep_moments = replicated
     grads = jax.eval_shape(jax.grad(loss_fn), state.params, batch_at(0))  # bf16, full size
     moments = state.opt_state.inner_state
     rows = {
@@ -192,10 +304,19 @@ def main(argv: list[str] | None = None) -> dict:
         "AdamW moments (fp32)": (rep_moments, moments),
         "master weights (fp32)": (rep_master, state.opt_state.master),
     }
-    table = {
+    return {
         k: (zs.state_bytes_per_device(a), zs.state_bytes_per_device(b))
         for k, (a, b) in rows.items()
     }
+
+
+def replicated_memory(replicated, inner, loss_fn, mesh, batch_at):
+    """XLA's memory analysis of one plain optax data-parallel step, compiled."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     def replicated_step(p, master, opt_state, batch):
         grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), batch)
@@ -210,10 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
         donate_argnums=(0, 1, 2),
     )
     batch = jax.device_put(batch_at(0), NamedSharding(mesh, P("data")))
-    base_mem = (
-        baseline.lower(rep_params, rep_master, rep_moments, batch).compile().memory_analysis()
-    )
-    ours_mem = compiled.memory_analysis()
+    return baseline.lower(*replicated, batch).compile().memory_analysis()
+
+
+def report_memory(n: int, table, base_mem, ours_mem) -> float:
+    """Prints the memory table; returns optimizer state + master per device as a
+    fraction of replicated."""
     print(f"\nPer-device memory on {n} devices (bytes):\n")
     print("| component | replicated optax | zeroshard | ratio |")
     print("|---|---:|---:|---:|")
@@ -232,20 +355,22 @@ def main(argv: list[str] | None = None) -> dict:
         f"\nOptimizer state + master per device: {state_ratio:.4f} of replicated "
         f"(1/{n} = {1 / n:.4f}; the difference is padding and replicated scalars)."
     )
+    return state_ratio
 
-    # A sample, greedy, from the trained model.
-    model = nnx.merge(graphdef, nnx.State(jax.device_get(state.params)))
-    ids = list(tokens[: args.context])
+
+def print_sample(graphdef, params, tokens, vocab, context: int, steps: int) -> None:
+    """Prints 120 characters sampled greedily from the trained model."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(graphdef, nnx.State(jax.device_get(params)))
+    ids = list(tokens[:context])
     for _ in range(120):
-        logits = model(jnp.asarray([ids[-args.context :]]))
+        logits = model(jnp.asarray([ids[-context:]]))
         ids.append(int(jnp.argmax(logits[0, -1])))
-    sample = "".join(vocab[i] for i in ids[args.context :])
-    print(f"\nSample (greedy, after {args.steps} steps): {sample!r}")
-
-    if args.plot:
-        plot(args.plot, losses, resumed, save_at, m, table, n)
-        print(f"Wrote {args.plot}")
-    return {"losses": losses, "resumed": resumed, "memory": table, "state_ratio": state_ratio}
+    sample = "".join(vocab[i] for i in ids[context:])
+    print(f"\nSample (greedy, after {steps} steps): {sample!r}")
 
 
 def plot(path, losses, resumed, save_at, m, table, n) -> None:

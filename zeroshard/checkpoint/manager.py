@@ -1,4 +1,5 @@
-"""Checkpoint: save and restore a ``TrainState`` with orbax, in the logical layout.
+"""The checkpoint manager: save, restore and verify a ``TrainState`` with orbax, in the
+logical layout, and the lifecycle of orbax's manager (async saves, ``max_to_keep``).
 
 On disk a step holds two orbax items:
 
@@ -14,17 +15,18 @@ On disk a step holds two orbax items:
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape, the count of skipped
   non-finite steps, the loss scale, and every logical leaf's checksum), readable
-  without loading arrays: ``python -m zeroshard inspect DIR``.
+  without loading arrays: ``python -m zeroshard inspect DIR``. Its schema, and the
+  checks of a saved record against the state to restore:
+  :mod:`zeroshard.checkpoint.metadata`.
 
 orbax does not verify what it reads: damaged bytes can restore as wrong values
 without an error. So :meth:`CheckpointManager.save` records a checksum of every
-logical leaf (:mod:`zeroshard.checksum`: computed on device, the same on any device
-count; the record: :mod:`zeroshard.integrity`), and :meth:`CheckpointManager.restore`
-recomputes them on the restored arrays and raises
-:class:`~zeroshard.CheckpointCorruptedError` on a mismatch. ``step="latest_valid"``
-restores the newest step that verifies, saying which it skipped;
-``python -m zeroshard inspect DIR --verify`` checks a step without training code.
-Steps saved before checksums existed restore with a warning that they were not
+logical leaf (:mod:`zeroshard.checkpoint.integrity`: computed on device, the same on
+any device count), and :meth:`CheckpointManager.restore` recomputes them on the
+restored arrays and raises :class:`~zeroshard.CheckpointCorruptedError` on a mismatch.
+``step="latest_valid"`` restores the newest step that verifies, saying which it
+skipped; ``python -m zeroshard inspect DIR --verify`` checks a step without training
+code. Steps saved before checksums existed restore with a warning that they were not
 verified.
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
@@ -36,28 +38,31 @@ from __future__ import annotations
 
 import os
 import pathlib
-import time
 import warnings
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checks import check_mesh
-from zeroshard.checksum import ALGORITHM
-from zeroshard.integrity import (
-    RECORD_DIGEST,
+from zeroshard.checkpoint.integrity import (
     CheckpointCorruptedError,
     by_parts,
-    digest,
-    first_mismatch,
     leaf_count,
     parts,
     record,
 )
+from zeroshard.checkpoint.metadata import (
+    build_metadata,
+    check_checksums,
+    check_digest,
+    check_format,
+    check_matches,
+    require_checksums,
+    saved_loss_scale,
+)
+from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
 from zeroshard.logical import (
     from_optax_state,
@@ -66,37 +71,13 @@ from zeroshard.logical import (
     mesh_of,
     to_optax_state,
 )
-from zeroshard.loss_scale import LossScaleState
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
 
 STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
-FORMAT = "zeroshard-logical-1"
 LATEST_VALID = "latest_valid"
-
-
-def _describe(tree: PyTree) -> dict[str, dict[str, Any]]:
-    return {
-        jax.tree_util.keystr(path): {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
-def _first_difference(what: str, saved: dict, expected: dict, hint: str) -> None:
-    """Raises a ``ValueError`` naming the first path where two descriptions differ."""
-    for path in dict.fromkeys([*saved, *expected]):
-        a, b = saved.get(path), expected.get(path)
-        if a != b:
-
-            def show(d):
-                return "missing" if d is None else f"{d['dtype']}{d['shape']}"
-
-            raise ValueError(
-                f"the checkpoint does not match: {what} {path} is {show(a)} in the "
-                f"checkpoint but {show(b)} here. {hint}"
-            )
 
 
 class CheckpointManager:
@@ -205,13 +186,7 @@ class CheckpointManager:
                 f"checkpoint is corrupted ({type(e).__name__}: {str(e)[:200]}). "
                 f"{self._others(step)}"
             ) from e
-        recorded = meta.get(RECORD_DIGEST)
-        if recorded is not None and recorded != digest(meta):
-            raise CheckpointCorruptedError(
-                f"step {step} of {self.directory}: the checkpoint is corrupted. Its metadata "
-                "record does not match the SHA-256 recorded with it. "
-                f"{self._others(step)}"
-            )
+        check_digest(meta, step, self.directory, lambda: self._others(step))
         return meta
 
     def save(self, state: TrainState, *, force: bool = False) -> bool:
@@ -236,35 +211,10 @@ class CheckpointManager:
                 f"step {step} is already saved in {self.directory}; nothing was overwritten."
             )
         params, opt_state = to_optax_state(state, tx)
-        mesh = mesh_of(state)
-        scale = state.opt_state.loss_scale
-        metadata = {
-            "format": FORMAT,
-            "zeroshard_version": _version(),
-            "jax_version": jax.__version__,
-            "optax_version": optax.__version__,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "step": step,
-            "skipped_steps": int(state.opt_state.skipped),
-            "loss_scale": None if scale is None else [float(scale.scale), int(scale.good_steps)],
-            "num_shards": mesh.shape[tx.axis_name],
-            "axis_name": tx.axis_name,
-            "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
-            "master_dtype": None if tx.config.master_dtype is None else tx.config.master_dtype.name,
-            "param_tree": str(jax.tree.structure(full_structs(state.params))),
-            "param_dtypes": {
-                k: v["dtype"] for k, v in _describe(full_structs(state.params)).items()
-            },
-            "params": _describe(params),
-            "opt_state": _describe(opt_state),
-            "model_state": None if state.model_state is None else _describe(state.model_state),
-        }
         item = {"step": state.step, "params": params, "opt_state": opt_state}
         if state.model_state is not None:
             item["model_state"] = state.model_state
-        if self._checksums:
-            metadata["checksums"] = record(item)
-            metadata[RECORD_DIGEST] = digest(metadata)
+        metadata = build_metadata(state, tx, mesh_of(state), item, checksums=self._checksums)
         args = ocp.args.Composite(
             **{
                 STATE_ITEM: ocp.args.StandardSave(item),
@@ -341,53 +291,16 @@ class CheckpointManager:
         check_mesh(sharding_of(tx).config, mesh, tx.axis_name)
         like = full_structs(like)
         saved = self.metadata(step)
-        if saved.get("format") != FORMAT:
-            raise ValueError(f"{self.directory} step {step} is not a {FORMAT} checkpoint.")
-        num_shards = mesh.shape[tx.axis_name]
-        plan = tx.plan(like, num_shards)
-        params_structs, opt_structs = logical_structs(plan, tx)
-        hint = "Restore with the model (like=...) and optimizer the checkpoint was saved with."
-        saved_compute = {
-            path: {"shape": leaf["shape"], "dtype": saved["param_dtypes"].get(path)}
-            for path, leaf in saved["params"].items()
-        }
-        _first_difference("parameter", saved_compute, _describe(like), hint)
-        _first_difference("master weight", saved["params"], _describe(params_structs), hint)
-        _first_difference("optimizer state leaf", saved["opt_state"], _describe(opt_structs), hint)
-        saved_model_state = saved.get("model_state")
-        if (saved_model_state is None) != (model_state is None):
-            raise ValueError(
-                f"step {step} of {self.directory} was saved "
-                f"{'without' if saved_model_state is None else 'with'} a model_state; restore "
-                f"with model_state={'None' if saved_model_state is None else 'its tree'}."
-            )
-        if model_state is not None:
-            model_state = full_structs(model_state)
-            _first_difference("model state leaf", saved_model_state, _describe(model_state), hint)
-
-        def target(structs: PyTree) -> PyTree:
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(
-                    x.shape,
-                    x.dtype,
-                    sharding=NamedSharding(mesh, logical_spec(x.shape, num_shards, tx.axis_name)),
-                ),
-                structs,
-            )
-
-        item = {
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-            "params": target(params_structs),
-            "opt_state": target(opt_structs),
-        }
-        if model_state is not None:
-            replicated = NamedSharding(mesh, P())
-            item["model_state"] = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), model_state
-            )
-        restored = self._read(step, item)
+        check_format(saved, step, self.directory)
+        plan = tx.plan(like, mesh.shape[tx.axis_name])
+        logical = logical_structs(plan, tx)
+        model_state = full_structs(model_state)  # None stays None
+        check_matches(saved, step, self.directory, like, logical, model_state)
+        restored = self._read(step, _target(mesh, tx.axis_name, logical, model_state))
         if self._checksums:
-            self._check(step, saved, record(restored))
+            check_checksums(
+                saved, record(restored), step, self.directory, lambda: self._others(step)
+            )
         return from_optax_state(
             restored["params"],
             restored["opt_state"],
@@ -398,7 +311,7 @@ class CheckpointManager:
             step=restored["step"],
             stage=stage,
             skipped=saved.get("skipped_steps", 0),
-            loss_scale=_loss_scale(saved.get("loss_scale")) if tx.config.loss_scale else None,
+            loss_scale=saved_loss_scale(saved) if tx.config.loss_scale else None,
             model_state=restored.get("model_state"),
         )
 
@@ -424,32 +337,6 @@ class CheckpointManager:
             f"step=K, or step={LATEST_VALID!r} for the newest step that verifies."
         )
 
-    def _check(self, step: int, saved: dict[str, Any], got: dict[str, Any]) -> None:
-        """Compares recomputed checksums with the recorded ones (keys: leaf paths)."""
-        recorded = saved.get("checksums")
-        if recorded is None:
-            warnings.warn(
-                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
-                f"{saved.get('zeroshard_version', '< 0.1')} before they were recorded): "
-                "restored without verifying it.",
-                stacklevel=3,
-            )
-            return
-        if recorded.get("algorithm") != ALGORITHM:
-            raise ValueError(
-                f"step {step} of {self.directory} has checksums of kind "
-                f"{recorded.get('algorithm')!r}; this zeroshard computes {ALGORITHM!r}. "
-                "Restore it with the zeroshard version that saved it."
-            )
-        mismatch = first_mismatch(recorded, got)
-        if mismatch is not None:
-            leaf, read, want = mismatch
-            raise CheckpointCorruptedError(
-                f"step {step} of {self.directory}: the checkpoint is corrupted. The "
-                f"checksum of {leaf} read from disk is {read}, but {want} was recorded "
-                f"when it was saved. {self._others(step)}"
-            )
-
     def verify(self, step: int | None = None, mesh: jax.sharding.Mesh | None = None) -> int:
         """Reads every array of a step and checks it against the recorded checksums,
         without the model or optimizer (what ``python -m zeroshard inspect --verify``
@@ -472,28 +359,18 @@ class CheckpointManager:
 
         step = self._resolve(step)
         saved = self.metadata(step)
-        if saved.get("checksums") is None:
-            raise ValueError(
-                f"step {step} of {self.directory} has no checksums (saved by zeroshard "
-                f"{saved.get('zeroshard_version')} before they were recorded): it cannot "
-                "be verified."
-            )
+        require_checksums(saved, step, self.directory)
         if mesh is None:
             mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        axis, num = mesh.axis_names[0], mesh.shape[mesh.axis_names[0]]
         stored = ocp.StandardCheckpointHandler().metadata(
             pathlib.Path(self.directory) / str(step) / STATE_ITEM
         )
-        stored = getattr(stored, "tree", stored)
-        target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(
-                m.shape, m.dtype, sharding=NamedSharding(mesh, logical_spec(m.shape, num, axis))
-            ),
-            stored,
-        )
-        restored = self._read(step, target)
+        restored = self._read(step, _placed(getattr(stored, "tree", stored), mesh))
         recorded = by_parts(saved["checksums"])
-        self._check(step, {"checksums": recorded}, record(restored, key=parts))
+        got = record(restored, key=parts)
+        check_checksums(
+            {"checksums": recorded}, got, step, self.directory, lambda: self._others(step)
+        )
         return leaf_count(recorded)
 
     def wait_until_finished(self) -> None:
@@ -514,14 +391,33 @@ class CheckpointManager:
         self.close()
 
 
-def _loss_scale(saved: list | None) -> LossScaleState | None:
-    """The loss scale's state from its metadata record (``[scale, good_steps]``)."""
-    if saved is None:
-        return None
-    return LossScaleState(jnp.float32(saved[0]), jnp.int32(saved[1]))
+def _target(
+    mesh: jax.sharding.Mesh, axis_name: str, logical: tuple[PyTree, PyTree], model_state: PyTree
+) -> dict[str, PyTree]:
+    """What a step's ``state`` item is read into: the step and the model state (if any)
+    replicated, the master weights and optimizer state (``logical``) split as saved."""
+    replicated = NamedSharding(mesh, P())
+    item = {
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        "params": _placed(logical[0], mesh, axis_name),
+        "opt_state": _placed(logical[1], mesh, axis_name),
+    }
+    if model_state is not None:
+        item["model_state"] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), model_state
+        )
+    return item
 
 
-def _version() -> str:
-    from zeroshard import __version__
-
-    return __version__
+def _placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> PyTree:
+    """``ShapeDtypeStruct`` of ``structs`` (anything with a shape and a dtype) laid out on
+    ``mesh`` as saved: split along ``axis_name`` (default: the mesh's first axis) where
+    :func:`zeroshard.logical.logical_spec` splits them."""
+    axis = mesh.axis_names[0] if axis_name is None else axis_name
+    num = mesh.shape[axis]
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, logical_spec(x.shape, num, axis))
+        ),
+        structs,
+    )
