@@ -20,9 +20,11 @@ from zeroshard.config import ShardConfig
 from zeroshard.layout import PyTree
 
 
-def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str) -> None:
-    """Refuses a mesh without the optimizer's axes, or an ``axis_name`` that is not the
-    optimizer's, naming the fix."""
+def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+    """The data-parallel axis: ``axis_name``, or the optimizer's when ``None`` (so it is
+    said once, in ``zs.sharded``). Refuses a mesh without the optimizer's axes, or an
+    ``axis_name`` that is not the optimizer's, naming the fix."""
+    axis_name = config.axis_name if axis_name is None else axis_name
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"mesh has no axis {axis_name!r} (its axes: {tuple(mesh.axis_names)}); pass "
@@ -39,6 +41,7 @@ def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str) -> 
             f"the optimizer replicates over replica_axis={config.replica_axis!r}, but the mesh "
             f"has no such axis (its axes: {tuple(mesh.axis_names)})."
         )
+    return axis_name
 
 
 def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:

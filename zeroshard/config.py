@@ -8,9 +8,7 @@ The transformation :func:`zeroshard.sharded` returns is built from ``(inner, con
 and nothing is set on it afterwards.
 
 Example:
-    >>> import jax
-import jax
-import jax.numpy as jnp
+    >>> import jax.numpy as jnp
     >>> config = ShardConfig(axis_name="data", master_dtype=jnp.float32, stacked="blocks")
     >>> config.stacked, config.batch_axes
     (('blocks',), ('data',))

@@ -68,15 +68,17 @@ from zeroshard.step_io import (
 )
 
 
-def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str) -> None:
+def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+    """The data-parallel axis (default: the optimizer's), after checking the setup."""
     config = sharding_of(tx).config
-    check_mesh(config, mesh, axis_name)
+    axis_name = check_mesh(config, mesh, axis_name)
     for option, value in (("replica_axis", config.replica_axis), ("loss_scale", config.loss_scale)):
         if value is not None:
             raise ValueError(
                 f"the Flax steps do not support zs.sharded(..., {option}=...); use "
                 "zs.make_train_step with the params from nnx.split / the Linen variables."
             )
+    return axis_name
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -108,7 +110,7 @@ def nnx_optimizer(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     wrt: Any = nnx.Param,
     param_dtype: Any = None,
 ) -> nnx.Optimizer:
@@ -126,7 +128,7 @@ def nnx_optimizer(
         parameters cast to ``param_dtype``).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
-      axis_name: the data-parallel axis.
+      axis_name: the data-parallel axis (default: the optimizer's).
       wrt: which variables the optimizer updates.
       param_dtype: compute dtype of the model's parameters (e.g. ``jnp.bfloat16``);
         the master weights start from their values as given. ``None`` keeps them.
@@ -134,7 +136,7 @@ def nnx_optimizer(
     Returns:
       An ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
     """
-    _check_flax_setup(tx, mesh, axis_name)
+    axis_name = _check_flax_setup(tx, mesh, axis_name)
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
@@ -343,7 +345,7 @@ def linen_train_state(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     param_dtype: Any = None,
     model_state: PyTree = None,
 ) -> LinenTrainState:
@@ -354,7 +356,7 @@ def linen_train_state(
       params: the initial parameters; the master weights start from them as given.
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
-      axis_name: the data-parallel axis.
+      axis_name: the data-parallel axis (default: the optimizer's).
       param_dtype: compute dtype of the replicated parameters (``None``: as given).
       model_state: the model's other collections, e.g. ``{"batch_stats":
         variables["batch_stats"]}`` for BatchNorm; see :func:`linen_train_step`.
@@ -363,7 +365,7 @@ def linen_train_state(
       A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated,
       ``opt_state`` 1/N per device.
     """
-    _check_flax_setup(tx, mesh, axis_name)
+    axis_name = _check_flax_setup(tx, mesh, axis_name)
     check_other_axes(mesh, (axis_name,))
 
     def local(master: PyTree, model_state: PyTree) -> LinenTrainState:
@@ -421,7 +423,7 @@ def linen_train_step(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     has_aux: bool = False,
     donate: bool = True,
     sync_batch_stats: bool = True,
@@ -458,7 +460,7 @@ def linen_train_step(
     Returns:
       ``train_step(state, batch, key=None) -> (state, metrics)``.
     """
-    _check_flax_setup(tx, mesh, axis_name)
+    axis_name = _check_flax_setup(tx, mesh, axis_name)
     check_other_axes(mesh, (axis_name,))
     num_shards = mesh.shape[axis_name]
 

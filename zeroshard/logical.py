@@ -192,7 +192,7 @@ def from_optax_state(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     param_dtype: Any = None,
     step: int | jax.Array = 0,
     stage: int = 1,
@@ -207,7 +207,7 @@ def from_optax_state(
       opt_state: ``tx.inner``'s state for ``params``, as plain optax holds it.
       tx: an optimizer from :func:`zeroshard.sharded`.
       mesh: the mesh to lay the state out on (any device count).
-      axis_name: the data-parallel axis; must match ``tx``.
+      axis_name: the data-parallel axis; must match ``tx`` (default: ``tx.axis_name``).
       param_dtype: compute dtype of the replicated parameters: one dtype, a tree of
         dtypes like ``params``, or ``None`` to keep ``params``' dtypes.
       step: the step counter to resume from.
@@ -225,7 +225,7 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    check_mesh(sharding_of(tx).config, mesh, axis_name)
+    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
     if param_dtype is None or not isinstance(param_dtype, (dict, list, tuple)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(

@@ -70,7 +70,7 @@ def init_train_state(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     param_dtype: Any = None,
     stage: int = 1,
     model_state: PyTree = None,
@@ -85,7 +85,7 @@ def init_train_state(
       params: the initial parameters (any placement).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh; ``axis_name`` must be one of its axes.
-      axis_name: the data-parallel axis.
+      axis_name: the data-parallel axis (default: the optimizer's, ``tx.axis_name``).
       param_dtype: compute dtype of the parameters (e.g. ``jnp.bfloat16``); ``None``
         keeps the given dtypes.
       stage: the ZeRO stage the state is for (1, 2 or 3).
@@ -101,7 +101,7 @@ def init_train_state(
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
-    check_mesh(sharding_of(tx).config, mesh, axis_name)
+    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
     check_stage(stage)
     num_shards = mesh.shape[axis_name]
 
@@ -293,7 +293,7 @@ def make_train_step(
     tx: ShardedTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     has_aux: bool = False,
     donate: bool = True,
     stage: int = 1,
@@ -342,7 +342,8 @@ def make_train_step(
         has one (see above).
       tx: an optimizer from :func:`zeroshard.sharded` over ``axis_name``.
       mesh: the device mesh.
-      axis_name: the axis the state is sharded over; the batch's leading dimension
+      axis_name: the axis the state is sharded over (default: ``tx.axis_name``);
+        the batch's leading dimension
         is split over it, and over ``tx.config.replica_axis`` too when the optimizer has one
         (hierarchical sharding). Other mesh axes are left to ``loss_fn``.
       has_aux: whether ``loss_fn`` returns aux, into ``metrics["aux"]``: leaves with a
@@ -377,7 +378,7 @@ def make_train_step(
       (1.0, 1)
     """
     config = sharding_of(tx).config
-    check_mesh(config, mesh, axis_name)
+    axis_name = check_mesh(config, mesh, axis_name)
     check_stage(stage)
     check_other_axes(mesh, config.batch_axes)
     if not isinstance(accum_steps, int) or accum_steps < 1:

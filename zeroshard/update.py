@@ -71,8 +71,37 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     if any(is_shard(g) for g in leaves):
         pieces = [g.piece.reshape(-1) / layout.num_shards if is_shard(g) else None for g in leaves]
     else:
+        check_local(leaves, layout, axis)
         pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
     return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
+
+
+def check_local(leaves: list, layout: Any, axis_name: str) -> None:
+    """Refuses gradients typed invariant over ``axis_name`` where types are checked
+    (``shard_map``'s default ``check_vma=True``): such a gradient was all-reduced
+    already (the gradient of a replicated input is), so reduce-scattering it again
+    would make it ``num_shards`` times too large, silently.
+
+    Raises:
+      ValueError: naming the first such leaf and the fix (``jax.lax.pcast``).
+    """
+    if jax.lax.axis_size(axis_name) == 1:
+        return
+    index = jax.lax.axis_index(axis_name)
+    if axis_name not in jax.typeof(index).manual_axis_type.varying:
+        return  # check_vma=False: no types to read
+    for g, s in zip(leaves, layout.slots, strict=True):
+        if axis_name not in jax.typeof(g).manual_axis_type.varying:
+            raise ValueError(
+                f"zs.sharded(...).update got a gradient for {s.path} that is the same on "
+                f"every device of {axis_name!r} (typed invariant): it was reduced already, "
+                "since inside jax.shard_map the gradient of a replicated input is summed over "
+                "the devices. Reduce-scattering it again would make it "
+                f"{layout.num_shards} times too large. Differentiate with respect to "
+                f"jax.lax.pcast(params, {axis_name!r}, to='varying') to get each device's "
+                "local gradient; or call tx.update outside shard_map, in a jax.jit, with the "
+                "mean gradient."
+            )
 
 
 def arrive_mean(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
