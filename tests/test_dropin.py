@@ -1,0 +1,250 @@
+"""The one-line drop-in: programs zeroshard did not write, with only the optimizer line changed.
+
+Each program is data-parallel on 8 devices as a JAX user writes it: parameters
+replicated, the batch sharded over ``"data"``, the user's own ``jax.jit`` or
+``nnx.jit`` step. The reference is the same program with plain optax on the same
+devices; zeroshard's version changes the line that builds the optimizer and nothing
+else. Then the parameters match per leaf, the optimizer state is 1/N per device, and
+the parameters come back whole on every device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from helpers import make_mesh
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_flax_programs import CNN, LinenCNN, mnist_like
+
+import zeroshard as zs
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.05, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lamb": lambda: optax.lamb(1e-2),  # every leaf owned: whole-tensor norms
+}
+
+
+def auto_mesh(n=8):
+    """The mesh of jit + NamedSharding data parallelism (Auto axes: the arrays a jitted
+    step returns are usable outside any mesh context, as the tutorial's metrics need)."""
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def assert_leaves_close(actual, expected, rtol=1e-4):
+    """Per leaf: the L2 norm of the difference is below ``rtol`` of the expected's."""
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected), strict=True
+    ):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = max(np.linalg.norm(b), 1e-12)
+        assert np.linalg.norm(a - b) <= rtol * scale, jax.tree_util.keystr(path)
+
+
+def assert_whole_everywhere(tree):
+    for x in jax.tree.leaves(tree):
+        assert x.sharding.is_fully_replicated, x.sharding
+        assert all(s.data.shape == x.shape for s in x.addressable_shards)
+
+
+def assert_one_nth(sharded_state, plain_state, n=8):
+    """Optimizer bytes per device: the plain state's over ``n``, plus at most one
+    padding element per leaf and piece and the replicated scalars."""
+    plain = sum(x.nbytes for x in jax.tree.leaves(plain_state))
+    leaves = len(jax.tree.leaves(plain_state))
+    assert zs.state_bytes_per_device(sharded_state) <= plain / n + 8 * leaves + 64
+
+
+# 1. A pure optax loop.
+
+
+def optax_loop(tx, mesh, batches, params):
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        opt_state = tx.init(params)
+        for batch in batches:
+            params, opt_state = step(params, opt_state, jax.device_put(batch, P("data")))
+    return params, opt_state
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_pure_optax_loop(name, axis_type, rng):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    params = {"w1": f(7, 13), "b1": f(13), "w2": f(13, 5)}
+    batches = [{"x": f(32, 7), "y": f(32, 5)} for _ in range(3)]
+    expected, plain_state = optax_loop(OPTIMIZERS[name](), mesh, batches, params)
+    actual, state = optax_loop(zs.sharded(OPTIMIZERS[name]()), mesh, batches, params)  # the line
+    assert_leaves_close(actual, expected)
+    assert_whole_everywhere(actual)
+    if name != "lamb":  # owned leaves are whole on their owner: 1/N only on balance
+        assert_one_nth(state, plain_state)
+
+
+# 2. The Flax NNX MNIST tutorial, its metrics and its eval step.
+
+
+def nnx_tutorial(make_optimizer, mesh, batches):
+    model = CNN(rngs=nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+    optimizer = make_optimizer(model)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+    def loss_fn(model, batch):
+        logits = model(batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits=logits, labels=batch["label"]
+        ).mean()
+        return loss, logits
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch):
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        (loss, logits), grads = grad_fn(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    @nnx.jit
+    def eval_step(model, metrics, batch):
+        loss, logits = loss_fn(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+    history = []
+    place = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    for batch in batches[:-1]:
+        model.train()
+        train_step(model, optimizer, metrics, place(batch))
+        history.append({k: float(v) for k, v in metrics.compute().items()})
+        metrics.reset()
+        model.eval()
+        eval_step(model, metrics, place(batches[-1]))
+        history.append({k: float(v) for k, v in metrics.compute().items()})
+        metrics.reset()
+    return model, optimizer, history
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_nnx_mnist_tutorial(name, rng):
+    mesh = auto_mesh()
+    batches = mnist_like(rng, steps=4)
+    inner = OPTIMIZERS[name]
+    if name == "adamw":
+        # conv2's bias feeds BatchNorm, so its true gradient is zero and what it gets is
+        # rounding, which differs between two compiled programs; Adam's default eps
+        # divides that by its own size, into full-size steps of random sign. A larger
+        # eps keeps Adam's per-element scaling everywhere else.
+        inner = lambda: optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
+    ref, ref_opt, expected = nnx_tutorial(
+        lambda model: nnx.Optimizer(model, inner(), wrt=nnx.Param), mesh, batches
+    )
+    model, opt, history = nnx_tutorial(
+        lambda model: nnx.Optimizer(model, zs.sharded(inner(), mesh=mesh), wrt=nnx.Param),
+        mesh,
+        batches,
+    )
+    for got, want in zip(history, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert_whole_everywhere(params)
+    ref_params = nnx.to_pure_dict(nnx.state(ref, nnx.Param))
+    for p in (params, ref_params):  # a bias right before BatchNorm: zero gradient, rounding
+        assert np.abs(np.asarray(p["conv2"].pop("bias"))).max() < 1e-5  # weights: ~0.1
+    assert_leaves_close(params, ref_params)
+    assert_one_nth(nnx.as_pure(opt.opt_state), nnx.as_pure(ref_opt.opt_state))
+
+
+# 3. The Flax Linen MNIST example: TrainState.create and apply_gradients.
+
+
+class TrainStateWithEMA(train_state.TrainState):
+    """A user's subclass with an extra field (an EMA of the weights)."""
+
+    ema: dict
+
+
+def linen_example(tx, mesh, batches):
+    model = LinenCNN()
+    params = model.init(jax.random.key(0), batches[0]["image"])["params"]
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = TrainStateWithEMA.create(apply_fn=model.apply, params=params, tx=tx, ema=params)
+
+    @jax.jit
+    def apply_model(state, images, labels):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, images)
+            one_hot = jax.nn.one_hot(labels, 10)
+            return jnp.mean(optax.softmax_cross_entropy(logits=logits, labels=one_hot)), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+        return grads, loss, accuracy
+
+    @jax.jit
+    def update_model(state, grads):
+        state = state.apply_gradients(grads=grads)
+        ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, state.ema, state.params)
+        return state.replace(ema=ema)
+
+    losses = []
+    for batch in batches:
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        grads, loss, accuracy = apply_model(state, batch["image"], batch["label"])
+        state = update_model(state, grads)
+        losses += [float(loss), float(accuracy)]
+    return state, losses
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_linen_mnist_example(name, rng):
+    mesh = auto_mesh()
+    batches = mnist_like(rng)
+    expected, expected_losses = linen_example(OPTIMIZERS[name](), mesh, batches)
+    state, losses = linen_example(zs.sharded(OPTIMIZERS[name](), mesh=mesh), mesh, batches)
+    assert type(state) is TrainStateWithEMA
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_leaves_close(state.params, expected.params)
+    assert_leaves_close(state.ema, expected.ema)
+    assert_whole_everywhere(state.params)
+    assert_one_nth(state.opt_state, expected.opt_state)
+
+
+# Misuse.
+
+
+def test_a_gradient_reduced_already_in_a_shard_map_is_refused():
+    mesh = make_mesh(8)
+    tx = zs.sharded(optax.sgd(0.1))
+    params = {"w": jnp.ones((8, 3))}
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+
+    def step(params, opt_state, x):  # no pcast: the gradient is all-reduced for us
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+        return tx.update(grads, opt_state, params)
+
+    specs = tx.state_specs(params, 8)
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"pcast.*|.*pcast"):
+        jax.jit(step)(params, opt_state, x)
+
+
+def test_no_mesh_known_is_a_clear_error():
+    tx = zs.sharded(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="mesh=mesh"):
+        tx.init({"w": jnp.ones(4)})
