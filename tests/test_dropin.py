@@ -248,3 +248,34 @@ def test_no_mesh_known_is_a_clear_error():
     tx = zs.sharded(optax.sgd(0.1))
     with pytest.raises(ValueError, match="mesh=mesh"):
         tx.init({"w": jnp.ones(4)})
+
+
+# What zeroshard's own steps return behaves like a plain jit's outputs.
+
+
+def test_what_the_steps_return_works_outside_a_mesh_context():
+    """On an Explicit mesh (jax.make_mesh's default), the metrics of make_train_step
+    and of the Flax steps feed nnx metrics whose reset() and ordinary single-device
+    arithmetic run outside any mesh context."""
+    import zeroshard.flax as zf
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    batch = {"x": jnp.ones((8, 2)), "y": jnp.ones((8, 1))}
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    tx = zs.sharded(optax.sgd(0.1))
+    state = zs.init_train_state({"w": jnp.zeros((2, 1))}, tx, mesh)
+    _, from_step = zs.make_train_step(loss, tx, mesh)(state, batch)
+    linen = zf.linen_train_state(lambda v, x: x, {"w": jnp.zeros((2, 1))}, tx, mesh)
+    _, from_linen = zf.linen_train_step(loss, tx, mesh)(linen, batch)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = zf.nnx_optimizer(model, tx, mesh)
+    nnx_loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    from_nnx = zf.nnx_train_step(nnx_loss, mesh)(model, optimizer, batch)
+    for metrics in (from_step, from_linen, from_nnx):
+        average = nnx.metrics.Average()
+        average.update(values=metrics["loss"])
+        assert float(average.compute()) == pytest.approx(float(metrics["loss"]))
+        average.reset()
+        average.update(values=jnp.float32(2.0))
+        assert float(average.compute()) == 2.0
+        assert float(metrics["grad_norm"] + jnp.zeros(())) == float(metrics["grad_norm"])

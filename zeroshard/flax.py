@@ -59,10 +59,12 @@ from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.stage3 import layer
 from zeroshard.step_io import (
+    auto_twin,
     call_loss,
     device_key,
     local_rows,
     mean_state,
+    plain_outputs,
     stacked_aux,
     step_metrics,
 )
@@ -182,7 +184,7 @@ class NNXTrainStep:
         self._donate, self._sync = donate, sync
         # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
         # no copies): the model's own sharding calls work there, under vmap over devices.
-        self._auto_mesh = _auto_mesh(mesh)
+        self._auto_mesh = auto_twin(mesh)
         self._compiled: dict[Any, Callable] = {}
 
     def _gradients(self, model_def, wrt, params, rest, batch):
@@ -266,13 +268,7 @@ class NNXTrainStep:
             state, metrics = self._compiled[key](state, batch)
         state = jax.device_put(state, jax.tree.map(on(self.mesh), specs))
         nnx.update((model, optimizer), state)
-        return jax.device_put(metrics, NamedSharding(self.mesh, P()))
-
-
-def _auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """``mesh`` with every axis ``AxisType.Auto``: the same devices and layouts."""
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+        return metrics  # on the Auto twin: usable outside a mesh context
 
 
 def _across_devices(x: jax.Array) -> jax.Array:
@@ -497,7 +493,8 @@ def linen_train_step(
 
     def train_step(state, batch, key=None):
         check_batch(batch, num_shards, axis_name)
-        return jitted(state, jax.device_put(batch, batch_sharding), key)
+        state, metrics = jitted(state, jax.device_put(batch, batch_sharding), key)
+        return state, plain_outputs(metrics, mesh)
 
     train_step.jitted = jitted
     return train_step

@@ -27,6 +27,7 @@ from zeroshard.step_io import (
     device_key,
     local_rows,
     mean_state,
+    plain_outputs,
     stacked_aux,
     step_metrics,
 )
@@ -279,7 +280,8 @@ class TrainStep:
     def __call__(
         self, state: TrainState, batch: PyTree, key: jax.Array | None = None
     ) -> tuple[TrainState, dict]:
-        return self.jitted(state, self._place(batch), key)
+        state, metrics = self.jitted(state, self._place(batch), key)
+        return state, plain_outputs(metrics, self.mesh)
 
     def lower(
         self, state: TrainState, batch: PyTree, key: jax.Array | None = None

@@ -9,7 +9,10 @@ make what crosses the step's boundary mean what it means on one device:
 - the loss is the global mean, scalar aux is averaged, and aux with a leading batch
   dimension comes back as the global per-example array, in batch order;
 - non-trainable model state (BatchNorm statistics, ...) is averaged over the batch
-  axes, so it is identical on every device.
+  axes, so it is identical on every device;
+- what a step returns is typed as a plain ``jax.jit``'s outputs are: not with the
+  mesh's Explicit axis types, so it mixes with single-device code outside any mesh
+  context (``nnx.MultiMetric.reset()``, an eval step).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from zeroshard.collectives import is_identity
 from zeroshard.layout import PyTree
@@ -120,3 +124,19 @@ def call_loss(
         return loss, (aux, new_state)
     loss, aux = out if has_aux else (out, None)
     return loss, (aux, None)
+
+
+def auto_twin(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` with every axis ``AxisType.Auto``: the same devices and layouts."""
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+    """A step's outputs (``tree``, laid out on ``mesh``) on the Auto twin of ``mesh``:
+    the same devices and layouts, without Explicit axis types in their type, which
+    would make ordinary single-device code outside a mesh context raise."""
+    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+        return tree
+    twin = auto_twin(mesh)
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(twin, x.sharding.spec)), tree)
