@@ -6,7 +6,11 @@ Variants, per device count N and model size:
 - (b) ``jit-sharded``: plain optax under ``jax.jit`` with the optimizer state sharded
   by ``NamedSharding`` annotations (what flax's ``optimizer_sharding`` and MaxText's
   ``shard_optimizer_over_data`` do);
-- (c) ``zeroshard-1``, ``zeroshard-2``, ``zeroshard-3``: the three stages.
+- (c) ``zeroshard-jit``: the one-line drop-in, ``zs.sharded(inner, mesh=mesh)`` in the
+  same plain ``jax.jit`` step as (b): ``jax.grad`` reduces the gradient, each device
+  cuts its part out, updates it and all-gathers the new weights;
+- (d) ``zeroshard-1``, ``zeroshard-2``, ``zeroshard-3``: zeroshard's own step, the three
+  stages (a reduce-scatter of the local gradients in ``shard_map``).
 
 ``--optimizer muon`` runs ``optax.contrib.muon`` instead of Adam: replicated data
 parallelism orthogonalises every matrix on every device; zeroshard places each matrix
@@ -124,6 +128,19 @@ def main() -> None:
                 lambda s: s[1],
             )
         pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+        dropin = zs.sharded(inner, axis_name="data", mesh=mesh, **pack)
+
+        def dropin_step(p, s, b):  # the user's own jit step; only the optimizer differs
+            updates, s = dropin.update(jax.grad(loss_fn)(p, b), s, p)
+            return optax.apply_updates(p, updates), s
+
+        ds = jax.jit(dropin_step, donate_argnums=(0, 1))
+        out["zeroshard-jit"] = (
+            lambda s: ds(*s, batch),
+            lambda s: ds.lower(*s, batch),
+            (copy(params), dropin.init(copy(params))),
+            lambda s: (s[1].inner_state, s[1].master, s[1].owned),
+        )
         tx = zs.sharded(inner, axis_name="data", **pack)
         for stage in (1, 2, 3):
             step = zs.make_train_step(make_loss(stage), tx, mesh, stage=stage)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The step-time comparison of compare.py on one GPU (not part of CI). With one device
+# The step-time comparison of compare.py on one GPU (not part of CI), the one-line
+# drop-in (zeroshard-jit) included. With one device
 # the variants differ only in zeroshard's own work (slicing, the non-finite check), so
 # this measures the library's overhead over plain optax. It uses the python3 of the
 # GPU machine, which must already have jax with CUDA, optax and matplotlib (nothing is
