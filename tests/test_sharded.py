@@ -186,13 +186,17 @@ def test_init_without_a_mesh_says_how_to_fix():
         tx.init({"w": jnp.ones(3)})
 
 
-def test_update_outside_shard_map_is_an_error():
+def test_update_outside_shard_map_takes_the_mean_gradient():
+    """Outside shard_map (eagerly here; in a jax.jit in tests/test_dropin.py) the
+    gradient is the mean already: the update is plain optax's."""
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
-    params = {"w": jnp.ones(3)}
+    params, grads = {"w": jnp.arange(3.0)}, {"w": jnp.asarray([1.0, -2.0, 0.5])}
     with jax.set_mesh(make_mesh(8)):
         state = tx.init(params)
-        with pytest.raises(ValueError, match="inside jax.shard_map"):
-            tx.update(params, state, params)
+        updates, _ = tx.update(grads, state, params)
+    plain = optax.sgd(0.1)
+    expected, _ = plain.update(grads, plain.init(params), params)
+    np.testing.assert_array_equal(updates["w"], expected["w"])
     with pytest.raises(ValueError, match="needs `params`"):
         tx.update(params, state)
 
