@@ -18,7 +18,7 @@ from flax.training import train_state
 from helpers import make_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_flax_programs import CNN, LinenCNN, mnist_like
+from test_flax_programs import CNN, LinenCNN, MiniGPT, gpt_loss, mnist_like, token_batches
 
 import zeroshard as zs
 
@@ -166,6 +166,38 @@ def test_the_nnx_mnist_tutorial(name, rng):
         assert np.abs(np.asarray(p["conv2"].pop("bias"))).max() < 1e-5  # weights: ~0.1
     assert_leaves_close(params, ref_params)
     assert_one_nth(nnx.as_pure(opt.opt_state), nnx.as_pure(ref_opt.opt_state))
+
+
+def test_the_annotated_minigpt(rng):
+    """The miniGPT example's sharding annotations over a "model" axis, on its own
+    (data, model) mesh with the default (Explicit) axis types, under jax.set_mesh."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    batches, trained, states = token_batches(rng), [], []
+    for make in (
+        lambda: optax.sgd(0.1, momentum=0.9),
+        lambda: zs.sharded(optax.sgd(0.1, momentum=0.9)),
+    ):
+        with jax.set_mesh(mesh):
+            model = MiniGPT(rngs=nnx.Rngs(0))
+            model.eval()  # dropout off
+            optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+
+            @nnx.jit
+            def train_step(model, optimizer, batch):
+                _, grads = nnx.value_and_grad(gpt_loss, has_aux=True)(model, batch)
+                optimizer.update(model, grads)
+
+            for batch in batches:
+                train_step(model, optimizer, jax.device_put(batch, P("data")))
+        assert model.output_layer.kernel[...].sharding.spec == P(None, "model")  # honoured
+        trained.append(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        states.append(nnx.as_pure(optimizer.opt_state))
+    for tree in trained:  # attention's key bias has a zero gradient: rounding only
+        for block in range(2):
+            bias = tree["transformer_blocks"]["layers"][block]["mha"]["key"].pop("bias")
+            assert np.abs(np.asarray(bias)).max() < 1e-8
+    assert_leaves_close(trained[1], trained[0])
+    assert_one_nth(states[1], states[0], n=4)  # 1/N over the data axis
 
 
 # 3. The Flax Linen MNIST example: TrainState.create and apply_gradients.

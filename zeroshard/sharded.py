@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -99,6 +100,7 @@ class Sharded:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
         global state, 1/N per device, on the mesh of :func:`zeroshard.checks.find_mesh`
         (eagerly, or inside the user's ``jax.jit``)."""
+        params = _values(params)
         if bound_axis_size(self.config.axis_name) is not None:
             return self.init_local(params)
         return self.init_global(params, find_mesh(self.config, params))
@@ -139,9 +141,9 @@ class Sharded:
             mesh=mesh,
             in_specs=(P(), P()),
             out_specs=self.state_specs(params, mesh.shape[axis]),
-            axis_names={axis},
+            axis_names=set(mesh.axis_names),
         )
-        return jax.jit(init)(params, master_params)
+        return jax.jit(init)(_with_layout(params, P()), _with_layout(master_params, P()))
 
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
@@ -179,15 +181,20 @@ class Sharded:
             parts = arrive_mean(self, plan, grads)
             return update(self, plan, parts, state, params, averaged=True, **extra_args)
 
+        # Manual over every mesh axis: the update sees whole leaves (gathered over the
+        # model's other axes, e.g. tensor parallelism), and the new weights return to
+        # the parameters' own layout afterwards.
         step = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(P(), specs, P(), P()),
             out_specs=(P(), specs),
-            axis_names={axis},
+            axis_names=set(mesh.axis_names),
             check_vma=mesh.shape[axis] > 1,
         )
-        return step(grads, state, params, extra_args)
+        grads_in, params_in = (_with_layout(t, P()) for t in (grads, params))
+        new, state = step(grads_in, state, params_in, extra_args)
+        return _with_layout(new, params), state
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
@@ -211,6 +218,37 @@ class Sharded:
                 f"{len(plan.layout.buckets)})."
             )
         return plan
+
+
+def _values(tree: PyTree) -> PyTree:
+    """``tree`` with Flax NNX ``Variable`` nodes replaced by their values. ``nnx.Optimizer``
+    passes ``nnx.state(model)`` to ``init`` and copies each ``Variable``'s metadata (its
+    sharding annotation, say) onto the state's leaves of the same path, which would
+    re-lay the sliced state out; plain values carry none. (Flax is optional: only when it
+    is imported can the tree hold its ``Variable`` nodes.)"""
+    nnx = sys.modules.get("flax.nnx")
+    return tree if nnx is None else nnx.as_pure(tree)
+
+
+def _with_layout(tree: PyTree, like: Any) -> PyTree:
+    """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
+    arrays, or one ``PartitionSpec`` for every leaf); unchanged where the types carry no
+    layout (Auto axes: the compiler places it)."""
+    like = jax.tree.map(lambda _: like, tree) if isinstance(like, P) else like
+
+    def put(x: Any, y: Any) -> Any:
+        target = y if isinstance(y, P) else getattr(jax.typeof(y), "sharding", None)
+        if target is None or not _explicit(jax.typeof(x)):
+            return x
+        return jax.sharding.reshard(x, target)
+
+    return jax.tree.map(put, tree, like, is_leaf=lambda x: isinstance(x, P))
+
+
+def _explicit(aval: Any) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    types = () if mesh is None or mesh.empty else tuple(mesh.axis_types)
+    return jax.sharding.AxisType.Explicit in types
 
 
 @functools.lru_cache(maxsize=256)
