@@ -48,7 +48,7 @@ def test_adam_state_bytes_fall_by_n(n, rng):
     assert 0 <= padding < 2 * 4 * n * leaves
     exact = 2 * 4 * sum(math.ceil(x.size / n) for x in jax.tree.leaves(params)) + scalars
     assert got == exact
-    assert state.opt_state.master == (None,)  # fp32 params are their own master
+    assert state.opt_state.master is None  # fp32 params are their own master
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

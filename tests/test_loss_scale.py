@@ -34,7 +34,8 @@ def test_power_of_two_scaling_is_exact(rng):
     plain, plain_history = run(params, data, param_dtype=jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(scaled.params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(scaled.opt_state.master, plain.opt_state.master, strict=True):
+    masters = (scaled.opt_state.master, plain.opt_state.master)
+    for a, b in zip(*map(jax.tree.leaves, masters), strict=True):
         np.testing.assert_array_equal(a, b)
     assert [h[0] for h in history] == [h[0] for h in plain_history]  # reported unscaled
     assert float(scaled.opt_state.loss_scale.scale) == 2.0**10

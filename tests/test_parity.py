@@ -80,14 +80,15 @@ def test_parity_global_norm_clipping_that_clips(n, rng):
 def sharded_master(state, params, n):
     """The master weights as full fp32 leaves (fp32 params are their own master)."""
     layout = Layout.from_tree(params, n)
+    master = state.opt_state.master
+    pieces = layout.treedef.flatten_up_to(master) if master is not None else layout.slots
     leaves = []
-    for leaf, s in zip(jax.tree.leaves(state.params), layout.slots, strict=True):
-        row = state.opt_state.master[s.bucket]
-        if row is None:
+    for leaf, piece, s in zip(jax.tree.leaves(state.params), pieces, layout.slots, strict=True):
+        if not hasattr(piece, "dtype"):  # no master of its own
             leaves.append(np.asarray(leaf, np.float32))
             continue
-        block = np.asarray(row).reshape(n, -1)[:, s.offset : s.offset + s.piece_size]
-        leaves.append(block.reshape(-1)[: s.size].reshape(s.shape))
+        # The global array of the pieces: device d's piece is block d of the last axis.
+        leaves.append(np.asarray(piece).reshape(-1)[: s.size].reshape(s.shape))
     return layout.treedef.unflatten(leaves)
 
 
@@ -104,8 +105,9 @@ def test_parity_mixed_dtype_tree_with_master(n, rng):
     train_step = zs.make_train_step(awkward_loss, tx, mesh)
     for batch in data:
         state, _ = train_step(state, batch)
-    fp32_bucket, bf16_bucket = state.opt_state.master
-    assert fp32_bucket is None and bf16_bucket.dtype == jnp.float32
+    kept = jax.tree.map(lambda p, m: m is not None, params, state.opt_state.master)
+    assert kept == jax.tree.map(lambda p: p.dtype == jnp.bfloat16, params)  # only bf16 leaves
+    assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(state.opt_state.master))
     assert jax.tree.map(lambda x: x.dtype, state.params) == dtypes
     master = sharded_master(state, params, n)
     if n == 1:

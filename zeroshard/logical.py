@@ -274,10 +274,7 @@ def _from_logical_local(
             None if s.owned else s.from_logical(x, axis)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
-        rows = layout.rows(pieces)
-        master = tuple(
-            None if m is None else r for m, r in zip(plan.master_dtypes, rows, strict=True)
-        )
+        master = plan.master_tree(pieces)
         fulls = [
             logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
         ]

@@ -130,6 +130,26 @@ class Plan:
         """Dtype the inner optimizer works in, per bucket."""
         return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
 
+    def keeps_master(self, i: int) -> bool:
+        """Whether sliced leaf ``i`` has master weights of its own in the state (its
+        bucket is narrower than the master dtype); owned leaves keep theirs in storage."""
+        s = self.layout.slots[i]
+        return not s.owned and self.master_dtypes[s.bucket] is not None
+
+    def master_tree(self, pieces: list[Any]) -> PyTree:
+        """The state's ``master``: a tree like the parameters with ``pieces[i]`` (an array
+        shaped as the leaf's piece, or any other value as it is, e.g. a
+        ``PartitionSpec``) where leaf ``i`` keeps master weights, ``None`` elsewhere;
+        ``None`` as a whole when no leaf keeps any."""
+        keeps = [self.keeps_master(i) for i in range(len(self.layout.slots))]
+        if not any(keeps):
+            return None
+        shaped = lambda p, s: jnp.reshape(p, s.piece_shape) if isinstance(p, jax.Array) else p
+        return self.layout.treedef.unflatten(
+            shaped(p, s) if k else None
+            for p, s, k in zip(pieces, self.layout.slots, keeps, strict=True)
+        )
+
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
         """Per-leaf pieces (``None`` for owned leaves) cast to the inner dtypes."""
         dtypes = self.inner_dtypes

@@ -40,9 +40,10 @@ class ShardedState(NamedTuple):
     Attributes:
       inner_state: the inner optimizer's state for this device's pieces, with
         ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
-      master: per dtype bucket, this device's row of master weights of its sliced
-        leaves, or ``None`` where the parameters are already in the master dtype
-        (their slice is the master).
+      master: this device's pieces of the master weights: a tree like the parameters,
+        shaped like the inner state's pieces, with ``None`` at leaves already in the
+        master dtype (their piece is the master) and at owned leaves (their master is
+        in ``owned``); ``None`` when no leaf keeps a master.
       grad_norm: global L2 norm of the mean gradient at the last update, before any
         clipping (``nan`` or ``inf`` when that gradient was not finite).
       skipped: number of updates skipped because the mean gradient was not finite
@@ -54,7 +55,7 @@ class ShardedState(NamedTuple):
     """
 
     inner_state: optax.OptState
-    master: tuple[jax.Array | None, ...]
+    master: PyTree
     grad_norm: jax.Array
     skipped: jax.Array
     loss_scale: LossScaleState | None = None
@@ -91,7 +92,7 @@ class Sharded:
             else plan.layout.slots[plan.state_slots[k]].spec(axis)
             for k, kind in enumerate(kinds)
         ]
-        master = tuple(None if m is None else P(axis) for m in plan.master_dtypes)
+        master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
         return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
@@ -118,10 +119,7 @@ class Sharded:
         source = params if master_params is None else master_params
         plan.layout.check_matches(source, "master_params")
         pieces = plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis)))
-        rows = plan.layout.rows(pieces)
-        master = tuple(
-            None if m is None else row for m, row in zip(plan.master_dtypes, rows, strict=True)
-        )
+        master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, owned_wholes(plan, source))
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
         zero = jnp.zeros((), jnp.float32)
@@ -209,13 +207,14 @@ class Sharded:
                 "returned by the same transformation's init."
             )
         plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
-        if len(state.master) != len(plan.layout.buckets) or len(state.owned) != len(
-            plan.storage.dtypes
-        ):
+        master = plan.master_tree([0] * len(plan.layout.slots))  # its structure
+        if jax.tree.structure(state.master) != jax.tree.structure(master) or len(
+            state.owned
+        ) != len(plan.storage.dtypes):
             raise ValueError(
-                "zs.sharded: the optimizer state was made for other parameters "
-                f"({len(state.master)} dtype buckets, these params have "
-                f"{len(plan.layout.buckets)})."
+                "zs.sharded: the optimizer state was made for other parameters: its master "
+                f"weights have the structure {jax.tree.structure(state.master)}, these "
+                f"params need {jax.tree.structure(master)}."
             )
         return plan
 

@@ -191,13 +191,13 @@ def master_pieces(
       own: this device's pieces of the parameters themselves (used where no separate
         master is kept).
     """
+    layout = plan.layout
+    master = (
+        [None] * len(own) if state.master is None else layout.treedef.flatten_up_to(state.master)
+    )
     return [
-        None
-        if s.owned
-        else p.astype(plan.inner_dtypes[s.bucket])
-        if state.master[s.bucket] is None
-        else state.master[s.bucket][s.offset : s.offset + s.piece_size]
-        for p, s in zip(own, plan.layout.slots, strict=True)
+        None if s.owned else p.astype(plan.inner_dtypes[s.bucket]) if m is None else m.reshape(-1)
+        for p, m, s in zip(own, master, layout.slots, strict=True)
     ]
 
 
@@ -239,8 +239,7 @@ def update_parts(
     skipped = state.skipped
     if config.skip_nonfinite:
         skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-    master_rows = plan.layout.rows(new) if any(m is not None for m in state.master) else None
-    master = tuple(None if m is None else master_rows[b] for b, m in enumerate(state.master))
+    master = None if state.master is None else plan.master_tree(new)
     scale = None
     if config.loss_scale is not None:
         scale = config.loss_scale.adjust(state.loss_scale, finite)
