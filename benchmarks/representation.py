@@ -31,7 +31,9 @@ interleaved step by step. Per variant:
 
 - startup: state init, ``jit(...).trace``, ``.lower()``, ``.compile()`` (XLA) and the
   first run of the compiled step, each timed (``--repeats`` fresh ``jax.jit`` per
-  variant, median);
+  variant, median); also the process's CPU time (``time.process_time``, all threads)
+  of the compile and of the whole first step, which a machine shared with other work
+  disturbs less than wall time;
 - the median step time over ``--steps`` steps;
 - optimizer-state + master bytes per device (``addressable_shards[0]``), the number of
   those arrays and of the step's argument arrays, the HLO instructions of the compiled
@@ -108,8 +110,7 @@ def run_child(args, extra: list[str]) -> dict:
     for flag in ("devices", "width", "batch", "steps", "warmup", "repeats", "optimizer"):
         cmd += [f"--{flag}", str(getattr(args, flag))]
     cmd += ["--pack-bytes", str(args.pack_bytes), "--variants", *args.variants]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    sys.stderr.write(out.stderr)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -602,14 +603,17 @@ def measure(args, dtype_name: str, leaves: int) -> dict:
         jax.block_until_ready(step(*v["args"](state)))
 
     params32 = make_params(leaves, args.width)
-    rows = {name: {"times": {s: [] for s in STAGES}} for name in names}
+    rows = {
+        name: {"times": {s: [] for s in STAGES}, "cpu": {"compile": [], "first step": []}}
+        for name in names
+    }
     live = {}
     for r in range(args.repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             v = variant(name, params32, batch, mesh, inner, dtype, args.pack_bytes)
-            times = rows[name]["times"]
-            t0 = time.perf_counter()
+            times, cpu = rows[name]["times"], rows[name]["cpu"]
+            c0, t0 = time.process_time(), time.perf_counter()
             state = v["init"](params32)
             t1 = time.perf_counter()
             jitted = v["jit"]() if name == "Z" else v["jit"]
@@ -617,13 +621,15 @@ def measure(args, dtype_name: str, leaves: int) -> dict:
             traced = jitted.trace(*step_args)
             t2 = time.perf_counter()
             lowered = traced.lower()
-            t3 = time.perf_counter()
+            c3, t3 = time.process_time(), time.perf_counter()
             compiled = lowered.compile()
-            t4 = time.perf_counter()
+            c4, t4 = time.process_time(), time.perf_counter()
             state = v["next"](jax.block_until_ready(compiled(*step_args)))
-            t5 = time.perf_counter()
+            c5, t5 = time.process_time(), time.perf_counter()
             for s, a, b in zip(STAGES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5), strict=True):
                 times[s].append(b - a)
+            cpu["compile"].append(c4 - c3)
+            cpu["first step"].append(c5 - c0)
             live[name] = (v, compiled, state)
             print(
                 f"  {dtype_name} {leaves} {name}: first step {t5 - t0:.2f} s "
@@ -648,7 +654,9 @@ def measure(args, dtype_name: str, leaves: int) -> dict:
             collectives={k: len(re.findall(rf"\s{k}(?:-start)?\(", text)) for k in COLLECTIVES},
             step_s=[],
         )
+        row["all_times"], row["all_cpu"] = row["times"], row["cpu"]
         row["times"] = {s: statistics.median(t) for s, t in row["times"].items()}
+        row["cpu"] = {s: statistics.median(t) for s, t in row["cpu"].items()}
         row["first_step_s"] = sum(row["times"].values())
 
     for i in range(args.warmup + args.steps):
@@ -685,10 +693,10 @@ def print_tables(results: list[dict], machine: str, args) -> None:
         )
         print(
             "| leaves | variant | init s | trace+lower s | XLA compile s | first run s "
-            "| first step s | vs R | step ms | vs R | state B/device | state arrays "
-            "| step args | HLO instr | RS / AG / AR |"
+            "| first step s | vs R | CPU s: compile / first step | step ms | vs R "
+            "| state B/device | state arrays | step args | HLO instr | RS / AG / AR |"
         )
-        print("|---:|---|" + "---:|" * 13)
+        print("|---:|---|" + "---:|" * 14)
         for leaves in sorted({r["leaves"] for r in rows}):
             group = [r for r in rows if r["leaves"] == leaves]
             ref = next((r for r in group if r["variant"] == "R"), group[0])
@@ -699,7 +707,9 @@ def print_tables(results: list[dict], machine: str, args) -> None:
                     f"| {leaves} | {r['variant']} | {t['init']:.2f} | "
                     f"{t['trace'] + t['lower']:.2f} | {t['compile']:.2f} | "
                     f"{t['first run']:.2f} | {r['first_step_s']:.2f} | "
-                    f"{r['first_step_s'] / ref['first_step_s']:.2f} | {r['step_ms']:.2f} | "
+                    f"{r['first_step_s'] / ref['first_step_s']:.2f} | "
+                    f"{r['cpu']['compile']:.2f} / {r['cpu']['first step']:.2f} | "
+                    f"{r['step_ms']:.2f} | "
                     f"{r['step_ms'] / ref['step_ms']:.2f} | {r['state_bytes']:,} | "
                     f"{r['state_arrays']:,} | {r['step_args']:,} | "
                     f"{r['hlo_instructions']:,} | {coll} |"
