@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -79,6 +80,16 @@ def save_item(state: Any, tx: ShardedTransformation | None, checksums: bool = Tr
     return item, metadata
 
 
+def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
+    """The item's orbax custom metadata, read from orbax's ``_METADATA`` file without
+    opening the arrays (so a damaged data file is found by the checksums, naming the
+    leaf); through orbax's metadata call where that file is named otherwise."""
+    path = directory / "_METADATA"
+    if path.exists():
+        return json.loads(path.read_text()).get("custom_metadata")
+    return impl.metadata(directory).custom_metadata
+
+
 class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves and restores a zeroshard state as one item of an orbax checkpoint.
 
@@ -110,7 +121,7 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           ValueError: if the item was not saved by this handler.
         """
         try:
-            custom = self._impl.metadata(directory).custom_metadata
+            custom = _custom_metadata(self._impl, epath.Path(directory))
         except Exception as e:  # a damaged metadata file: orbax raises what json raises
             raise CheckpointCorruptedError(
                 f"could not read the metadata of {directory}: the checkpoint is corrupted "
