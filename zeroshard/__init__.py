@@ -49,6 +49,9 @@ __all__ = [
     "Shard",
     "ShardConfig",
     "Sharded",
+    "ShardedCheckpointHandler",
+    "ShardedRestore",
+    "ShardedSave",
     "ShardedState",
     "ShardedTransformation",
     "TrainState",
@@ -71,3 +74,12 @@ __all__ = [
     "summarize",
     "to_optax_state",
 ]
+
+
+def __getattr__(name: str):
+    """The orbax handler's names (zeroshard.checkpoint.handler), imported on first use."""
+    if name in ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave"):
+        from zeroshard import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

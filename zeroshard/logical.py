@@ -226,7 +226,7 @@ def from_optax_state(
         would give, naming the first mismatching leaf.
     """
     axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
-    if param_dtype is None or not isinstance(param_dtype, (dict, list, tuple)):
+    if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype

@@ -9,9 +9,32 @@
 - :mod:`~zeroshard.checkpoint.integrity`: :func:`checksums` of logical leaves, computed
   on device and the same on any device count; the checksum record and the record's
   SHA-256; :class:`CheckpointCorruptedError`.
+- :mod:`~zeroshard.checkpoint.handler`: :class:`ShardedSave` and
+  :class:`ShardedRestore`, orbax ``CheckpointArgs`` that save a zeroshard, Linen or NNX
+  state as an item of the user's own ``ocp.CheckpointManager`` (imported on first use:
+  orbax stays optional), with :mod:`~zeroshard.checkpoint.states` and the item shared
+  with the manager (:mod:`~zeroshard.checkpoint.item`).
 """
 
 from zeroshard.checkpoint.integrity import CheckpointCorruptedError, checksums
 from zeroshard.checkpoint.manager import CheckpointManager
 
-__all__ = ["CheckpointCorruptedError", "CheckpointManager", "checksums"]
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointManager",
+    "ShardedCheckpointHandler",
+    "ShardedRestore",
+    "ShardedSave",
+    "checksums",
+]
+
+_HANDLER_NAMES = ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave")
+
+
+def __getattr__(name: str):
+    """The orbax handler's names, imported on first use (they need orbax)."""
+    if name in _HANDLER_NAMES:
+        from zeroshard.checkpoint import handler
+
+        return getattr(handler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

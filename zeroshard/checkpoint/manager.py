@@ -42,9 +42,6 @@ import warnings
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zeroshard.checkpoint.integrity import (
     CheckpointCorruptedError,
@@ -53,25 +50,16 @@ from zeroshard.checkpoint.integrity import (
     parts,
     record,
 )
+from zeroshard.checkpoint.item import from_item, logical_item, placed, read_target
 from zeroshard.checkpoint.metadata import (
     build_metadata,
     check_checksums,
     check_digest,
-    check_format,
-    check_matches,
     require_checksums,
-    saved_loss_scale,
 )
-from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
-from zeroshard.logical import (
-    from_optax_state,
-    logical_spec,
-    logical_structs,
-    mesh_of,
-    to_optax_state,
-)
-from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.logical import mesh_of
+from zeroshard.sharded import ShardedTransformation
 from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
 
@@ -210,10 +198,7 @@ class CheckpointManager:
             raise ValueError(
                 f"step {step} is already saved in {self.directory}; nothing was overwritten."
             )
-        params, opt_state = to_optax_state(state, tx)
-        item = {"step": state.step, "params": params, "opt_state": opt_state}
-        if state.model_state is not None:
-            item["model_state"] = state.model_state
+        item = logical_item(state, tx)
         metadata = build_metadata(state, tx, mesh_of(state), item, checksums=self._checksums)
         args = ocp.args.Composite(
             **{
@@ -288,32 +273,16 @@ class CheckpointManager:
         self, mesh: jax.sharding.Mesh, like: PyTree, step: int, stage: int, model_state: PyTree
     ) -> TrainState:
         tx = self._require_tx()
-        check_mesh(sharding_of(tx).config, mesh, tx.axis_name)
         like = full_structs(like)
         saved = self.metadata(step)
-        check_format(saved, step, self.directory)
-        plan = tx.plan(like, mesh.shape[tx.axis_name])
-        logical = logical_structs(plan, tx)
-        model_state = full_structs(model_state)  # None stays None
-        check_matches(saved, step, self.directory, like, logical, model_state)
-        restored = self._read(step, _target(mesh, tx.axis_name, logical, model_state))
+        where = (step, self.directory)
+        target = read_target(saved, where, tx, mesh, like, full_structs(model_state))
+        restored = self._read(step, target)
         if self._checksums:
             check_checksums(
                 saved, record(restored), step, self.directory, lambda: self._others(step)
             )
-        return from_optax_state(
-            restored["params"],
-            restored["opt_state"],
-            tx,
-            mesh,
-            axis_name=tx.axis_name,
-            param_dtype=jax.tree.map(lambda x: x.dtype, like),
-            step=restored["step"],
-            stage=stage,
-            skipped=saved.get("skipped_steps", 0),
-            loss_scale=saved_loss_scale(saved) if tx.config.loss_scale else None,
-            model_state=restored.get("model_state"),
-        )
+        return from_item(restored, saved, tx, mesh, like, stage)
 
     def _read(self, step: int, target: PyTree) -> PyTree:
         """The ``state`` item of ``step`` read into ``target``; unreadable -> corrupted."""
@@ -365,7 +334,7 @@ class CheckpointManager:
         stored = ocp.StandardCheckpointHandler().metadata(
             pathlib.Path(self.directory) / str(step) / STATE_ITEM
         )
-        restored = self._read(step, _placed(getattr(stored, "tree", stored), mesh))
+        restored = self._read(step, placed(getattr(stored, "tree", stored), mesh))
         recorded = by_parts(saved["checksums"])
         got = record(restored, key=parts)
         check_checksums(
@@ -389,35 +358,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _target(
-    mesh: jax.sharding.Mesh, axis_name: str, logical: tuple[PyTree, PyTree], model_state: PyTree
-) -> dict[str, PyTree]:
-    """What a step's ``state`` item is read into: the step and the model state (if any)
-    replicated, the master weights and optimizer state (``logical``) split as saved."""
-    replicated = NamedSharding(mesh, P())
-    item = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-        "params": _placed(logical[0], mesh, axis_name),
-        "opt_state": _placed(logical[1], mesh, axis_name),
-    }
-    if model_state is not None:
-        item["model_state"] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), model_state
-        )
-    return item
-
-
-def _placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> PyTree:
-    """``ShapeDtypeStruct`` of ``structs`` (anything with a shape and a dtype) laid out on
-    ``mesh`` as saved: split along ``axis_name`` (default: the mesh's first axis) where
-    :func:`zeroshard.logical.logical_spec` splits them."""
-    axis = mesh.axis_names[0] if axis_name is None else axis_name
-    num = mesh.shape[axis]
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, logical_spec(x.shape, num, axis))
-        ),
-        structs,
-    )

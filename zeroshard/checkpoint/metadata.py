@@ -91,7 +91,8 @@ def build_metadata(
       tx: its optimizer.
       mesh: the mesh ``state`` lives on.
       item: what is written as the ``state`` item: ``{"step", "params", "opt_state"}``
-        in the logical layout (and ``"model_state"``, when the state has one).
+        in the logical layout (and ``"model_state"``, when the state has one;
+        ``"extra"``, described as ``extra``, for the other fields of a Flax state).
       checksums: add ``checksums`` of ``item`` and the record's SHA-256.
     """
     scale = state.opt_state.loss_scale
@@ -114,6 +115,8 @@ def build_metadata(
         "opt_state": describe(item["opt_state"]),
         "model_state": None if state.model_state is None else describe(state.model_state),
     }
+    if "extra" in item:  # the other fields of a Flax state (zeroshard.checkpoint.handler)
+        metadata["extra"] = describe(item["extra"])
     if checksums:
         metadata["checksums"] = record(item)
         metadata[RECORD_DIGEST] = digest(metadata)

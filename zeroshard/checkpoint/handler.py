@@ -1,0 +1,220 @@
+"""zeroshard's states as an item of the user's own orbax ``CheckpointManager``.
+
+:class:`ShardedSave` and :class:`ShardedRestore` are orbax ``CheckpointArgs``,
+registered with :class:`ShardedCheckpointHandler`: pass them in ``ocp.args.Composite``
+next to the other items of a step (a JSON config, a dataset iterator, ...), with
+orbax's own manager, sync or async. The states they take
+(:mod:`zeroshard.checkpoint.states`): a :class:`zeroshard.TrainState`, a Flax Linen
+``TrainState`` made with ``tx=zs.sharded(...)`` (a subclass's extra fields too), or an
+NNX ``(model, optimizer)`` pair.
+
+The item is an ordinary orbax pytree checkpoint in the logical layout (see
+:mod:`zeroshard.checkpoint.item`): ``{"step", "params", "opt_state"}`` as plain optax
+would hold them (master-dtype parameters, the inner optimizer's state), and
+``"extra"`` for the other fields, so it restores on any device count, and a plain
+optax user can read it with ``ocp.args.StandardRestore``. The metadata record of
+:mod:`zeroshard.checkpoint.metadata` (the skipped-step count, the loss scale, every
+leaf's shape and checksum, the record's SHA-256) is the item's orbax custom metadata.
+Restoring checks the record against the target (another model or optimizer is a
+``ValueError`` naming the first differing leaf), reads each device's block onto the
+target's mesh, verifies every checksum (:class:`~zeroshard.CheckpointCorruptedError`
+naming the leaf), and lays the state out as the optimizer does. A failed restore
+changes nothing, on disk or in the target.
+
+Example:
+    >>> import tempfile, jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp
+    >>> import zeroshard as zs
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = zs.sharded(optax.adam(1e-3), axis_name="data")
+    >>> state = zs.init_train_state({"w": jnp.ones((8, 3))}, tx, mesh)
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...     _ = mngr.save(0, args=ocp.args.Composite(
+    ...         train_state=zs.checkpoint.ShardedSave(state, tx),
+    ...         config=ocp.args.JsonSave({"lr": 1e-3})))
+    ...     mngr.wait_until_finished()
+    ...     restored = mngr.restore(0, args=ocp.args.Composite(
+    ...         train_state=zs.checkpoint.ShardedRestore(state, tx, mesh)))
+    >>> restored.train_state.params["w"].shape
+    (8, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from zeroshard.checkpoint.integrity import CheckpointCorruptedError, record
+from zeroshard.checkpoint.item import from_item, logical_item, read_target
+from zeroshard.checkpoint.metadata import (
+    build_metadata,
+    check_checksums,
+    check_digest,
+    describe,
+    first_difference,
+)
+from zeroshard.checkpoint.states import parts_of, rebuilt, target_parts
+from zeroshard.logical import mesh_of
+from zeroshard.sharded import ShardedTransformation
+from zeroshard.stage3 import full_structs
+
+RECORD_KEY = "zeroshard"
+"""The key of the metadata record in the item's orbax custom metadata."""
+
+_UNCHANGED = "Nothing on disk was changed."
+
+
+def save_item(state: Any, tx: ShardedTransformation | None, checksums: bool = True):
+    """The logical item of ``state`` and its metadata record (checksums computed on
+    device, now: ``state`` may be donated once this returns)."""
+    parts = parts_of(state, tx)
+    item = logical_item(parts.state, parts.tx)
+    if parts.extra:
+        item["extra"] = parts.extra
+    mesh = mesh_of(parts.state)
+    metadata = build_metadata(parts.state, parts.tx, mesh, item, checksums=checksums)
+    return item, metadata
+
+
+def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
+    """The item's orbax custom metadata, read from orbax's ``_METADATA`` file without
+    opening the arrays (so a damaged data file is found by the checksums, naming the
+    leaf); through orbax's metadata call where that file is named otherwise."""
+    path = directory / "_METADATA"
+    if path.exists():
+        return json.loads(path.read_text()).get("custom_metadata")
+    return impl.metadata(directory).custom_metadata
+
+
+class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
+    """Saves and restores a zeroshard state as one item of an orbax checkpoint.
+
+    orbax builds it when it meets :class:`ShardedSave` or :class:`ShardedRestore` in
+    ``ocp.args.Composite``; it writes through orbax's ``StandardCheckpointHandler``
+    (asynchronously when the manager is async).
+    """
+
+    def __init__(self) -> None:
+        self._impl = ocp.StandardCheckpointHandler()
+
+    async def async_save(self, directory: Any, args: ShardedSave) -> Any:
+        """Starts writing ``args.state``; returns orbax's commit futures."""
+        item, metadata = save_item(args.state, args.tx, args.checksums)
+        standard = ocp.args.StandardSave(item, custom_metadata={RECORD_KEY: metadata})
+        return await self._impl.async_save(directory, args=standard)
+
+    def save(self, directory: epath.Path, args: ShardedSave) -> None:
+        """Writes ``args.state`` and waits until it is written."""
+        item, metadata = save_item(args.state, args.tx, args.checksums)
+        standard = ocp.args.StandardSave(item, custom_metadata={RECORD_KEY: metadata})
+        self._impl.save(directory, args=standard)
+
+    def metadata(self, directory: epath.Path) -> dict[str, Any]:
+        """The item's metadata record (checked against its SHA-256), without arrays.
+
+        Raises:
+          CheckpointCorruptedError: if it is unreadable or does not match its SHA-256.
+          ValueError: if the item was not saved by this handler.
+        """
+        try:
+            custom = _custom_metadata(self._impl, epath.Path(directory))
+        except Exception as e:  # a damaged metadata file: orbax raises what json raises
+            raise CheckpointCorruptedError(
+                f"could not read the metadata of {directory}: the checkpoint is corrupted "
+                f"({type(e).__name__}: {str(e)[:200]}). {_UNCHANGED}"
+            ) from e
+        if not isinstance(custom, dict) or RECORD_KEY not in custom:
+            raise ValueError(
+                f"{directory} was not saved with zs.checkpoint.ShardedSave (no zeroshard "
+                "record in its metadata); restore it with ocp.args.StandardRestore."
+            )
+        saved = dict(custom[RECORD_KEY])
+        check_digest(saved, saved.get("step"), str(directory), lambda: _UNCHANGED)
+        return saved
+
+    def restore(self, directory: epath.Path, args: ShardedRestore | None = None) -> Any:
+        """The state saved in ``directory``, laid out on the target's mesh.
+
+        Raises:
+          CheckpointCorruptedError: if a leaf's checksum differs from the one recorded
+            at save (naming it), or a file is unreadable.
+          ValueError: if the checkpoint is of another model, optimizer, dtypes or
+            extra fields than the target (naming the first differing leaf).
+        """
+        if args is None:
+            raise ValueError(
+                "restore a zeroshard item with args=ocp.args.Composite(name="
+                "zs.checkpoint.ShardedRestore(target, tx, mesh))."
+            )
+        saved = self.metadata(directory)
+        parts, mesh, stage = target_parts(args.target, args.tx, args.mesh)
+        where = (saved.get("step"), str(directory))
+        like = full_structs(parts.state.params)
+        model_state = full_structs(parts.state.model_state)
+        target = read_target(saved, where, parts.tx, mesh, like, model_state)
+        hint = "Restore into a state with the fields the checkpoint was saved with."
+        first_difference("extra leaf", saved.get("extra") or {}, describe(parts.extra), hint)
+        if parts.extra:
+            target["extra"] = parts.extra
+        restored = self._read(directory, target)
+        check_checksums(saved, record(restored), *where, lambda: _UNCHANGED)
+        state = from_item(restored, saved, parts.tx, mesh, like, stage)
+        return rebuilt(args.target, state, restored.get("extra", {}))
+
+    def _read(self, directory: epath.Path, target: dict[str, Any]) -> dict[str, Any]:
+        try:
+            restored = self._impl.restore(directory, args=ocp.args.StandardRestore(target))
+            return jax.block_until_ready(restored)
+        except Exception as e:  # orbax/tensorstore raise many types for bad files
+            reason = str(e).split(" [tensorstore_spec")[0][:400]
+            raise CheckpointCorruptedError(
+                f"could not read {directory}: the checkpoint is truncated or corrupted "
+                f"({type(e).__name__}: {reason}). {_UNCHANGED}"
+            ) from e
+
+    def finalize(self, directory: epath.Path) -> None:
+        self._impl.finalize(directory)
+
+    def close(self) -> None:
+        self._impl.close()
+
+
+@ocp.args.register_with_handler(ShardedCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class ShardedSave(ocp.args.CheckpointArgs):
+    """Saves a zeroshard state as an item of an orbax checkpoint.
+
+    Attributes:
+      state: a :class:`zeroshard.TrainState`, a Flax Linen ``TrainState`` made with
+        ``tx=zs.sharded(...)``, or an NNX ``(model, optimizer)`` pair.
+      tx: the optimizer from :func:`zeroshard.sharded`; default: the state's own
+        (``state.tx``, ``optimizer.tx``). Required for a :class:`zeroshard.TrainState`.
+      checksums: record every logical leaf's checksum (verified at restore).
+    """
+
+    state: Any
+    tx: ShardedTransformation | None = None
+    checksums: bool = True
+
+
+@ocp.args.register_with_handler(ShardedCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class ShardedRestore(ocp.args.CheckpointArgs):
+    """Restores a zeroshard state saved with :class:`ShardedSave`, on any device count.
+
+    Attributes:
+      target: a state of the same kind, built for the mesh to restore onto (arrays or
+        ``jax.ShapeDtypeStruct``): its tree, shapes and dtypes are what is restored. An
+        NNX ``(model, optimizer)`` pair is updated in place and returned.
+      tx: the optimizer for the new mesh; default: the target's own.
+      mesh: the mesh to restore onto; default: the optimizer's ``mesh=``, else the
+        target's.
+    """
+
+    target: Any
+    tx: ShardedTransformation | None = None
+    mesh: jax.sharding.Mesh | None = None

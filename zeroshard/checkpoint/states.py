@@ -1,0 +1,267 @@
+"""The training states the orbax handler saves, each seen as one form: a
+:class:`zeroshard.TrainState` on its mesh, plus ``extra`` leaves stored as they are.
+
+- a :class:`zeroshard.TrainState` (from :func:`zeroshard.init_train_state` or a train
+  step): itself;
+- a Flax Linen ``TrainState`` (``flax.training.train_state.TrainState`` or a subclass)
+  created with ``tx=zs.sharded(...)``: its ``step``, ``params`` (whole, replicated)
+  and ``opt_state`` (a :class:`zeroshard.ShardedState`); every other pytree field (an
+  EMA of the weights, batch statistics, ...) is ``extra``;
+- a Flax NNX ``(model, optimizer)`` pair, ``optimizer = nnx.Optimizer(model,
+  zs.sharded(...), wrt=...)``: the model's ``wrt`` variables are the parameters, the
+  optimizer's state and step the rest; the model's other variables (batch
+  statistics, RNG state, ...) are ``extra``.
+
+:func:`parts_of` takes a state apart; :func:`rebuilt` puts restored parts into a target
+of the same kind (an NNX pair is updated in place, as ``nnx.update`` does). Typed PRNG
+keys among the extra leaves are stored as their key data and wrapped again on restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.layout import PyTree
+from zeroshard.logical import mesh_of
+from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
+from zeroshard.stage3 import is_shard
+from zeroshard.step import TrainState
+
+KINDS = (
+    "a zs.TrainState, a Flax Linen TrainState created with tx=zs.sharded(...), or an NNX "
+    "(model, optimizer) pair with optimizer = nnx.Optimizer(model, zs.sharded(...), wrt=...)"
+)
+_LINEN_CORE = ("step", "params", "opt_state")
+
+
+class Parts(NamedTuple):
+    """A training state as the handler stores it.
+
+    Attributes:
+      state: the :class:`zeroshard.TrainState` (step replicated on the mesh).
+      extra: the other leaves by name (``{}`` when there are none), as stored.
+      tx: the optimizer from :func:`zeroshard.sharded` the state belongs to.
+    """
+
+    state: TrainState
+    extra: dict[str, PyTree]
+    tx: ShardedTransformation
+
+
+def _nnx_pair(state: Any) -> bool:
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        return False
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is optional
+        return False
+    return isinstance(state[1], nnx.Optimizer)
+
+
+def _linen(state: Any) -> bool:
+    names = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) else ()
+    return all(name in names for name in _LINEN_CORE)
+
+
+def kind_of(state: Any) -> str:
+    """``"zeroshard"``, ``"linen"`` or ``"nnx"``.
+
+    Raises:
+      TypeError: for any other object, naming the kinds accepted.
+    """
+    if isinstance(state, TrainState):
+        return "zeroshard"
+    if _nnx_pair(state):
+        return "nnx"
+    if _linen(state):
+        return "linen"
+    raise TypeError(f"zeroshard saves and restores {KINDS}; got a {type(state).__name__}.")
+
+
+def state_tx(state: Any, tx: ShardedTransformation | None) -> ShardedTransformation:
+    """``tx``, else the optimizer the state carries (a Linen state's ``tx``, an NNX
+    optimizer's ``tx``); it must be from :func:`zeroshard.sharded`."""
+    if tx is None:
+        kind = kind_of(state)
+        if kind == "zeroshard":
+            raise ValueError(
+                "a zs.TrainState does not carry its optimizer: pass tx, the zs.sharded(...) "
+                "it was made with."
+            )
+        tx = state.tx if kind == "linen" else state[1].tx
+    sharding_of(tx)  # a TypeError with the fix for a plain optax optimizer
+    return tx
+
+
+def find_state_mesh(
+    tx: ShardedTransformation, tree: PyTree, mesh: jax.sharding.Mesh | None = None
+) -> jax.sharding.Mesh:
+    """``mesh``, else the optimizer's ``mesh=``, else the mesh of the arrays of ``tree``
+    that has the optimizer's axis.
+
+    Raises:
+      ValueError: if none is known, with the fix.
+    """
+    if mesh is not None:
+        return mesh
+    if tx.config.mesh is not None:
+        return tx.config.mesh
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and tx.axis_name in sharding.mesh.axis_names:
+            return sharding.mesh
+    raise ValueError(
+        f"no mesh with axis {tx.axis_name!r} is known for this state: pass mesh=..., or build "
+        "the optimizer with zs.sharded(inner, mesh=mesh)."
+    )
+
+
+def _sharded_state(opt_state: Any, where: str) -> ShardedState:
+    if not isinstance(opt_state, ShardedState):
+        raise TypeError(
+            f"{where} is a {type(opt_state).__name__}, not a zs.ShardedState: build the state "
+            "with the optimizer from zs.sharded(...), e.g. tx=zs.sharded(optax.adamw(1e-3), "
+            "mesh=mesh)."
+        )
+    return opt_state
+
+
+def _on_mesh(step: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+    return jax.device_put(jnp.asarray(step, jnp.int32), NamedSharding(mesh, P()))
+
+
+def _has_leaves(tree: PyTree) -> bool:
+    return bool(jax.tree.leaves(tree))
+
+
+def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
+    """``state`` (any of the kinds above) taken apart.
+
+    Raises:
+      TypeError: for another kind of state, or a state without a
+        :class:`zeroshard.ShardedState`.
+    """
+    kind, tx = kind_of(state), state_tx(state, tx)
+    if kind == "zeroshard":
+        mesh_of(state)  # a TypeError unless it is laid out on a mesh
+        return Parts(state, {}, tx)
+    if kind == "linen":
+        opt_state = _sharded_state(state.opt_state, "the TrainState's opt_state")
+        mesh = find_state_mesh(tx, opt_state)
+        core = TrainState(_on_mesh(state.step, mesh), state.params, opt_state)
+        return Parts(core, stored(_linen_extra(state)), tx)
+    from flax import nnx
+
+    model, optimizer = state
+    opt_state = _sharded_state(nnx.as_pure(optimizer.opt_state), "the optimizer's opt_state")
+    mesh = find_state_mesh(tx, opt_state)
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+    rest = stored(nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt))))
+    core = TrainState(_on_mesh(optimizer.step[...], mesh), params, opt_state)
+    return Parts(core, {"model": rest} if _has_leaves(rest) else {}, tx)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def stored(tree: PyTree) -> PyTree:
+    """``tree`` as the handler writes it: typed PRNG keys as their key data."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def target_parts(
+    target: Any, tx: ShardedTransformation | None, mesh: jax.sharding.Mesh | None
+) -> tuple[Parts, jax.sharding.Mesh, int]:
+    """What a restore reads into: the target's parts as ``ShapeDtypeStruct`` (the extra
+    leaves placed where the target has them, else replicated), its mesh and its stage.
+
+    Args:
+      target: a state of the kind to restore (arrays or ``jax.ShapeDtypeStruct``).
+      tx: the optimizer (default: the one the target carries).
+      mesh: the mesh to restore onto (default: the optimizer's, else the target's).
+    """
+    kind, tx = kind_of(target), state_tx(target, tx)
+    if kind == "zeroshard":
+        tree = (target.step, target.opt_state)
+        mesh = find_state_mesh(tx, tree, mesh)
+        stage = 3 if any(map(is_shard, jax.tree.leaves(target.params, is_leaf=is_shard))) else 1
+        return Parts(target, {}, tx), mesh, stage
+    if kind == "linen":
+        mesh = find_state_mesh(tx, target.opt_state, mesh)
+        core = TrainState(target.step, target.params, target.opt_state)
+        return Parts(core, _structs(_linen_extra(target), mesh), tx), mesh, 1
+    from flax import nnx
+
+    model, optimizer = target
+    mesh = find_state_mesh(tx, nnx.as_pure(optimizer.opt_state), mesh)
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+    rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+    extra = {"model": rest} if _has_leaves(rest) else {}
+    core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
+    return Parts(core, _structs(extra, mesh), tx), mesh, 1
+
+
+def _linen_extra(state: Any) -> dict[str, PyTree]:
+    """A Linen state's pytree fields other than step, params and opt_state, by name
+    (those with array leaves)."""
+    fields = dataclasses.fields(state)
+    names = [f.name for f in fields if f.metadata.get("pytree_node", True)]
+    extra = {name: getattr(state, name) for name in names if name not in _LINEN_CORE}
+    return {name: value for name, value in extra.items() if _has_leaves(value)}
+
+
+def _structs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+    """``ShapeDtypeStruct`` of the stored form of ``tree``'s leaves on ``mesh``."""
+    devices = set(mesh.devices.flat)
+
+    def struct(x: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(x, "sharding", None)
+        keep = isinstance(sharding, NamedSharding) and set(sharding.device_set) == devices
+        shape = jax.eval_shape(lambda y: stored(y), x)
+        if not keep or _is_key(x):
+            sharding = NamedSharding(mesh, P())
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+    return jax.tree.map(struct, tree)
+
+
+def _loaded(read: PyTree, like: PyTree) -> PyTree:
+    """Extra leaves read back, typed PRNG keys wrapped again as ``like``'s."""
+    return jax.tree.map(
+        lambda r, x: jax.random.wrap_key_data(r, impl=jax.random.key_impl(x)) if _is_key(x) else r,
+        read,
+        like,
+    )
+
+
+def rebuilt(target: Any, state: TrainState, extra: dict[str, PyTree]) -> Any:
+    """The restored ``state`` and ``extra`` in ``target``'s kind (an NNX pair is updated
+    in place and returned)."""
+    kind = kind_of(target)
+    if kind == "zeroshard":
+        return state
+    if kind == "linen":
+        step = state.step
+        if isinstance(target.step, int):
+            step = int(step)
+        elif hasattr(target.step, "dtype"):
+            step = step.astype(target.step.dtype)
+        fields = {k: _loaded(v, getattr(target, k)) for k, v in extra.items()}
+        return target.replace(step=step, params=state.params, opt_state=state.opt_state, **fields)
+    from flax import nnx
+
+    model, optimizer = target
+    if "model" in extra:
+        rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+        nnx.update(model, _loaded(extra["model"], rest))
+    nnx.update(model, state.params)
+    nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+    optimizer.step[...] = state.step.astype(optimizer.step[...].dtype)
+    return target
