@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
@@ -141,7 +142,8 @@ class Sharded:
             out_specs=self.state_specs(params, mesh.shape[axis]),
             axis_names=set(mesh.axis_names),
         )
-        return jax.jit(init)(_with_layout(params, P()), _with_layout(master_params, P()))
+        whole = lambda tree: _with_layout(tree, NamedSharding(mesh, P()))
+        return jax.jit(init)(whole(params), whole(master_params))
 
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
@@ -190,7 +192,7 @@ class Sharded:
             axis_names=set(mesh.axis_names),
             check_vma=mesh.shape[axis] > 1,
         )
-        grads_in, params_in = (_with_layout(t, P()) for t in (grads, params))
+        grads_in, params_in = (_with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
         new, state = step(grads_in, state, params_in, extra_args)
         return _with_layout(new, params), state
 
@@ -231,17 +233,17 @@ def _values(tree: PyTree) -> PyTree:
 
 def _with_layout(tree: PyTree, like: Any) -> PyTree:
     """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
-    arrays, or one ``PartitionSpec`` for every leaf); unchanged where the types carry no
+    arrays, or one ``NamedSharding`` for every leaf); unchanged where the types carry no
     layout (Auto axes: the compiler places it)."""
-    like = jax.tree.map(lambda _: like, tree) if isinstance(like, P) else like
+    one = isinstance(like, NamedSharding)
 
-    def put(x: Any, y: Any) -> Any:
-        target = y if isinstance(y, P) else getattr(jax.typeof(y), "sharding", None)
+    def put(x: Any, y: Any = None) -> Any:
+        target = like if one else getattr(jax.typeof(y), "sharding", None)
         if target is None or not _explicit(jax.typeof(x)):
             return x
         return jax.sharding.reshard(x, target)
 
-    return jax.tree.map(put, tree, like, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)
 
 
 def _explicit(aval: Any) -> bool:
