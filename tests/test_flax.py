@@ -210,19 +210,24 @@ def test_nnx_stage3_gathers_per_layer_and_matches_plain_optax(rng):
     check_stage3(params, plain_loss, stage3_loss, data, layers=4)
 
 
-def test_updates_outside_the_step_point_at_the_flax_steps(rng):
+def test_updates_outside_the_steps_take_the_mean_gradient(rng):
+    """``state.apply_gradients`` and ``optimizer.update`` outside zeroshard's steps are
+    the drop-in: the gradient given is the mean, and the update is plain optax's (whole
+    programs in tests/test_dropin.py)."""
     mesh, model = make_mesh(8), LinenModel()
     params = model.init(jax.random.key(0), jnp.ones((1, 7)))["params"]
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     state = zf.linen_train_state(model.apply, params, tx, mesh)
-    grads = jax.tree.map(jnp.zeros_like, params)
-    with pytest.raises(ValueError, match=r"linen_train_step\(loss_fn, tx, mesh\) instead"):
-        state.apply_gradients(grads=grads)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    assert_trees_close(state.apply_gradients(grads=grads).params, expected, 1e-6)
     nnx_model = NNXModel(nnx.Rngs(0))
+    before = nnx.to_pure_dict(nnx.state(nnx_model, nnx.Param))
     optimizer = zf.nnx_optimizer(nnx_model, zs.sharded(optax.sgd(0.1)), mesh)
-    with pytest.raises(ValueError, match="nnx_train_step"):
-        grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.state(nnx_model, nnx.Param))
-        optimizer.update(nnx_model, grads)
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), nnx.state(nnx_model, nnx.Param))
+    optimizer.update(nnx_model, grads)
+    after = nnx.to_pure_dict(nnx.state(nnx_model, nnx.Param))
+    assert_trees_close(after, jax.tree.map(lambda p: p - 0.05, before), 1e-6)
 
 
 def test_nnx_bf16_compute_keeps_an_fp32_master(rng):
