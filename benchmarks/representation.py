@@ -411,18 +411,7 @@ def pieces(params32, batch, mesh, inner, dtype, pack_bytes):
                 start += ws[i]
         return treedef.unflatten(out), (master if keep_master else None), opt
 
-    specs = (P(), master_specs, opt_specs, P("data"))
-    step = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[:3]),
-        donate_argnums=(0, 1, 2),
-    )
-    return {
-        "init": lambda p: jax.block_until_ready(init(p)),
-        "jit": step,
-        "args": lambda s: (*s, batch),
-        "next": lambda out: out,
-        "opt": lambda s: (s[1], s[2]),
-    }
+    return _prototype(local, init, mesh, (master_specs, opt_specs), batch)
 
 
 def flat_master(params32, batch, mesh, inner, dtype, pack_bytes):
@@ -493,18 +482,7 @@ def flat(params32, batch, mesh, inner, dtype, pack_bytes, keep_master=None):
                 start += ws[i]
         return treedef.unflatten(out), (master if keep_master else None), opt
 
-    specs = (P(), master_specs, opt_specs, P("data"))
-    step = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[:3]),
-        donate_argnums=(0, 1, 2),
-    )
-    return {
-        "init": lambda p: jax.block_until_ready(init(p)),
-        "jit": step,
-        "args": lambda s: (*s, batch),
-        "next": lambda out: out,
-        "opt": lambda s: (s[1], s[2]),
-    }
+    return _prototype(local, init, mesh, (master_specs, opt_specs), batch)
 
 
 def params_of(name: str, state):
@@ -714,6 +692,25 @@ def print_tables(results: list[dict], machine: str, args) -> None:
                     f"{r['state_arrays']:,} | {r['step_args']:,} | "
                     f"{r['hlo_instructions']:,} | {coll} |"
                 )
+
+
+def _prototype(local, init, mesh, state_specs, batch):
+    """A prototype's runner: its jitted ``shard_map`` step over (params, master, state)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    specs = (P(), *state_specs, P("data"))
+    step = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[:3]),
+        donate_argnums=(0, 1, 2),
+    )
+    return {
+        "init": lambda p: jax.block_until_ready(init(p)),
+        "jit": step,
+        "args": lambda s: (*s, batch),
+        "next": lambda out: out,
+        "opt": lambda s: (s[1], s[2]),
+    }
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zeroshard.checkpoint.integrity import CheckpointCorruptedError, record
+from zeroshard.checkpoint.integrity import CheckpointCorruptedError, read_or_refuse, record
 from zeroshard.checkpoint.item import from_item, logical_item, read_target
 from zeroshard.checkpoint.metadata import (
     build_metadata,
@@ -166,15 +166,8 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return rebuilt(args.target, state, restored.get("extra", {}))
 
     def _read(self, directory: epath.Path, target: dict[str, Any]) -> dict[str, Any]:
-        try:
-            restored = self._impl.restore(directory, args=ocp.args.StandardRestore(target))
-            return jax.block_until_ready(restored)
-        except Exception as e:  # orbax/tensorstore raise many types for bad files
-            reason = str(e).split(" [tensorstore_spec")[0][:400]
-            raise CheckpointCorruptedError(
-                f"could not read {directory}: the checkpoint is truncated or corrupted "
-                f"({type(e).__name__}: {reason}). {_UNCHANGED}"
-            ) from e
+        read = lambda: self._impl.restore(directory, args=ocp.args.StandardRestore(target))
+        return read_or_refuse(read, str(directory), _UNCHANGED)
 
     def finalize(self, directory: epath.Path) -> None:
         self._impl.finalize(directory)

@@ -286,3 +286,17 @@ def first_mismatch(recorded: dict[str, Any], got: dict[str, Any]) -> tuple[str, 
 def leaf_count(recorded: dict[str, Any]) -> int:
     """How many leaves a record covers (the step counter included)."""
     return sum(len(_leaves(v)) for k, v in recorded.items() if k != "algorithm")
+
+
+def read_or_refuse(read: Callable[[], Any], what: str, then: str) -> Any:
+    """``read()`` (an orbax restore), waited for; any error reading damaged or truncated
+    files (orbax and tensorstore raise many types) becomes a
+    :class:`CheckpointCorruptedError` naming ``what``, followed by ``then``."""
+    try:
+        return jax.block_until_ready(read())
+    except Exception as e:
+        reason = str(e).split(" [tensorstore_spec")[0][:400]
+        raise CheckpointCorruptedError(
+            f"could not read {what}: the checkpoint is truncated or corrupted "
+            f"({type(e).__name__}: {reason}). {then}"
+        ) from e

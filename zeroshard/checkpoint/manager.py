@@ -48,6 +48,7 @@ from zeroshard.checkpoint.integrity import (
     by_parts,
     leaf_count,
     parts,
+    read_or_refuse,
     record,
 )
 from zeroshard.checkpoint.item import from_item, logical_item, placed, read_target
@@ -289,15 +290,8 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
-        try:
-            restored = self._orbax().restore(step, args=args)[STATE_ITEM]
-            return jax.block_until_ready(restored)
-        except Exception as e:  # orbax/tensorstore raise many types for bad files
-            reason = str(e).split(" [tensorstore_spec")[0][:400]
-            raise CheckpointCorruptedError(
-                f"could not read step {step} of {self.directory}: the checkpoint is truncated "
-                f"or corrupted ({type(e).__name__}: {reason}). {self._others(step)}"
-            ) from e
+        read = lambda: self._orbax().restore(step, args=args)[STATE_ITEM]
+        return read_or_refuse(read, f"step {step} of {self.directory}", self._others(step))
 
     def _others(self, step: int) -> str:
         others = [s for s in self.all_steps() if s != step]
