@@ -239,7 +239,8 @@ def _with_layout(tree: PyTree, like: Any) -> PyTree:
 
     def put(x: Any, y: Any = None) -> Any:
         target = like if one else getattr(jax.typeof(y), "sharding", None)
-        if target is None or not _explicit(jax.typeof(x)):
+        mesh = getattr(target, "mesh", None)
+        if mesh is None or mesh.empty or not _explicit(jax.typeof(x)):
             return x
         return jax.sharding.reshard(x, target)
 
