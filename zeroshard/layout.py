@@ -17,10 +17,10 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
   the bucket, padded to the most loaded device's (``Bucket.owned_width``).
 
 Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
-laid end to end, are that device's *row* of the bucket (how the master weights are
-stored). The collectives of a step move a large leaf's pieces directly, with no copy
-into or out of a packed buffer; small leaves of one dtype are packed together
-(:meth:`groups`).
+laid end to end, are that device's *row* of the bucket (what a packed collective
+moves; the state itself keeps one piece per leaf). The collectives of a step move a
+large leaf's pieces directly, with no copy into or out of a packed buffer; small
+leaves of one dtype are packed together (:meth:`groups`).
 
 Holding a piece of every sliced leaf keeps the tree structure visible to the inner
 optimizer: it sees a pytree shaped like the parameters whose leaves are this
