@@ -369,3 +369,30 @@ def test_extra_arguments_and_loss_scaling_with_owned_leaves():
     )
     errors = relative_errors(state.params, expected, params)
     assert max(errors.values()) < RTOL, errors
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_factored_adafactor_at_real_sizes(skip_nonfinite):
+    """Both dimensions >= 128, so Adafactor factors the matrices (a d = 32 tree never
+    does): with non-finite skipping on, the stand-ins' factored moments (built from
+    constants) must be typed like the state they replace in the conditional."""
+    rng = np.random.default_rng(0)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.05, jnp.float32)
+    params = {"up": f(128, 256), "down": f(256, 128), "b": jnp.zeros(256)}
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["up"] + p["b"]) @ p["down"] - b["y"]) ** 2)
+
+    data = [{"x": f(32, 128) * 20, "y": f(32, 128) * 20} for _ in range(3)]
+    mesh = make_mesh(8)
+    tx = zs.sharded(optax.adafactor(1e-2), skip_nonfinite=skip_nonfinite)
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(loss, tx, mesh)
+    for batch in data:
+        state, _ = step(state, batch)
+    slots = {s.path: s for s in tx.plan(params, 8).layout.slots}
+    assert slots["['up']"].owned and slots["['down']"].owned  # factored: whole matrices
+    expected = reference(optax.adafactor(1e-2), params, data, loss)
+    for k in params:
+        err = np.linalg.norm(state.params[k] - expected[k]) / np.linalg.norm(expected[k])
+        assert err < 2e-5, (k, err)

@@ -47,6 +47,21 @@ def varying(tree: PyTree, axis_name: str) -> PyTree:
     return jax.tree.map(vary, tree)
 
 
+def varying_like(tree: PyTree, like: PyTree, axis_name: str) -> PyTree:
+    """``tree`` with each leaf typed varying over ``axis_name`` where the same leaf of
+    ``like`` is: an update's new state, as the old state is typed, so that the two
+    branches of the non-finite conditional agree. A leaf the update builds from
+    constants (the factored moments of a one-element stand-in, say) is invariant,
+    while its old value from a branch is varying."""
+    vary = lambda x, y: (
+        jax.lax.pcast(x, axis_name, to="varying")
+        if axis_name in jax.typeof(y).manual_axis_type.varying
+        and axis_name not in jax.typeof(x).manual_axis_type.varying
+        else x
+    )
+    return jax.tree.map(vary, tree, like)
+
+
 def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
     """The replicated leaves of ``inner_state`` after :func:`run_branches`, typed
     invariant over ``axis_name`` again: equal everywhere, device 0's are taken, with

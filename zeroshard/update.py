@@ -34,6 +34,7 @@ from zeroshard.branches import (
     run_branches,
     stored_state,
     varying,
+    varying_like,
 )
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import (
@@ -277,7 +278,8 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
             updates, new_state = plan.update(
                 opt.inner, grads, inner_state, params, axis, **extra_args
             )
-            return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), new_state
+            new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+            return new, varying_like(new_state, inner_state, axis)
 
         if opt.config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
