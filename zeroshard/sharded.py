@@ -342,11 +342,14 @@ def sharded(
 ) -> ShardedTransformation:
     """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
-    ``update(local_grads, state, params)`` runs inside ``jax.shard_map`` over
-    ``axis_name``: it reduce-scatters (averages) the device's *local, unreduced*
-    gradients (one collective per large leaf, small ones packed; see
-    ``pack_bytes``), runs ``inner`` on this device's part only, and all-gathers the
-    new weights in the parameters' dtype.
+    ``update(grads, state, params)`` runs ``inner`` on this device's part only and
+    all-gathers the new weights in the parameters' dtype. Inside ``jax.shard_map`` over
+    ``axis_name`` it takes each device's *local, unreduced* gradients and
+    reduce-scatters (averages) them (one collective per large leaf, small ones packed;
+    see ``pack_bytes``). Anywhere else (the user's own ``jax.jit`` or ``nnx.jit`` step,
+    ``nnx.Optimizer``, a Linen ``TrainState``) it takes the mean gradient that
+    ``jax.grad`` returns there, and each device cuts its part out: the one-line
+    drop-in for ``inner`` (see ``mesh``).
 
     Each leaf is placed where ``inner`` computes on it exactly. Where its update is
     elementwise (sgd, adam, lion, ...), the leaf is *sliced*: every device updates
@@ -354,20 +357,20 @@ def sharded(
     lars, novograd, fromage; factored moments as in adafactor; matrix functions as
     in muon), the leaf is *owned*: one device updates all of it and keeps its state,
     owners balanced by bytes or, for matrix work, by ``m * n * min(m, n)``. The
-    choice is read from the traced update, per leaf (see :mod:`zeroshard.placement`). The returned
-    updates are full-shape, so ``optax.apply_updates(params, updates)`` gives the
-    gathered weights (exactly whenever each new weight lies within a factor two of the
-    old one, by Sterbenz's lemma; otherwise within one rounding of them).
+    choice is read from the traced update, per leaf (see :mod:`zeroshard.placement`).
+    The returned updates are full-shape, so ``optax.apply_updates(params, updates)``
+    gives the gathered weights (exactly whenever each new weight lies within a factor
+    two of the old one, by Sterbenz's lemma; otherwise within one rounding of them).
 
-    ``init(params)`` returns this device's slices inside ``shard_map``, or global
-    arrays sharded over ``axis_name`` under ``jax.set_mesh(mesh)``; it works on
-    ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
+    ``init(params)`` returns this device's slices inside ``shard_map``, else global
+    arrays sharded over ``axis_name`` of the mesh (``mesh``, ``jax.set_mesh``, or the
+    params' own); it works on ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 
     Args:
       inner: any optax transformation whose update treats leaves separately, or
-        combines them through :func:`zeroshard.clip_by_global_norm`'s sum over the
-        axis. Combining leaves otherwise (``optax.clip_by_global_norm``,
-        ``optax.apply_if_finite``) is refused with a ``ValueError``.
+        combines them through sums (``optax.clip_by_global_norm``'s global norm is
+        summed across devices where it is used). Combining leaves otherwise
+        (``optax.apply_if_finite``) is refused with a ``ValueError``.
       axis_name: the mesh axis the batch (and the state) is split over.
       master_dtype: dtype of the master weights kept for lower-precision parameters;
         ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
