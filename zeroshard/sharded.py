@@ -148,8 +148,10 @@ class Sharded:
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
-        """``tx.update`` inside ``shard_map``: local gradients in, full-shape updates out,
-        such that ``optax.apply_updates(params, updates)`` gives the new weights."""
+        """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
+        updates)`` gives the new weights. Inside ``shard_map`` over the axis the
+        gradients are each device's local ones (:meth:`apply`); anywhere else they are
+        the mean gradient (:meth:`apply_global`)."""
         if params is not None and bound_axis_size(self.config.axis_name) is None:
             new, state = self.apply_global(updates, state, params, **extra_args)
         else:
