@@ -44,7 +44,7 @@ from zeroshard.collectives import (
     reduce_scatter_leaves,
     reduce_scatter_owned,
 )
-from zeroshard.layout import PyTree
+from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
 from zeroshard.stage3 import full_structs, is_shard, to_shards
 
@@ -77,7 +77,7 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
 
 
-def check_local(leaves: list, layout: Any, axis_name: str) -> None:
+def check_local(leaves: list, layout: Layout, axis_name: str) -> None:
     """Refuses gradients typed invariant over ``axis_name`` where types are checked
     (``shard_map``'s default ``check_vma=True``): such a gradient was all-reduced
     already (the gradient of a replicated input is), so reduce-scattering it again
