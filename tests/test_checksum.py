@@ -66,7 +66,7 @@ def test_values_are_32_bit_and_computed_without_gathering(rng):
     tree = on(leaves(rng), 8)
     sums = zs.checksums(tree)
     assert all(isinstance(v, int) and 0 <= v < 2**32 for v in jax.tree.leaves(sums))
-    from zeroshard.checkpoint.integrity import checksum_program
+    from zeroshard.checkpointing.integrity import checksum_program
 
     arrays = jax.tree.leaves(tree)
     hlo = checksum_program(make_mesh(8), arrays).lower(*arrays).compile().as_text()

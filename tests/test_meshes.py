@@ -113,8 +113,8 @@ def test_other_mesh_axis_is_left_alone(stage, rng):
 
 
 def test_explicit_other_axis_works_or_is_refused_clearly(rng):
-    """jax 0.12.0.1 cannot lower a reduce-scatter next to another Explicit axis
-    (DESIGN.md pitfall 4): the step says so and how to fix it; elsewhere it trains."""
+    """jax 0.12.0.1 cannot lower a reduce-scatter in a partial-manual shard_map next to
+    another Explicit axis: the step says so and how to fix it; elsewhere it trains."""
     params, data = awkward_params(rng), batches(rng, 1)
     mesh = jax.make_mesh((4, 2), ("data", "model"))  # both Explicit
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")

@@ -1,7 +1,7 @@
 """The sharded state as an item of the user's own orbax ``CheckpointManager``.
 
 Three kinds of state, each trained 2 steps on 8 devices and saved with
-``zs.checkpoint.ShardedSave`` next to a JSON config item: a ``zs.TrainState``, a Linen
+``zs.ShardedSave`` next to a JSON config item: a ``zs.TrainState``, a Linen
 ``TrainState`` subclass with an extra field (an EMA), and an NNX ``(model,
 optimizer)`` pair whose model has batch statistics and a dropout RNG. Each restores on
 8 devices and on 3 into a fresh target: the logical values (``zs.to_optax_state``:
@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
-from zeroshard.checkpoint import ShardedRestore, ShardedSave
+from zeroshard.checkpointing import ShardedRestore, ShardedSave
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.05, momentum=0.9),
@@ -214,7 +214,7 @@ def test_plain_optax_reads_the_item_and_the_record_is_its_metadata(tmp_path):
     mesh = auto_mesh(8)
     state, _ = build("linen", "adamw", mesh)
     save(tmp_path, 0, state)
-    record = zs.checkpoint.ShardedCheckpointHandler().metadata(tmp_path / "0" / "train_state")
+    record = zs.ShardedCheckpointHandler().metadata(tmp_path / "0" / "train_state")
     with ocp.CheckpointManager(tmp_path) as mngr:
         plain = mngr.restore(0, args=ocp.args.Composite(train_state=ocp.args.StandardRestore()))
     inner = optax.adamw(1e-2, weight_decay=0.1).init(state.params)

@@ -7,13 +7,13 @@ geometry), :mod:`~zeroshard.placement` (choosing placements from
 :mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.collectives`
 (reduce-scatter, all-gather), :mod:`~zeroshard.branches` (per-owner work),
 :mod:`~zeroshard.stage3` (weights as pieces), :mod:`~zeroshard.step` (the jitted
-step). Around the loop: :mod:`~zeroshard.checkpoint` (its manager, metadata record
+step). Around the loop: :mod:`~zeroshard.checkpointing` (its manager, metadata record
 and integrity checks) with :mod:`~zeroshard.logical`, :mod:`~zeroshard.preemption`,
 :mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
 """
 
 from zeroshard.analysis import NotElementwiseError
-from zeroshard.checkpoint import CheckpointCorruptedError, CheckpointManager, checksums
+from zeroshard.checkpointing import CheckpointCorruptedError, CheckpointManager, checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from zeroshard.config import ShardConfig
 from zeroshard.instruments import (
@@ -77,9 +77,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The orbax handler's names (zeroshard.checkpoint.handler), imported on first use."""
+    """The orbax handler's names (zeroshard.checkpointing.handler), imported on first use."""
     if name in ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave"):
-        from zeroshard import checkpoint
+        from zeroshard import checkpointing
 
-        return getattr(checkpoint, name)
+        return getattr(checkpointing, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

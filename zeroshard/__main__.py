@@ -18,7 +18,7 @@ import sys
 def inspect(directory: str, step: int | None, as_json: bool, verify: bool = False) -> int:
     """Prints a checkpoint's metadata record (without loading any array unless
     ``verify``: then every array of the step is read and checked against its checksum)."""
-    from zeroshard.checkpoint import CheckpointManager
+    from zeroshard.checkpointing import CheckpointManager
 
     manager = CheckpointManager(directory)
     try:

@@ -1,5 +1,5 @@
 """A step's logical item, shared by :class:`zeroshard.CheckpointManager` and the orbax
-handler of :mod:`zeroshard.checkpoint.handler`: built from a
+handler of :mod:`zeroshard.checkpointing.handler`: built from a
 :class:`zeroshard.TrainState` at save, and, at restore, the target it is read into and
 the sharded state rebuilt from what was read.
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checkpoint.metadata import check_format, check_matches, saved_loss_scale
+from zeroshard.checkpointing.metadata import check_format, check_matches, saved_loss_scale
 from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
 from zeroshard.logical import from_optax_state, logical_spec, logical_structs, to_optax_state

@@ -17,11 +17,11 @@ On disk a step holds two orbax items:
   non-finite steps, the loss scale, and every logical leaf's checksum), readable
   without loading arrays: ``python -m zeroshard inspect DIR``. Its schema, and the
   checks of a saved record against the state to restore:
-  :mod:`zeroshard.checkpoint.metadata`.
+  :mod:`zeroshard.checkpointing.metadata`.
 
 orbax does not verify what it reads: damaged bytes can restore as wrong values
 without an error. So :meth:`CheckpointManager.save` records a checksum of every
-logical leaf (:mod:`zeroshard.checkpoint.integrity`: computed on device, the same on
+logical leaf (:mod:`zeroshard.checkpointing.integrity`: computed on device, the same on
 any device count), and :meth:`CheckpointManager.restore` recomputes them on the
 restored arrays and raises :class:`~zeroshard.CheckpointCorruptedError` on a mismatch.
 ``step="latest_valid"`` restores the newest step that verifies, saying which it
@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import jax
 
-from zeroshard.checkpoint.integrity import (
+from zeroshard.checkpointing.integrity import (
     CheckpointCorruptedError,
     by_parts,
     leaf_count,
@@ -51,8 +51,8 @@ from zeroshard.checkpoint.integrity import (
     read_or_refuse,
     record,
 )
-from zeroshard.checkpoint.item import from_item, logical_item, placed, read_target
-from zeroshard.checkpoint.metadata import (
+from zeroshard.checkpointing.item import from_item, logical_item, placed, read_target
+from zeroshard.checkpointing.metadata import (
     build_metadata,
     check_checksums,
     check_digest,

@@ -14,8 +14,8 @@ Its fields, in the order they are written (:func:`build_metadata`):
 - ``master_dtype``, ``param_tree``, ``param_dtypes`` (the compute dtype of each
   parameter), and ``params``, ``opt_state``, ``model_state``: every logical leaf's
   ``{"shape", "dtype"}`` by path (:func:`describe`);
-- with checksums: ``checksums`` (:func:`zeroshard.checkpoint.integrity.record`) and
-  ``record_sha256``, the SHA-256 of the rest (:func:`~zeroshard.checkpoint.integrity.digest`).
+- with checksums: ``checksums`` (:func:`zeroshard.checkpointing.integrity.record`) and
+  ``record_sha256``, the SHA-256 of the rest (:func:`~zeroshard.checkpointing.integrity.digest`).
 
 The ``check_*`` functions raise on a record that does not fit: a damaged record or
 leaf (:class:`~zeroshard.CheckpointCorruptedError`), or a checkpoint of another format,
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeroshard.checkpoint.integrity import (
+from zeroshard.checkpointing.integrity import (
     ALGORITHM,
     RECORD_DIGEST,
     CheckpointCorruptedError,
@@ -115,7 +115,7 @@ def build_metadata(
         "opt_state": describe(item["opt_state"]),
         "model_state": None if state.model_state is None else describe(state.model_state),
     }
-    if "extra" in item:  # the other fields of a Flax state (zeroshard.checkpoint.handler)
+    if "extra" in item:  # the other fields of a Flax state (zeroshard.checkpointing.handler)
         metadata["extra"] = describe(item["extra"])
     if checksums:
         metadata["checksums"] = record(item)
@@ -190,7 +190,7 @@ def check_checksums(
     others: Callable[[], str],
 ) -> None:
     """Compares checksums recomputed on the arrays read back (``got``, from
-    :func:`~zeroshard.checkpoint.integrity.record`) with the recorded ones.
+    :func:`~zeroshard.checkpointing.integrity.record`) with the recorded ones.
 
     A record without checksums (saved before they existed) only warns, on behalf of
     the caller's caller (``CheckpointManager.restore``).

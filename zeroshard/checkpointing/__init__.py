@@ -1,23 +1,23 @@
 """Checkpoints of a ``TrainState`` in the logical, device-count-independent layout.
 
-- :mod:`~zeroshard.checkpoint.manager`: :class:`CheckpointManager`, saving, restoring
+- :mod:`~zeroshard.checkpointing.manager`: :class:`CheckpointManager`, saving, restoring
   and verifying steps with orbax (async saves, ``max_to_keep``,
   ``step="latest_valid"``).
-- :mod:`~zeroshard.checkpoint.metadata`: the JSON metadata record of a step: its
+- :mod:`~zeroshard.checkpointing.metadata`: the JSON metadata record of a step: its
   schema, built at save, and the checks of a saved record against the state to
   restore.
-- :mod:`~zeroshard.checkpoint.integrity`: :func:`checksums` of logical leaves, computed
+- :mod:`~zeroshard.checkpointing.integrity`: :func:`checksums` of logical leaves, computed
   on device and the same on any device count; the checksum record and the record's
   SHA-256; :class:`CheckpointCorruptedError`.
-- :mod:`~zeroshard.checkpoint.handler`: :class:`ShardedSave` and
+- :mod:`~zeroshard.checkpointing.handler`: :class:`ShardedSave` and
   :class:`ShardedRestore`, orbax ``CheckpointArgs`` that save a zeroshard, Linen or NNX
   state as an item of the user's own ``ocp.CheckpointManager`` (imported on first use:
-  orbax stays optional), with :mod:`~zeroshard.checkpoint.states` and the item shared
-  with the manager (:mod:`~zeroshard.checkpoint.item`).
+  orbax stays optional), with :mod:`~zeroshard.checkpointing.states` and the item shared
+  with the manager (:mod:`~zeroshard.checkpointing.item`).
 """
 
-from zeroshard.checkpoint.integrity import CheckpointCorruptedError, checksums
-from zeroshard.checkpoint.manager import CheckpointManager
+from zeroshard.checkpointing.integrity import CheckpointCorruptedError, checksums
+from zeroshard.checkpointing.manager import CheckpointManager
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -34,7 +34,7 @@ _HANDLER_NAMES = ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave")
 def __getattr__(name: str):
     """The orbax handler's names, imported on first use (they need orbax)."""
     if name in _HANDLER_NAMES:
-        from zeroshard.checkpoint import handler
+        from zeroshard.checkpointing import handler
 
         return getattr(handler, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,16 +4,16 @@
 registered with :class:`ShardedCheckpointHandler`: pass them in ``ocp.args.Composite``
 next to the other items of a step (a JSON config, a dataset iterator, ...), with
 orbax's own manager, sync or async. The states they take
-(:mod:`zeroshard.checkpoint.states`): a :class:`zeroshard.TrainState`, a Flax Linen
+(:mod:`zeroshard.checkpointing.states`): a :class:`zeroshard.TrainState`, a Flax Linen
 ``TrainState`` made with ``tx=zs.sharded(...)`` (a subclass's extra fields too), or an
 NNX ``(model, optimizer)`` pair.
 
 The item is an ordinary orbax pytree checkpoint in the logical layout (see
-:mod:`zeroshard.checkpoint.item`): ``{"step", "params", "opt_state"}`` as plain optax
+:mod:`zeroshard.checkpointing.item`): ``{"step", "params", "opt_state"}`` as plain optax
 would hold them (master-dtype parameters, the inner optimizer's state), and
 ``"extra"`` for the other fields, so it restores on any device count, and a plain
 optax user can read it with ``ocp.args.StandardRestore``. The metadata record of
-:mod:`zeroshard.checkpoint.metadata` (the skipped-step count, the loss scale, every
+:mod:`zeroshard.checkpointing.metadata` (the skipped-step count, the loss scale, every
 leaf's shape and checksum, the record's SHA-256) is the item's orbax custom metadata.
 Restoring checks the record against the target (another model or optimizer is a
 ``ValueError`` naming the first differing leaf), reads each device's block onto the
@@ -29,11 +29,11 @@ Example:
     >>> state = zs.init_train_state({"w": jnp.ones((8, 3))}, tx, mesh)
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
     ...     _ = mngr.save(0, args=ocp.args.Composite(
-    ...         train_state=zs.checkpoint.ShardedSave(state, tx),
+    ...         train_state=zs.ShardedSave(state, tx),
     ...         config=ocp.args.JsonSave({"lr": 1e-3})))
     ...     mngr.wait_until_finished()
     ...     restored = mngr.restore(0, args=ocp.args.Composite(
-    ...         train_state=zs.checkpoint.ShardedRestore(state, tx, mesh)))
+    ...         train_state=zs.ShardedRestore(state, tx, mesh)))
     >>> restored.train_state.params["w"].shape
     (8, 3)
 """
@@ -48,16 +48,16 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zeroshard.checkpoint.integrity import CheckpointCorruptedError, read_or_refuse, record
-from zeroshard.checkpoint.item import from_item, logical_item, read_target
-from zeroshard.checkpoint.metadata import (
+from zeroshard.checkpointing.integrity import CheckpointCorruptedError, read_or_refuse, record
+from zeroshard.checkpointing.item import from_item, logical_item, read_target
+from zeroshard.checkpointing.metadata import (
     build_metadata,
     check_checksums,
     check_digest,
     describe,
     first_difference,
 )
-from zeroshard.checkpoint.states import parts_of, rebuilt, target_parts
+from zeroshard.checkpointing.states import parts_of, rebuilt, target_parts
 from zeroshard.logical import mesh_of
 from zeroshard.sharded import ShardedTransformation
 from zeroshard.stage3 import full_structs
@@ -129,7 +129,7 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             ) from e
         if not isinstance(custom, dict) or RECORD_KEY not in custom:
             raise ValueError(
-                f"{directory} was not saved with zs.checkpoint.ShardedSave (no zeroshard "
+                f"{directory} was not saved with zs.ShardedSave (no zeroshard "
                 "record in its metadata); restore it with ocp.args.StandardRestore."
             )
         saved = dict(custom[RECORD_KEY])
@@ -148,7 +148,7 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         if args is None:
             raise ValueError(
                 "restore a zeroshard item with args=ocp.args.Composite(name="
-                "zs.checkpoint.ShardedRestore(target, tx, mesh))."
+                "zs.ShardedRestore(target, tx, mesh))."
             )
         saved = self.metadata(directory)
         parts, mesh, stage = target_parts(args.target, args.tx, args.mesh)
