@@ -16,59 +16,119 @@ Variants, per device count N and model size:
 parallelism orthogonalises every matrix on every device; zeroshard places each matrix
 whole on one device (owned), which orthogonalises only its own.
 
+``--model dense`` (default) is a list of tanh layers of the given width. ``--model
+stacked`` is a pre-norm transformer whose blocks are stacked along a leading layer
+axis and applied with ``jax.lax.scan`` (blocks ``qkv`` (L, d, 3d), ``out`` (L, d, d),
+``up`` (L, d, 4d), ``down`` (L, 4d, d), ``ln1``/``ln2`` (L, d); an embedding (vocab, d),
+a final norm and a head (d, vocab)); zeroshard gets ``stacked=["blocks"]`` and runs
+stages 1 and 3. With muon, each layer of a block stack is its own matrix
+(``MuonDimensionNumbers(reduction_axis=1, output_axis=2)``; the embedding, head and
+norms take muon's AdamW fallback), and zeroshard with ``optax.adamw`` on the same
+model is added (``zeroshard-1-adamw``, ``zeroshard-3-adamw``).
+
 Per variant: optimizer-state + master bytes per device (live arrays), XLA's argument,
 temp, output and alias bytes, the collectives of the compiled step with their
-ring-normalised bytes, and the median step time (variants interleaved step by step,
-after a warm-up). Prints markdown tables, writes JSON and a PNG.
+ring-normalised bytes (one inside a loop counted once per iteration, e.g. per layer
+of a scan), and the median step time (variants interleaved step by step,
+after a warm-up); for zeroshard, the most a device holds over plain optax's state / N
+and, where leaves are owned, who owns what and the owners' update cost max/mean (from
+the plan). Prints markdown tables, writes JSON and a PNG.
 
     .venv/bin/python benchmarks/compare.py --devices 1 2 4 8 --widths 256 512 1024
     .venv/bin/python benchmarks/compare.py --optimizer muon --layers 8 --widths 256
+    .venv/bin/python benchmarks/compare.py --optimizer muon --model stacked --devices 8 \\
+        --widths 256 --layers 8 --batch 16 --seq 32 --steps 10 --warmup 2
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import statistics
 import time
+from typing import Any, NamedTuple
+
+
+class Model(NamedTuple):
+    """A model to train: its parameters, its loss per stage and its global batch."""
+
+    params: Any
+    make_loss: Any  # stage -> loss_fn(params, batch)
+    batch: Any  # numpy Generator -> the global batch
+    stacked: Any  # zs.sharded's ``stacked``
+    muon_dims: Any  # muon's ``muon_weight_dimension_numbers`` (None: every 2-D leaf)
+    stages: tuple[int, ...]  # the stages of zeroshard's own step to run
+
+
+class Variant(NamedTuple):
+    """One way to train the model: ``run(state) -> state`` and ``lower(state)``."""
+
+    run: Any
+    lower: Any
+    state: Any
+    opt_of: Any  # state -> its optimizer state and master weights
+    tx: Any = None  # zeroshard's transformation (for its plan); None for plain optax
+    inner: Any = None  # the optax optimizer it runs
 
 
 def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_num_cpu_devices", max(args.devices))
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    machine = (
+        f"{jax.devices()[0].device_kind} x{jax.device_count()} "
+        f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
+    )
+    results = []
+    for width in args.widths:
+        rng = np.random.default_rng(0)
+        model = (stacked_model if args.model == "stacked" else dense_model)(args, width, rng)
+        size = sum(x.size for x in jax.tree.leaves(model.params))
+        for n in args.devices:
+            mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+            batch = jax.device_put(model.batch(rng), NamedSharding(mesh, P("data")))
+            fns = variants(args, model, mesh, batch)
+            rows = measure(args, fns, model.params, n, {"width": width, "params": size})
+            results += rows.values()
+            print_table(width, size, n, rows)
+            print_plans(rows)
+    write(args, machine, results)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
     )
     parser.add_argument("--optimizer", choices=["adam", "muon"], default="adam")
+    parser.add_argument("--model", choices=["dense", "stacked"], default="dense")
+    parser.add_argument("--vocab", type=int, default=512, help="stacked: vocabulary size")
+    parser.add_argument("--seq", type=int, default=32, help="stacked: tokens per sequence")
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
-    args = parser.parse_args()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+    return parser.parse_args()
 
-    if jax.config.jax_platforms == "cpu":
-        jax.config.update("jax_num_cpu_devices", max(args.devices))
+
+def dense_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
+    """``args.layers`` tanh layers of ``width`` (a list of {"w", "b"}); MSE loss."""
     import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from baseline import replicated_step
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import zeroshard as zs
-
-    inner = optax.adam(1e-4) if args.optimizer == "adam" else optax.contrib.muon(1e-4)
-    suffix = "" if args.optimizer == "adam" else f"-{args.optimizer}"
-    machine = (
-        f"{jax.devices()[0].device_kind} x{jax.device_count()} "
-        f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
-    )
 
     def dense(p, x):
         return jnp.tanh(x @ p["w"] + p["b"])
@@ -84,142 +144,314 @@ def main() -> None:
 
         return loss_fn
 
-    def variants(params, mesh, batch):
-        """name -> (run(state) -> state, lower(state) -> Lowered, state, opt(state))."""
-        n = mesh.shape["data"]
-        replicated = NamedSharding(mesh, P())
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
-        loss_fn = make_loss(1)
-        out = {}
-
-        dp = replicated_step(loss_fn, inner, mesh)
-        out["replicated"] = (
-            lambda s: dp(*s, batch),
-            lambda s: dp.lower(*s, batch),
-            (copy(params), copy(inner.init(params))),
-            lambda s: s[1],
-        )
-
-        # Plain muon under jit with a sharded state fails on Explicit mesh axes (its
-        # Newton-Schulz matmul "produces an illegally sharded result"): left out.
-        if args.optimizer == "adam":
-
-            def spread(x):
-                k = next((i for i, d in enumerate(x.shape) if d % n == 0 and d > 0), None)
-                return NamedSharding(mesh, P() if k is None else P(*(None,) * k, "data"))
-
-            opt_shardings = jax.tree.map(spread, jax.eval_shape(inner.init, params))
-
-            def jit_step(p, s, b):
-                updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
-                return optax.apply_updates(p, updates), s
-
-            js = jax.jit(
-                jit_step,
-                in_shardings=(replicated, opt_shardings, NamedSharding(mesh, P("data"))),
-                out_shardings=(replicated, opt_shardings),
-                donate_argnums=(0, 1),
-            )
-            opt = jax.jit(inner.init, out_shardings=opt_shardings)(params)
-            out["jit-sharded"] = (
-                lambda s: js(*s, batch),
-                lambda s: js.lower(*s, batch),
-                (copy(params), opt),
-                lambda s: s[1],
-            )
-        pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
-        dropin = zs.sharded(inner, axis_name="data", mesh=mesh, **pack)
-
-        def dropin_step(p, s, b):  # the user's own jit step; only the optimizer differs
-            updates, s = dropin.update(jax.grad(loss_fn)(p, b), s, p)
-            return optax.apply_updates(p, updates), s
-
-        ds = jax.jit(dropin_step, donate_argnums=(0, 1))
-        out["zeroshard-jit"] = (
-            lambda s: ds(*s, batch),
-            lambda s: ds.lower(*s, batch),
-            (copy(params), dropin.init(copy(params))),
-            lambda s: (s[1].inner_state, s[1].master, s[1].owned),
-        )
-        tx = zs.sharded(inner, axis_name="data", **pack)
-        for stage in (1, 2, 3):
-            step = zs.make_train_step(make_loss(stage), tx, mesh, stage=stage)
-            out[f"zeroshard-{stage}"] = (
-                lambda s, step=step: step(s, batch)[0],
-                lambda s, step=step: step.lower(s, batch),
-                zs.init_train_state(params, tx, mesh, stage=stage),
-                lambda s: (s.opt_state.inner_state, s.opt_state.master, s.opt_state.owned),
-            )
-        return out
-
-    results = []
-    for width in args.widths:
-        rng = np.random.default_rng(0)
-        params = {
-            "layers": [
-                {
-                    "w": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32),
-                    "b": jnp.zeros(width),
-                }
-                for _ in range(args.layers)
-            ]
-        }
-        size = sum(x.size for x in jax.tree.leaves(params))
-        for n in args.devices:
-            mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
-            batch = {
-                "x": jnp.asarray(rng.normal(size=(args.batch, width)), jnp.float32),
-                "y": jnp.asarray(rng.normal(size=(args.batch, width)), jnp.float32),
-            }
-            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            fns = variants(params, mesh, batch)
-            states = {name: v[2] for name, v in fns.items()}
-            rows = {}
-            for name, (_, lower, state, opt_of) in fns.items():
-                compiled = lower(state).compile()
-                stats = compiled.memory_analysis()
-                kinds = zs.summarize(zs.collectives(compiled.as_text(), n))
-                rows[name] = {
-                    "width": width,
-                    "params": size,
-                    "devices": n,
-                    "variant": name,
-                    "opt_state_bytes": zs.state_bytes_per_device(opt_of(state)),
-                    "argument_bytes": stats.argument_size_in_bytes,
-                    "temp_bytes": stats.temp_size_in_bytes,
-                    "output_bytes": stats.output_size_in_bytes,
-                    "alias_bytes": stats.alias_size_in_bytes,
-                    "collectives": {k: v["count"] for k, v in kinds.items()},
-                    "ring_bytes": sum(v["ring_bytes"] for v in kinds.values()),
-                    "times": [],
-                }
-            for i in range(args.warmup + args.steps):
-                for name, (fn, *_) in fns.items():
-                    t0 = time.perf_counter()
-                    states[name] = jax.block_until_ready(fn(states[name]))
-                    if i >= args.warmup:
-                        rows[name]["times"].append(time.perf_counter() - t0)
-            for row in rows.values():
-                row["step_ms"] = 1e3 * statistics.median(row.pop("times"))
-                results.append(row)
-            print_table(width, size, n, rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"compare{suffix}.json"), "w") as f:
-        json.dump(
+    params = {
+        "layers": [
             {
-                "machine": machine,
-                "optimizer": args.optimizer,
-                "steps": args.steps,
-                "results": results,
-            },
-            f,
-            indent=1,
-        )
-    plot(results, os.path.join(args.out, f"memory_vs_devices{suffix}.png"))
-    print(
-        f"\n{machine}, {args.optimizer}; medians of {args.steps} interleaved steps. "
-        f"Wrote {args.out}/compare{suffix}.json and memory_vs_devices{suffix}.png"
+                "w": jnp.asarray(rng.normal(size=(width, width)) / width**0.5, jnp.float32),
+                "b": jnp.zeros(width),
+            }
+            for _ in range(args.layers)
+        ]
+    }
+    normal = lambda rng: jnp.asarray(rng.normal(size=(args.batch, width)), jnp.float32)
+    batch = lambda rng: {"x": normal(rng), "y": normal(rng)}
+    return Model(params, make_loss, batch, None, None, (1, 2, 3))
+
+
+def stacked_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
+    """A pre-norm transformer of ``args.layers`` blocks stacked on a leading layer axis
+    and scanned over; next-token cross-entropy on random tokens. Muon orthogonalises
+    each layer of the block matrices on its own; the rest take its AdamW fallback."""
+    import jax.numpy as jnp
+    import numpy as np
+    from optax.contrib import MuonDimensionNumbers
+
+    d, layers, vocab = width, args.layers, args.vocab
+    normal = lambda *s, scale=1.0: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
+    residual = 1 / (2 * layers) ** 0.5  # the projections into the residual stream
+    params = {
+        "embed": normal(vocab, d),
+        "blocks": {
+            "ln1": jnp.ones((layers, d)),
+            "qkv": normal(layers, d, 3 * d, scale=d**-0.5),
+            "out": normal(layers, d, d, scale=d**-0.5 * residual),
+            "ln2": jnp.ones((layers, d)),
+            "up": normal(layers, d, 4 * d, scale=d**-0.5),
+            "down": normal(layers, 4 * d, d, scale=(4 * d) ** -0.5 * residual),
+        },
+        "ln_f": jnp.ones(d),
+        "head": normal(d, vocab, scale=d**-0.5),
+    }
+    per_layer = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    blocks = {k: None if k.startswith("ln") else per_layer for k in params["blocks"]}
+    dims = {"embed": None, "blocks": blocks, "ln_f": None, "head": None}
+
+    def batch(rng):
+        tokens = rng.integers(0, vocab, size=(args.batch, args.seq + 1), dtype=np.int32)
+        return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    make_loss = functools.partial(transformer_loss, heads=max(1, d // 64))
+    return Model(params, make_loss, batch, ["blocks"], dims, (1, 3))
+
+
+def transformer_loss(stage: int, heads: int) -> Any:
+    """The stacked model's loss; in stage 3 it gathers the embedding and the head whole
+    and each block inside the scan (one layer per iteration)."""
+    import jax
+    import optax
+
+    import zeroshard as zs
+
+    block = functools.partial(transformer_block, heads=heads)
+    block = zs.layer(block) if stage == 3 else block
+    whole = zs.gather if stage == 3 else lambda p: p
+
+    def loss_fn(params, batch):
+        embed = whole(params["embed"])  # a one-hot matmul: a lookup on the batch-sharded
+        x = jax.nn.one_hot(batch["tokens"], embed.shape[0]) @ embed  # tokens needs out_sharding
+        x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), x, params["blocks"])
+        head = whole({"ln": params["ln_f"], "w": params["head"]})
+        logits = rms_norm(x, head["ln"]) @ head["w"]
+        losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return losses.mean()
+
+    return loss_fn
+
+
+def transformer_block(p: dict, x: Any, heads: int) -> Any:
+    """One pre-norm block: causal self-attention, then a GELU MLP, both residual."""
+    import jax
+
+    b, s, d = x.shape
+    q, k, v = jax.numpy.split(rms_norm(x, p["ln1"]) @ p["qkv"], 3, axis=-1)
+    split = lambda t: t.reshape(b, s, heads, d // heads)
+    attention = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True)
+    x = x + attention.reshape(b, s, d) @ p["out"]
+    return x + jax.nn.gelu(rms_norm(x, p["ln2"]) @ p["up"]) @ p["down"]
+
+
+def rms_norm(x: Any, scale: Any) -> Any:
+    import jax
+
+    return x * jax.lax.rsqrt(jax.numpy.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+
+def variants(args: argparse.Namespace, model: Model, mesh: Any, batch: Any) -> dict:
+    """name -> Variant: (a) replicated, (b) jit-sharded (Adam only), the drop-in and
+    zeroshard's own step; with muon on the stacked model, zeroshard AdamW too."""
+    import optax
+
+    if args.optimizer == "adam":
+        inner = optax.adam(1e-4)
+    else:
+        inner = optax.contrib.muon(1e-4, muon_weight_dimension_numbers=model.muon_dims)
+    out = {"replicated": replicated(model, inner, mesh, batch)}
+    # Plain muon under jit with a sharded state fails on Explicit mesh axes (its
+    # Newton-Schulz matmul "produces an illegally sharded result"): left out.
+    if args.optimizer == "adam":
+        out["jit-sharded"] = jit_sharded(model, inner, mesh, batch)
+    options = {"axis_name": "data", "stacked": model.stacked}
+    options |= {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+    out["zeroshard-jit"] = dropin(model, inner, mesh, batch, options)
+    out |= own_steps(model, inner, mesh, batch, options, "")
+    if args.optimizer == "muon" and args.model == "stacked":
+        out |= own_steps(model, optax.adamw(1e-4), mesh, batch, options, "-adamw")
+    return out
+
+
+def replicate(tree: Any, mesh: Any) -> Any:
+    """A fresh copy of ``tree`` on every device of ``mesh`` (each variant its own)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(mesh, P()))
+    return copy(tree)
+
+
+def replicated(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
+    """(a): ``shard_map`` + ``pmean``, plain optax on every device."""
+    from baseline import replicated_step
+
+    dp = replicated_step(model.make_loss(1), inner, mesh)
+    state = (replicate(model.params, mesh), replicate(inner.init(model.params), mesh))
+    return Variant(lambda s: dp(*s, batch), lambda s: dp.lower(*s, batch), state, lambda s: s[1])
+
+
+def jit_sharded(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
+    """(b): plain optax under ``jax.jit``, its state sharded by ``NamedSharding``."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n, loss_fn = mesh.shape["data"], model.make_loss(1)
+
+    def spread(x):
+        k = next((i for i, d in enumerate(x.shape) if d % n == 0 and d > 0), None)
+        return NamedSharding(mesh, P() if k is None else P(*(None,) * k, "data"))
+
+    opt_shardings = jax.tree.map(spread, jax.eval_shape(inner.init, model.params))
+
+    def jit_step(p, s, b):
+        updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, updates), s
+
+    whole = NamedSharding(mesh, P())
+    js = jax.jit(
+        jit_step,
+        in_shardings=(whole, opt_shardings, NamedSharding(mesh, P("data"))),
+        out_shardings=(whole, opt_shardings),
+        donate_argnums=(0, 1),
     )
+    opt = jax.jit(inner.init, out_shardings=opt_shardings)(model.params)
+    state = (replicate(model.params, mesh), opt)
+    return Variant(lambda s: js(*s, batch), lambda s: js.lower(*s, batch), state, lambda s: s[1])
+
+
+def dropin(model: Model, inner: Any, mesh: Any, batch: Any, options: dict) -> Variant:
+    """(c) ``zeroshard-jit``: ``zs.sharded(inner, mesh=mesh)`` in the user's own jit step."""
+    import jax
+    import optax
+
+    import zeroshard as zs
+
+    tx, loss_fn = zs.sharded(inner, mesh=mesh, **options), model.make_loss(1)
+
+    def dropin_step(p, s, b):  # the user's own jit step; only the optimizer differs
+        updates, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, updates), s
+
+    ds = jax.jit(dropin_step, donate_argnums=(0, 1))
+    params = replicate(model.params, mesh)
+    return Variant(
+        lambda s: ds(*s, batch),
+        lambda s: ds.lower(*s, batch),
+        (params, tx.init(replicate(model.params, mesh))),
+        lambda s: (s[1].inner_state, s[1].master, s[1].owned),
+        tx,
+        inner,
+    )
+
+
+def own_steps(model: Model, inner, mesh, batch, options: dict, suffix: str) -> dict:
+    """(d) ``zeroshard-{stage}{suffix}``: zeroshard's own step, per stage of the model."""
+    import zeroshard as zs
+
+    tx, out = zs.sharded(inner, **options), {}
+    for stage in model.stages:
+        step = zs.make_train_step(model.make_loss(stage), tx, mesh, stage=stage)
+        out[f"zeroshard-{stage}{suffix}"] = Variant(
+            lambda s, step=step: step(s, batch)[0],
+            lambda s, step=step: step.lower(s, batch),
+            zs.init_train_state(model.params, tx, mesh, stage=stage),
+            lambda s: (s.opt_state.inner_state, s.opt_state.master, s.opt_state.owned),
+            tx,
+            inner,
+        )
+    return out
+
+
+def measure(args: argparse.Namespace, fns: dict, params: Any, n: int, base: dict) -> dict:
+    """name -> row: the compiled step's memory and collectives, the plan's figures, and
+    the median step time (variants interleaved step by step after the warm-up)."""
+    import jax
+
+    rows = {
+        name: describe(v, params, n, base | {"devices": n, "variant": name})
+        for name, v in fns.items()
+    }
+    states = {name: v.state for name, v in fns.items()}
+    for i in range(args.warmup + args.steps):
+        for name, v in fns.items():
+            t0 = time.perf_counter()
+            states[name] = jax.block_until_ready(v.run(states[name]))
+            if i >= args.warmup:
+                rows[name]["times"].append(time.perf_counter() - t0)
+    for row in rows.values():
+        row["step_ms"] = 1e3 * statistics.median(row.pop("times"))
+    return rows
+
+
+def describe(v: Variant, params: Any, n: int, row: dict) -> dict:
+    """``row`` with the compiled step's bytes and collectives, and for zeroshard the plan's
+    placement: the owner of each owned leaf, owned bytes and update cost per device."""
+    import jax
+
+    import zeroshard as zs
+
+    compiled = v.lower(v.state).compile()
+    stats = compiled.memory_analysis()
+    kinds = zs.summarize(step_collectives(compiled.as_text(), n))
+    row |= {
+        "opt_state_bytes": zs.state_bytes_per_device(v.opt_of(v.state)),
+        "argument_bytes": stats.argument_size_in_bytes,
+        "temp_bytes": stats.temp_size_in_bytes,
+        "output_bytes": stats.output_size_in_bytes,
+        "alias_bytes": stats.alias_size_in_bytes,
+        "collectives": {k: c["count"] for k, c in kinds.items()},
+        "ring_bytes": sum(c["ring_bytes"] for c in kinds.values()),
+        "times": [],
+    }
+    if v.tx is None:
+        return row
+    plan = v.tx.plan(params, n)
+    plain = jax.eval_shape(v.inner.init, params)
+    return row | {
+        "plain_state_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plain)),
+        "owned": {s.path: s.owner for s in plan.layout.slots if s.owned},
+        "owned_bytes": plan.owned_bytes(),
+        "owned_costs": plan.owned_costs(),
+    }
+
+
+def step_collectives(hlo: str, n: int) -> list:
+    """The collectives one step runs: those of each computation of the compiled HLO,
+    times the known trip counts of the loops that run it (a ``lax.scan`` over layers
+    runs its body's collectives once per layer; ``zs.collectives`` lists them once)."""
+    import re
+
+    import zeroshard as zs
+
+    bodies: dict[str, list[str]] = {}
+    for line in hlo.splitlines():
+        if header := re.match(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$", line):
+            lines = bodies.setdefault(header[1], [])
+        elif bodies:
+            lines.append(line)
+    caller = {}  # computation -> (the computation calling it, times per call)
+    for name, lines in bodies.items():
+        for line in lines:
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            for ref in re.findall(r"%([\w.\-]+)", line):
+                if ref in bodies and ref not in caller:
+                    caller[ref] = (name, int(trips[1]) if trips and f"body=%{ref}" in line else 1)
+
+    def runs(name, seen=()):
+        if name not in caller or name in seen:
+            return 1
+        parent, times = caller[name]
+        return times * runs(parent, (*seen, name))
+
+    return [
+        c
+        for name, lines in bodies.items()
+        for c in zs.collectives("\n".join(lines), n) * runs(name)
+    ]
+
+
+def state_vs_plain(r: dict) -> str:
+    """The most one device holds, over plain optax's state / N."""
+    if "plain_state_bytes" not in r:
+        return "-"
+    return f"{r['opt_state_bytes'] * r['devices'] / r['plain_state_bytes']:.2f}"
+
+
+def imbalance(r: dict) -> str:
+    """The owners' update cost, max over mean across devices (as zeroshard logs it)."""
+    costs = r.get("owned_costs") or [0]
+    return f"{max(costs) * len(costs) / sum(costs):.2f}" if sum(costs) else "-"
 
 
 def print_table(width, size, n, rows):
@@ -227,9 +459,10 @@ def print_table(width, size, n, rows):
     print(f"\n### width {width} ({size:,} params), {n} devices\n")
     print(
         "| variant | opt+master B | arg B | temp B | collectives | ring B | step ms "
-        "| state vs (a) | ring vs (a) | ring vs (b) | time vs (a) | time vs (b) |"
+        "| state vs (a) | ring vs (a) | ring vs (b) | time vs (a) | time vs (b) "
+        "| max state / (plain/N) | owned cost max/mean |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratio = lambda x, y: f"{x / y:.3f}" if y else "-"
     for name, r in rows.items():
         kinds = ", ".join(f"{k} x{c}" for k, c in sorted(r["collectives"].items())) or "none"
@@ -239,8 +472,48 @@ def print_table(width, size, n, rows):
             f"{ratio(r['opt_state_bytes'], a['opt_state_bytes'])} | "
             f"{ratio(r['ring_bytes'], a['ring_bytes'])} | "
             f"{ratio(r['ring_bytes'], b['ring_bytes'])} | "
-            f"{ratio(r['step_ms'], a['step_ms'])} | {ratio(r['step_ms'], b['step_ms'])} |"
+            f"{ratio(r['step_ms'], a['step_ms'])} | {ratio(r['step_ms'], b['step_ms'])} | "
+            f"{state_vs_plain(r)} | {imbalance(r)} |"
         )
+
+
+def print_plans(rows: dict) -> None:
+    """Per zeroshard plan with owned leaves: which device owns what, and the owned
+    bytes per device (the variants of one inner optimizer share a plan)."""
+    seen = set()
+    for name, r in rows.items():
+        if not r.get("owned"):
+            continue
+        owners = ", ".join(f"{path} -> {d}" for path, d in r["owned"].items())
+        line = f"owners: {owners}; owned bytes per device: {r['owned_bytes']}"
+        if line not in seen:
+            seen.add(line)
+            print(f"\n{name} (and the variants of the same optimizer): {line}")
+
+
+def write(args: argparse.Namespace, machine: str, results: list) -> None:
+    """The JSON and the PNG, named for the optimizer and the model."""
+    suffix = "" if args.optimizer == "adam" else f"-{args.optimizer}"
+    suffix += "" if args.model == "dense" else f"-{args.model}"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"compare{suffix}.json"), "w") as f:
+        json.dump(
+            {
+                "machine": machine,
+                "optimizer": args.optimizer,
+                "model": args.model,
+                "steps": args.steps,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
+    plot(results, os.path.join(args.out, f"memory_vs_devices{suffix}.png"))
+    print(
+        f"\n{machine}, {args.optimizer}, {args.model} model; medians of {args.steps} "
+        f"interleaved steps. Wrote {args.out}/compare{suffix}.json and "
+        f"memory_vs_devices{suffix}.png"
+    )
 
 
 def plot(results, path):
