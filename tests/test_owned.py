@@ -163,6 +163,36 @@ def test_global_norm_clipping_needs_no_source_change(alias_setup):
     assert max(errors.values()) < RTOL, errors
 
 
+# Per-leaf norms, RMS and means: the leaves stay sliced and their sums are made whole
+# (summed over the devices, padding left out, a mean divided by the leaf's size).
+PER_LEAF_SUMS = {
+    "trust_ratio": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-1e-2)
+    ),
+    "block_rms_clipping": lambda: optax.chain(optax.clip_by_block_rms(1e-3), optax.sgd(0.1)),
+    "param_block_rms": lambda: optax.chain(optax.scale_by_param_block_rms(), optax.sgd(0.1)),
+    "adafactor_unfactored": lambda: optax.adafactor(1e-2, factored=False),
+    "chained_with_global_clipping": lambda: optax.chain(
+        optax.clip_by_global_norm(0.05), optax.lamb(1e-2)
+    ),
+}
+
+
+@pytest.mark.parametrize("n", [8, 3])
+@pytest.mark.parametrize("name", sorted(PER_LEAF_SUMS))
+def test_per_leaf_sums_keep_leaves_sliced(name, n, alias_setup):
+    params, data, _ = alias_setup
+    inner = optax.with_extra_args_support(PER_LEAF_SUMS[name]())
+    tx = zs.sharded(inner)
+    assert not tx.plan(params, n).layout.has_owned
+    errors = relative_errors(
+        hand_written_loop(tx, params, data, n, awkward_loss),
+        reference(inner, params, data, awkward_loss, n),
+        params,
+    )
+    assert max(errors.values()) < RTOL, errors
+
+
 def test_the_guard_still_refuses_what_no_placement_makes_exact():
     params = alias_params()
 

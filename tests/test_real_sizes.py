@@ -345,27 +345,23 @@ def largest_device_bytes(tree) -> int:
 
 
 def sharded_state(optimizer: str, setup) -> tuple:
-    """``(inner, state)``: the inner optimizer and a stage-1 state of ``setup``'s model
+    """``(tx, state)``: the sharded optimizer and a stage-1 state of ``setup``'s model
     on N devices."""
     params, _, _, stacked = setup
-    inner = OPTIMIZERS[optimizer]()
-    tx = zs.sharded(inner, stacked=stacked)
-    return inner, zs.init_train_state(params, tx, make_mesh(N))
+    tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
+    return tx, zs.init_train_state(params, tx, make_mesh(N))
 
 
 @pytest.mark.parametrize("case", list(MEMORY_CASES))
 def test_estimate_memory_is_what_a_device_holds(case, setups):
-    """``zs.estimate_memory`` (stage 1, fp32 parameters) reports the measured bytes.
-
-    It takes no ``stacked`` option: for the stacked model it plans the blocks as plain
-    3-D leaves, so this holds only while stacking does not change their placement.
-    """
+    """``zs.estimate_memory`` (stage 1, fp32 parameters) of ``zs.sharded(inner,
+    stacked=...)`` reports the measured bytes, layer-owned stacks included."""
     optimizer, model, _ = MEMORY_CASES[case]
     params = setups[model][0]
-    inner, state = sharded_state(optimizer, setups[model])
+    tx, state = sharded_state(optimizer, setups[model])
     opt = state.opt_state
     measured = zs.state_bytes_per_device((opt.inner_state, opt.master, opt.owned))
-    est = zs.estimate_memory(params, N, stage=1, param_dtype=jnp.float32, optimizer=inner)
+    est = zs.estimate_memory(params, N, stage=1, param_dtype=jnp.float32, optimizer=tx)
     print(f"{case}: measured {measured:,} B, estimated {est.optimizer_state + est.master:,.0f} B")
     assert measured == est.optimizer_state + est.master
 
@@ -376,8 +372,8 @@ def test_largest_device_state_is_near_plain_over_n(case, setups):
     optax's state bytes / N, is within the issue's bound."""
     optimizer, model, bound = MEMORY_CASES[case]
     params = setups[model][0]
-    inner, state = sharded_state(optimizer, setups[model])
-    opt = state.opt_state
+    tx, state = sharded_state(optimizer, setups[model])
+    inner, opt = tx.inner, state.opt_state
     largest = largest_device_bytes((opt.inner_state, opt.master, opt.owned))
     plain = zs.state_bytes_per_device(jax.eval_shape(inner.init, params))
     ratio = largest / (plain / N)

@@ -106,19 +106,21 @@ REFUSED = {  # they combine several leaves other than by sums
     "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(0.1), 3),
 }
 OWNED = {  # name: (optimizer, the leaves that need whole tensors)
-    "lamb": (lambda: optax.lamb(1e-3), {"b", "w"}),
-    "lars": (lambda: optax.lars(1e-3), {"b", "w"}),
-    "novograd": (lambda: optax.novograd(1e-3), {"b", "w"}),
-    "scale_by_trust_ratio": (lambda: optax.scale_by_trust_ratio(), {"b", "w"}),
-    "adaptive_grad_clip": (lambda: optax.adaptive_grad_clip(0.1), {"b", "w"}),
-    "clip_by_block_rms": (lambda: optax.clip_by_block_rms(0.1), {"b", "w"}),
-    "factored_adafactor": (lambda: optax.adafactor(1e-3), {"b", "w"}),
+    # Per-leaf norms and RMS are sums: the leaves stay sliced, the sums are made whole.
+    "lamb": (lambda: optax.lamb(1e-3), set()),
+    "lars": (lambda: optax.lars(1e-3), set()),
+    "novograd": (lambda: optax.novograd(1e-3), set()),
+    "scale_by_trust_ratio": (lambda: optax.scale_by_trust_ratio(), set()),
+    "clip_by_block_rms": (lambda: optax.clip_by_block_rms(0.1), set()),
+    "hand_written_per_leaf_norm": (per_leaf_normalise, set()),
+    # Norms per row or column, factored moments, matrix products, shape-based masks.
+    "adaptive_grad_clip": (lambda: optax.adaptive_grad_clip(0.1), {"w"}),
+    "factored_adafactor": (lambda: optax.adafactor(1e-3), {"w"}),
     "muon": (lambda: optax.contrib.muon(1e-3), {"w"}),
     "shape_mask": (
         lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] == 256, p)),
         {"w"},
     ),
-    "hand_written_per_leaf_norm": (per_leaf_normalise, {"b", "w"}),
 }
 ACCEPTED = {
     "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),

@@ -28,31 +28,29 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.layout import PyTree
+from zeroshard.jaxprs import ELEMENTWISE, PASS_THROUGH, called_jaxpr, open_jaxpr
+from zeroshard.layers import independent_layers
+from zeroshard.layout import PyTree, Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
 
-_ELEMENTWISE = frozenset(
-    """
-    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz conj complex
-    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
-    expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p
-    logistic lt max min mul ne neg nextafter not or population_count pow real
-    reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
-    shift_right_logical sign sin sinh sqrt square sub tan tanh xor
-    """.split()
-)
 # Linear in a PARTIAL operand when every other operand is CLEAN.
 _LINEAR = frozenset("add sub neg convert_element_type copy copy_p mul div select_n".split())
 _RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
-_PASS_THROUGH = frozenset(["sharding_constraint", "pvary", "pcast", "optimization_barrier"])
+# Evaluated on invariant operands, these give the same value on every device.
+_FREE_TYPED = ELEMENTWISE | _RESHAPING | frozenset(
+    "reduce_sum reduce_max reduce_min dot_general transpose concatenate pad slice".split()
+)
+_CASTS = PASS_THROUGH | {"convert_element_type", "copy", "copy_p"}
 # Make values at a given shape from no per-element data: on a slice they would differ.
 _GENERATORS = frozenset(["random_bits", "threefry2x32", "rng_bit_generator", "iota"])
 
@@ -75,8 +73,10 @@ class Analysis:
       state_leaves: per leaf of the inner state, the parameter leaf it derives from
         in the update, or ``None`` (counts, hyperparameters, leaves never updated).
       state_tags: the inner state's tags, as the update reads them.
-      sums: whether partial sums over several leaves meet a non-linear operation
-        (a global norm): the update then runs with :func:`zeroshard.sums.run_with_sums`.
+      sums: whether partial sums meet a non-linear operation (a norm, an RMS, a
+        global norm): the update then runs with :func:`zeroshard.sums.run_with_sums`.
+      layered: of the leaves in ``whole``, the stacked ones whose update treats each
+        layer on its own (see :mod:`zeroshard.layers`): they can be owned layer by layer.
     """
 
     whole: frozenset[int]
@@ -84,6 +84,7 @@ class Analysis:
     state_leaves: tuple[int | None, ...]
     state_tags: tuple[Tag, ...] = ()
     sums: bool = False
+    layered: frozenset[int] = frozenset()
 
     def in_tags(self, num_params: int) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
@@ -92,26 +93,9 @@ class Analysis:
         return params + list(self.state_tags) + params
 
 
-def _as_jaxpr(x: Any) -> Any:
-    """The open jaxpr of a ``Jaxpr`` or ``ClosedJaxpr`` (whose classes vary by jax version)."""
-    inner = getattr(x, "jaxpr", None)
-    if inner is not None and hasattr(inner, "eqns"):
-        return inner
-    return x if hasattr(x, "eqns") and hasattr(x, "invars") else None
-
-
-def _sub_closed(eqn: Any) -> Any:
-    """The (closed, where it has constants) jaxpr an equation calls, if any."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(name)
-        if _as_jaxpr(sub) is not None:
-            return sub
-    return None
-
-
 def _sub_jaxpr(eqn: Any) -> Any:
-    sub = _sub_closed(eqn)
-    return None if sub is None else _as_jaxpr(sub)
+    sub = called_jaxpr(eqn)
+    return None if sub is None else open_jaxpr(sub)
 
 
 def _where(eqn: Any) -> str:
@@ -140,7 +124,7 @@ def _primitives(jaxpr: Any) -> list[str]:
             names.append(eqn.primitive.name)
         for p in eqn.params.values():
             for s in p if isinstance(p, tuple) else (p,):
-                sub = _as_jaxpr(s)
+                sub = open_jaxpr(s)
                 if sub is not None:
                     names += _primitives(sub)
     return names
@@ -156,13 +140,20 @@ class Tagger:
     jaxpr on them, with those sums inserted (:func:`zeroshard.sums.run_with_sums`).
     """
 
-    def __init__(self, axis_name: str, leaf_names: list[str]):
+    def __init__(
+        self, axis_name: str, leaf_names: list[str], sliced: Mapping[int, Slot] | None = None
+    ):
         self.axis_name, self.leaf_names = axis_name, leaf_names
+        # The leaves whose sums are partial here (all of them, on full leaves; on a
+        # view, the sliced ones: an owned leaf is whole on its owner).
+        self.sliced = sliced
         self.whole: set[int] = set()
         self.matrix: set[int] = set()
         self.ops: dict[int, list[str]] = defaultdict(list)
         self.sums = False
         self._in_branch = 0
+        self._counts: dict[Any, int] = {}  # a total sum's value -> the elements it summed
+        self._scalars: dict[Any, float] = {}  # a constant scalar's value, once cast
 
     def _own(self, eqn: Any, leaves: frozenset, why: str) -> Tag:
         """``leaves`` need their whole tensors: refused unless that is one leaf."""
@@ -171,16 +162,26 @@ class Tagger:
             _refuse(eqn, f"{why} across several parameters ({names}{', ...' * (len(leaves) > 4)})")
         self.whole |= leaves
         if eqn.primitive.name == "dot_general" or (
-            (sub := _sub_jaxpr(eqn) or _as_jaxpr(eqn.params.get("body_jaxpr")))
+            (sub := _sub_jaxpr(eqn) or open_jaxpr(eqn.params.get("body_jaxpr")))
             and "dot_general" in _primitives(sub)
         ):
             self.matrix |= leaves
         return (WHOLE, leaves)
 
+    def _summed_here(self, partial: frozenset) -> bool:
+        """Whether the partial sums of ``partial`` meeting a non-linear operation are
+        summed over the axis first: a norm, an RMS or a mean of a sliced leaf (LAMB's
+        and LARS's trust ratios, Adafactor's update clipping) or of several leaves (a
+        global norm). Not inside a conditional (its branches are bound whole), and not
+        for a leaf owned here, whose sums are complete on its owner."""
+        if self._in_branch:
+            return False
+        return len(partial) > 1 or self.sliced is None or partial <= self.sliced.keys()
+
     def run(self, jaxpr: Any, in_tags: list[Tag], values: list | None = None) -> tuple[list, list]:
         """Output tags (and values, given input ``values``) of a (closed) jaxpr."""
         consts = getattr(jaxpr, "consts", ())
-        jaxpr = _as_jaxpr(jaxpr)
+        jaxpr = open_jaxpr(jaxpr)
         tags: dict[Any, Tag] = {}
         vals: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=False))
         tag = lambda v: tags.get(v, _CLEAN) if isinstance(v, jex_core.Var) else _CLEAN
@@ -201,41 +202,134 @@ class Tagger:
 
     def _eqn(self, eqn: Any, ins: list[Tag], xs: list | None) -> tuple[list[Tag], list | None]:
         name = eqn.primitive.name
-        sub = _sub_closed(eqn)
+        sub = called_jaxpr(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
             return self.run(sub, ins, xs)  # calls are inlined
         outs = self._tags(eqn, ins)
-        if outs is None:  # several leaves' partial sums: sum them over the axis first
+        if xs is not None:
+            xs = self._exact_sums(eqn, ins, xs)
+        if outs is None:  # partial sums meet a non-linear operation: sum them over the axis
             self.sums = True
             summed = [k for k, (kind, _) in enumerate(ins) if kind == PARTIAL]
             ins = [_CLEAN if k in summed else t for k, t in enumerate(ins)]
-            if xs is not None:  # still typed varying, as the jaxpr was traced
-                total = lambda x: jax.lax.pcast(
-                    jax.lax.psum(x, self.axis_name), self.axis_name, to="varying"
-                )
-                xs = [total(x) if k in summed else x for k, x in enumerate(xs)]
+            if xs is not None:  # the same on every device: typed invariant
+                xs = [jax.lax.psum(x, self.axis_name) if k in summed else x for k, x in enumerate(xs)]
             outs = self._tags(eqn, ins)
         if xs is None:
             return outs, None
+        if name == "pvary":  # a cast tracing inserted: made again where needed (_typed)
+            return outs, xs
+        xs = self._typed(eqn, xs)
+        if name == "cond":  # its branches evaluated here too, sums made whole inside
+            return outs, self._switch(eqn, ins, xs)
         params = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax
         ys = eqn.primitive.bind(*subfuns, *xs, **params)
         return outs, ys if eqn.primitive.multiple_results else [ys]
 
+    def _typed(self, eqn: Any, xs: list) -> list:
+        """``eqn``'s operands typed varying over the axis where it needs them so.
+
+        A sum made whole is typed invariant (the same on every device), where the
+        traced jaxpr had it varying; so is what is computed from it alone (the new
+        value of a replicated state leaf, such as novograd's per-leaf second moment,
+        stays replicated). Such an operand is cast back to varying where it meets a
+        varying one, as tracing would have cast it, and where the equation is a
+        collective or a loop (bound as traced)."""
+        axis = self.axis_name
+        varying = lambda x: isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
+        traced = [
+            isinstance(v, jex_core.Var) and axis in v.aval.manual_axis_type.varying
+            for v in eqn.invars
+        ]
+        if not any(t and not varying(x) for t, x in zip(traced, xs, strict=True)):
+            return xs
+        if eqn.primitive.name in _FREE_TYPED and not any(map(varying, xs)):
+            return xs
+        return [
+            jax.lax.pcast(x, axis, to="varying") if t and not varying(x) else x
+            for t, x in zip(traced, xs, strict=True)
+        ]
+
+    def _switch(self, eqn: Any, ins: list[Tag], xs: list) -> list:
+        """A conditional evaluated branch by branch (see :meth:`_branch`); the outputs
+        typed as traced where the branches' types differ."""
+        runs = [self._branch(b, ins) for b in eqn.params["branches"]]
+        try:
+            return jax.lax.switch(xs[0], [lambda *a, r=r: r(list(a))[1] for r in runs], *xs[1:])
+        except TypeError:  # the branches' output types differ: type them as traced
+            axis = self.axis_name
+            as_traced = lambda ys: [
+                jax.lax.pcast(y, axis, to="varying")
+                if axis in v.aval.manual_axis_type.varying
+                and axis not in jax.typeof(y).manual_axis_type.varying
+                else y
+                for y, v in zip(ys, eqn.outvars, strict=True)
+            ]
+            branches = [lambda *a, r=r: as_traced(r(list(a))[1]) for r in runs]
+            return jax.lax.switch(xs[0], branches, *xs[1:])
+
+    def _branch(self, jaxpr: Any, ins: list[Tag]) -> Any:
+        """A conditional's branch as a function of its operands' values (``None``: tags
+        only). Sums inside are made whole only where every device takes the same branch
+        (a clean index, such as a step count); a branch chosen by per-element data is
+        evaluated as it is."""
+        uniform = ins[0] == _CLEAN
+
+        def run(values: list | None) -> tuple[list, list]:
+            self._in_branch += not uniform
+            try:
+                return self.run(jaxpr, ins[1:], values)
+            finally:
+                self._in_branch -= not uniform
+
+        return run
+
+    def _exact_sums(self, eqn: Any, ins: list[Tag], xs: list) -> list:
+        """``eqn``'s operands on a sliced leaf's piece, made to give the leaf's own sums:
+        padding left out of a total sum, and a mean divided by the leaf's size."""
+        (kind, leaves), one = ins[0], None
+        if len(leaves) == 1 and self.sliced is not None:
+            one = self.sliced.get(next(iter(leaves)))
+        if one is None:
+            return xs
+        if eqn.primitive.name == "reduce_sum" and kind == ELEM and xs[0].size == one.piece_size:
+            if one.piece_size * one.num_shards != one.size:
+                mask = one.padding_mask(jax.lax.axis_index(self.axis_name))
+                return [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
+        elif self._mean_count(eqn, ins) is not None:
+            size = jnp.asarray(one.size, xs[1].dtype)
+            if self.axis_name in jax.typeof(xs[1]).manual_axis_type.varying:
+                size = jax.lax.pcast(size, self.axis_name, to="varying")
+            return [xs[0], size]
+        return xs
+
+    def _mean_count(self, eqn: Any, ins: list[Tag]) -> int | None:
+        """For a total sum divided by the number of elements summed (a mean), that number."""
+        if eqn.primitive.name != "div" or ins[0][0] != PARTIAL or ins[1] != _CLEAN:
+            return None
+        count = self._counts.get(eqn.invars[0])
+        return count if count is not None and self._scalar(eqn.invars[1]) == count else None
+
+    def _scalar(self, v: Any) -> float | None:
+        """The value of a constant scalar: a literal, or one cast (to varying, say)."""
+        if isinstance(v, jex_core.Literal):
+            return float(v.val) if np.ndim(v.val) == 0 else None
+        return self._scalars.get(v)
+
     def _tags(self, eqn: Any, ins: list[Tag]) -> list[Tag] | None:
-        """The output tags of ``eqn``, or ``None`` where several leaves' partial sums
-        must first be summed over the axis."""
+        """The output tags of ``eqn``, or ``None`` where partial sums must first be summed
+        over the axis (see :meth:`_summed_here`)."""
         name = eqn.primitive.name
         kinds = {k for k, _ in ins}
         leaves = frozenset().union(*(s for _, s in ins))
         n_out = len(eqn.outvars)
         if name not in _RESHAPING:
+            label = "mean" if self._mean_count(eqn, ins) is not None else name
             for i in leaves:
-                self.ops[i].append(name)
+                self.ops[i].append(label)
         if name == "cond":
-            self._in_branch += 1
-            branches = [self.run(b, ins[1:])[0] for b in eqn.params["branches"]]
-            self._in_branch -= 1
+            branches = [self._branch(b, ins)(None)[0] for b in eqn.params["branches"]]
             if ins[0] != _CLEAN:
                 return [self._own(eqn, leaves, "branches on per-element data")] * n_out
             return [
@@ -243,6 +337,8 @@ class Tagger:
                 for ts in zip(*branches, strict=True)
             ]
         if kinds <= {CLEAN, GENERATED}:
+            if name in _CASTS and (value := self._scalar(eqn.invars[0])) is not None:
+                self._scalars[eqn.outvars[0]] = value
             generated = GENERATED in kinds or name in _GENERATORS
             big = generated and any(v.aval.size > 1 for v in eqn.outvars)
             return [(GENERATED, _NONE) if big else _CLEAN] * n_out
@@ -265,13 +361,14 @@ class Tagger:
             ):
                 return [(PARTIAL, leaves)] * n_out
             partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
-            if len(partial) > 1 and not self._in_branch:
+            if self._summed_here(partial):
                 return None
             why = "uses a sum over this device's elements only (a norm without a psum)"
             return [self._own(eqn, leaves, why)] * n_out
         if name == "reduce_sum" and eqn.outvars[0].aval.size == 1:
+            self._counts[eqn.outvars[0]] = eqn.invars[0].aval.size
             return [(PARTIAL, leaves)]
-        if name in _ELEMENTWISE or name in _PASS_THROUGH:
+        if name in ELEMENTWISE or name in PASS_THROUGH:
             return [(ELEM, leaves)] * n_out
         if name in _RESHAPING and eqn.invars[0].aval.size == eqn.outvars[0].aval.size:
             return [(ELEM, leaves)]
@@ -304,9 +401,10 @@ def analyze(
     piece_state: PyTree,
     axis_name: str,
     num_shards: int,
+    stacked: tuple[int, ...] = (),
     extra_args: dict[str, Any] | None = None,
 ) -> Analysis:
-    """Finds the leaves whose inner update needs the whole tensor.
+    """Finds the leaves whose inner update needs the whole tensor (or whole layers).
 
     Args:
       inner: the optax transformation to run on this device's part of the parameters.
@@ -316,6 +414,7 @@ def analyze(
       piece_state: ``jax.eval_shape(inner.init, piece_params)``.
       axis_name: the sharded mesh axis.
       num_shards: its size.
+      stacked: per leaf, its number of leading layer axes (none if empty).
       extra_args: ``ShapeDtypeStruct``s of the inner update's extra arguments (those
         it requires and is not given are traced as float32 scalars).
 
@@ -356,13 +455,49 @@ def analyze(
         whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
     except NotElementwiseError:
         whole = set(range(n_params))
+    candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
+    layered = _layered(inner, (full_params, full_state), full, state_leaves, candidates)
+    if layered:  # does the update do on one layer what it does on all of them?
+        params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
+        one = _trace(inner, params, state, axis_name, num_shards, extra)[0]
+        if _primitives(open_jaxpr(one)) != _primitives(open_jaxpr(full)):
+            layered = set()
     return Analysis(
         frozenset(whole),
         frozenset(tagger.matrix),
         state_leaves,
         tuple(state_in),
         tagger.sums,
+        frozenset(layered),
     )
+
+
+def _layered(inner, full, closed, state_leaves, candidates) -> set[int]:
+    """The candidate leaves whose traced update (``closed``, on the ``full`` parameters
+    and state) is independent layer by layer, and whose state keeps the layers first."""
+    params, state = (jax.tree.leaves(x) for x in full)
+    layers = {i: params[i].shape[0] for i in candidates}
+    state_axes = [
+        {j: 0 if s.shape[:1] == (layers[j],) else None} if j in layers else {}
+        for s, j in zip(state, state_leaves, strict=True)
+    ]
+    param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
+    extra = len(open_jaxpr(closed).invars) - 2 * len(params) - len(state)
+    in_axes = param_axes + state_axes + param_axes + [{}] * extra
+    return independent_layers(closed, in_axes, len(params)) if layers else set()
+
+
+def _some_layers(inner, full_params, full_state, state_leaves, layered):
+    """The parameters with one layer of each ``layered`` leaf, and their state; drops
+    from ``layered`` a leaf whose state on one layer is not one layer of its state."""
+    one = lambda i, x: jax.ShapeDtypeStruct((1, *x.shape[1:]) if i in layered else x.shape, x.dtype)
+    leaves, treedef = jax.tree.flatten(full_params)
+    params = treedef.unflatten(one(i, x) for i, x in enumerate(leaves))
+    state = jax.eval_shape(inner.init, params)
+    for j, full, x in zip(state_leaves, jax.tree.leaves(full_state), jax.tree.leaves(state)):
+        if j in layered and tuple(x.shape) != (1, *full.shape[1:]):
+            layered.discard(j)
+    return params, state
 
 
 def _state_leaves(

@@ -88,15 +88,15 @@ def _is_key(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def kept_and_stored(plan: Plan, branch: int, state: PyTree, wholes: list) -> tuple:
+def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tuple:
     """Inner ``state`` of ``branch`` split into the tree it keeps (``None`` at owned
     leaves) and its storage rows (owned state, plus the owned master weights taken
-    from ``wholes``, the branch's whole leaves)."""
+    from ``local``, what the branch holds of its owned leaves)."""
     leaves = plan.state_treedef.flatten_up_to(state)
     values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
     values.update(
-        (("master", i), wholes[i])
-        for i in plan.branches[branch]
+        (("master", i), local[i])
+        for i, _ in plan.branches[branch]
         if plan.master_dtypes[plan.layout.slots[i].bucket] is not None
     )
     kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
@@ -134,8 +134,9 @@ def init_parts(
     its master pieces of the sliced leaves and the owned leaves' full master weights."""
 
     def init_branch(b, pieces, wholes):
-        state = inner.init(plan.view(b, pieces, wholes, axis_name))
-        return kept_and_stored(plan, b, state, wholes)
+        local = plan.local_wholes(b, wholes, axis_name)
+        state = inner.init(plan.view(b, pieces, local, axis_name))
+        return kept_and_stored(plan, b, state, local)
 
     inner_state, owned = run_branches(plan, axis_name, init_branch, pieces, wholes)
     return replicated_again(plan, axis_name, inner_state), owned

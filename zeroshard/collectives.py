@@ -95,8 +95,8 @@ def reduce_scatter_owned(
     """This device's row of the mean gradient of the leaves it owns, per bucket.
 
     One ``psum_scatter`` per bucket with owned leaves, of an ``(N, owned_width)``
-    matrix whose row ``d`` holds the leaves device ``d`` owns: the same bytes as
-    slicing them, plus the padding of the most loaded device.
+    matrix whose row ``d`` holds the leaves (and layers) device ``d`` owns: the same
+    bytes as slicing them, plus the padding of the most loaded device.
 
     Returns:
       Per bucket, an ``(owned_width,)`` row (``None`` where the bucket owns nothing).
@@ -105,7 +105,7 @@ def reduce_scatter_owned(
     n = layout.num_shards
     if is_identity(leaves, axis_name):  # one device: its row holds every owned leaf
         return tuple(
-            layout.owned_row(leaves, 0, b, reduce_dtype or bucket.dtype)
+            layout.owned_blocks(leaves, b, reduce_dtype or bucket.dtype)[0]
             if bucket.owned_width
             else None
             for b, bucket in enumerate(layout.buckets)
@@ -180,11 +180,11 @@ def all_gather_owned(
             continue
         row = row.astype(layout.buckets[b].dtype)
         rows = (
-            row
+            row[None]
             if is_identity(row, axis_name)
             else jax.lax.all_gather(row, axis_name, to="invarying")
         )
         for i, s in enumerate(layout.slots):
             if s.owned and s.bucket == b:
-                out[i] = layout.owned_leaf(rows, i)
+                out[i] = layout.owned_full(rows, i)
     return out

@@ -75,9 +75,11 @@ class Slot:
       bucket: index of the dtype bucket holding the leaf.
       offset: first column of the leaf's piece in the bucket row.
       num_shards: the number of devices the leaf is cut over.
-      stacked: the number of leading layer axes (0: a sliced leaf).
-      owner: the device holding the whole leaf (an owned leaf), else ``None``; then
-        ``offset`` is the leaf's place in that device's owned row of the bucket.
+      stacked: the number of leading layer axes (0: a sliced or whole-owned leaf).
+      owners: for an owned leaf, the device holding each of its *units*: the whole
+        leaf (one unit), or each layer of a layer-owned leaf (``stacked`` is 1);
+        ``()`` for a sliced leaf.
+      unit_offsets: each unit's place in its owner's owned row of the bucket.
     """
 
     path: str
@@ -87,16 +89,51 @@ class Slot:
     offset: int
     num_shards: int
     stacked: int = 0
-    owner: int | None = None
+    owners: tuple[int, ...] = ()
+    unit_offsets: tuple[int, ...] = ()
 
     @property
     def placement(self) -> str:
-        """``"sliced"``, ``"stacked"`` or ``"owned"``."""
-        return "owned" if self.owner is not None else "stacked" if self.stacked else "sliced"
+        """``"sliced"``, ``"stacked"``, ``"owned"`` or ``"layer-owned"``."""
+        if self.owners:
+            return "layer-owned" if self.stacked else "owned"
+        return "stacked" if self.stacked else "sliced"
 
     @property
     def owned(self) -> bool:
-        return self.owner is not None
+        return bool(self.owners)
+
+    @property
+    def owner(self) -> int | None:
+        """The device holding a whole-owned leaf (``None`` otherwise)."""
+        return self.owners[0] if self.owned and not self.stacked else None
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """The shape of one owned unit: a layer of a layer-owned leaf, else the leaf."""
+        return self.shape[1:] if self.stacked else self.shape
+
+    def units_of(self, device: int) -> tuple[int, ...]:
+        """The units of this owned leaf that ``device`` holds."""
+        return tuple(u for u, d in enumerate(self.owners) if d == device)
+
+    def local_at(self, full: jax.Array, index: jax.Array, count: int) -> jax.Array:
+        """The ``count`` units of the full owned leaf that device ``index`` (traced)
+        holds, for devices that hold that many (others get some ``count`` layers)."""
+        if not self.stacked:
+            return full
+        table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
+        return jnp.take(full, jnp.asarray(table, jnp.int32)[index], axis=0)
+
+    def local_shape(self, count: int) -> tuple[int, ...]:
+        """The shape of ``count`` units of this owned leaf, as their owner holds them."""
+        return (count, *self.unit_shape) if self.stacked else self.shape
+
+    def local(self, full: jax.Array, device: int) -> jax.Array:
+        """``device``'s units of the full owned leaf: the leaf, or its layers stacked."""
+        if not self.stacked:
+            return full
+        return jnp.stack([full[u] for u in self.units_of(device)])
 
     @property
     def stand_in_shape(self) -> tuple[int, ...]:
@@ -148,6 +185,12 @@ class Slot:
         rows = jnp.reshape(leaf, (self.layers, -1))
         pad = self.num_shards * self.width - rows.shape[1]
         return jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows
+
+    def padding_mask(self, index: jax.Array | int) -> jax.Array:
+        """Which elements of device ``index``'s 1-D piece are the leaf's (not padding)."""
+        layer = math.prod(self.shape[self.stacked :])
+        mine = jnp.arange(self.width) + index * self.width < layer
+        return jnp.broadcast_to(mine, (self.layers, self.width)).reshape(-1)
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
@@ -298,6 +341,7 @@ class Layout:
         num_shards: int,
         stacked: Stacked = None,
         owned: Mapping[int, float] | None = None,
+        layered: Collection[int] | None = None,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
@@ -308,6 +352,9 @@ class Layout:
           owned: the leaves to place whole on one device, by index, with the cost of
             their update: owners are chosen largest cost first, each leaf to the
             device with the least cost so far (ties: fewest bytes, lowest index).
+          layered: of the ``owned`` leaves, those owned layer by layer (stacked
+            leaves whose update treats each layer on its own): each layer is a unit,
+            placed as a whole leaf is, with its share of the leaf's cost.
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -320,8 +367,8 @@ class Layout:
                 "zeroshard got an empty parameter tree: there is nothing to shard. "
                 "Pass the model's parameters (a pytree with at least one array)."
             )
-        owners = _owners(path_leaves, num_shards, owned or {})
         dims = stacked_dims(tree, stacked)
+        owners = _owners(path_leaves, num_shards, owned or {}, layered or set())
         dtypes: list[np.dtype] = []
         slots = []
         for i, (path, leaf) in enumerate(path_leaves):
@@ -334,7 +381,8 @@ class Layout:
                     "to the optimizer (e.g. in a separate collection)."
                 )
             dtypes += [] if dtype in dtypes else [dtype]
-            owner = owners.get(i)
+            units = owners.get(i, ())
+            layer_owned = len(units) > 1 or (units and i in (layered or ()))
             slots.append(
                 Slot(
                     name,
@@ -343,20 +391,26 @@ class Layout:
                     dtypes.index(dtype),
                     0,
                     num_shards,
-                    0 if owner is not None else dims[i],
-                    owner,
+                    1 if layer_owned else 0 if units else dims[i],
+                    units,
                 )
             )
         buckets = []
         for b, dtype in enumerate(dtypes):
             members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
-            offsets = [0] * (num_shards + 1)  # per owner; the last entry for sliced leaves
+            ends = [0] * num_shards  # per device, its owned row's end so far
+            row = 0  # the sliced row's end so far
             for i in members:
                 s = slots[i]
-                d = num_shards if s.owner is None else s.owner
-                slots[i] = dataclasses.replace(s, offset=offsets[d])
-                offsets[d] += s.size if s.owned else s.piece_size
-            buckets.append(Bucket(dtype, members, offsets[-1], max(offsets[:-1])))
+                if not s.owned:
+                    slots[i], row = dataclasses.replace(s, offset=row), row + s.piece_size
+                    continue
+                unit_offsets = []
+                for d in s.owners:
+                    unit_offsets.append(ends[d])
+                    ends[d] += math.prod(s.unit_shape)
+                slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
+            buckets.append(Bucket(dtype, members, row, max(ends)))
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
     @property
@@ -364,8 +418,13 @@ class Layout:
         return any(s.owned for s in self.slots)
 
     def owned_by(self, device: int) -> tuple[int, ...]:
-        """The leaves ``device`` owns, in leaf order."""
-        return tuple(i for i, s in enumerate(self.slots) if s.owner == device)
+        """The leaves ``device`` owns (whole, or some of its layers), in leaf order."""
+        return tuple(i for i, s in enumerate(self.slots) if device in s.owners)
+
+    def profile(self, device: int) -> tuple[tuple[int, int], ...]:
+        """What ``device`` owns, up to which layers: per leaf it owns, the number of its
+        units. Devices with one profile see views of the same shapes."""
+        return tuple((i, len(self.slots[i].units_of(device))) for i in self.owned_by(device))
 
     def groups(self, pack_bytes: int) -> tuple[tuple[int, ...], ...]:
         """The sliced leaves that share one collective: each leaf of at least ``pack_bytes``
@@ -449,13 +508,13 @@ class Layout:
 
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
-    def owned_row(self, leaves: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
-        """``device``'s row of bucket ``bucket`` in ``dtype``: its owned leaves (full, in
-        ``leaves``, one per leaf in leaf order) raveled end to end and zero-padded to
-        ``owned_width``."""
+    def owned_row(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
+        """``device``'s row of bucket ``bucket`` in ``dtype``: its units of the owned
+        leaves (``local[i]``: what :meth:`Slot.local` gives for ``device``) raveled end
+        to end and zero-padded to ``owned_width``."""
         b = self.buckets[bucket]
         own = [
-            jnp.ravel(leaves[i]).astype(dtype)
+            jnp.ravel(local[i]).astype(dtype)
             for i in self.owned_by(device)
             if self.slots[i].bucket == bucket
         ]
@@ -463,27 +522,49 @@ class Layout:
         return jnp.pad(row, (0, b.owned_width - row.shape[0]))
 
     def owned_blocks(self, leaves: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
-        """Every device's owned row of ``bucket``: ``(num_shards, owned_width)``, row
-        ``d`` for device ``d`` (what a reduce-scatter scatters)."""
-        rows = [self.owned_row(leaves, d, bucket, dtype) for d in range(self.num_shards)]
+        """Every device's owned row of ``bucket`` from the full ``leaves``:
+        ``(num_shards, owned_width)``, row ``d`` for device ``d`` (what a reduce-scatter
+        scatters)."""
+        rows = []
+        for d in range(self.num_shards):
+            local = [s.local(x, d) if d in s.owners else None for x, s in zip(leaves, self.slots)]
+            rows.append(self.owned_row(local, d, bucket, dtype))
         return jnp.stack(rows)
 
-    def owned_leaf(self, row: jax.Array, i: int) -> jax.Array:
-        """Owned leaf ``i`` from its owner's row (``row`` is that row, or ``(num_shards,
-        owned_width)`` with every device's row)."""
+    def owned_local(self, row: jax.Array, i: int, device: int) -> jax.Array:
+        """``device``'s units of owned leaf ``i``, from its owned row."""
         s = self.slots[i]
-        row = row[s.owner] if row.ndim == 2 else row
-        return row[s.offset : s.offset + s.size].reshape(s.shape)
+        units = s.units_of(device)
+        start, size = s.unit_offsets[units[0]], math.prod(s.unit_shape)
+        return row[start : start + len(units) * size].reshape(s.local_shape(len(units)))
+
+    def owned_full(self, rows: jax.Array, i: int) -> jax.Array:
+        """Owned leaf ``i`` from every device's owned row (``(num_shards, owned_width)``)."""
+        s = self.slots[i]
+        size = math.prod(s.unit_shape)
+        units = [
+            rows[d, o : o + size].reshape(s.unit_shape)
+            for d, o in zip(s.owners, s.unit_offsets, strict=True)
+        ]
+        return jnp.stack(units) if s.stacked else units[0]
 
 
-def _owners(path_leaves: list, num_shards: int, costs: Mapping[int, float]) -> dict[int, int]:
-    """Owner of each owned leaf: largest cost first, to the least loaded device."""
-    load = [(0.0, 0, d) for d in range(num_shards)]  # (cost, bytes, device)
-    owners = {}
-    for i in sorted(costs, key=lambda i: (-costs[i], i)):
+def _owners(
+    path_leaves: list, num_shards: int, costs: Mapping[int, float], layered: Collection[int]
+) -> dict[int, tuple[int, ...]]:
+    """The owner of each unit of each owned leaf (the leaf, or each of its layers where
+    ``layered``): largest cost first, each to the least loaded device (ties: fewest
+    bytes, lowest index)."""
+    units = []  # (cost, leaf, unit, bytes)
+    for i, cost in costs.items():
         leaf = path_leaves[i][1]
-        cost, nbytes, d = min(load)
-        owners[i] = d
-        size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-        load[d] = (cost + costs[i], nbytes + size, d)
-    return owners
+        n = leaf.shape[0] if i in layered else 1
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // n
+        units += [(cost / n, i, u, nbytes) for u in range(n)]
+    load = [(0.0, 0, d) for d in range(num_shards)]  # (cost, bytes, device)
+    owners: dict[int, list[int]] = {i: [] for i in costs}
+    for cost, i, _, nbytes in sorted(units, key=lambda x: (-x[0], x[1], x[2])):
+        done, held, d = min(load)
+        owners[i].append(d)
+        load[d] = (done + cost, held + nbytes, d)
+    return {i: tuple(o) for i, o in owners.items()}

@@ -71,6 +71,42 @@ def _stored(plan: Plan, rows: tuple[jax.Array, ...], key: Key, device: int, axis
     return _from_device(value, device, axis_name).reshape(shape)
 
 
+def _owned_full(plan: Plan, rows: tuple[jax.Array, ...], key: Key, axis_name: str) -> jax.Array:
+    """The full value stored under ``key`` (an owned leaf's state or master), on every
+    device: from the leaf's owner, or each layer from that layer's owner."""
+    slot = _layers_of(plan, key)
+    if slot is None:
+        return _stored(plan, rows, key, _device_of(plan, key), axis_name)
+    layers = {}
+    for d in dict.fromkeys(slot.owners):
+        held = _stored(plan, rows, key, d, axis_name)
+        layers.update((u, held[j]) for j, u in enumerate(slot.units_of(d)))
+    return jnp.stack([layers[u] for u in range(len(slot.owners))])
+
+
+def _store_full(plan: Plan, rows, key: Key, full: jax.Array, axis_name: str) -> tuple:
+    """``rows`` with the full ``value`` of ``key`` written where its owners store it."""
+    slot = _layers_of(plan, key)
+    if slot is None:
+        return _store(plan, rows, key, _device_of(plan, key), full, axis_name)
+    for d in dict.fromkeys(slot.owners):
+        rows = _store(plan, rows, key, d, slot.local(full, d), axis_name)
+    return rows
+
+
+def _layers_of(plan: Plan, key: Key) -> Any:
+    """The slot of the layer-owned leaf whose layers ``key``'s value holds, if any."""
+    kind, k = key
+    leaf = k if kind == "master" else plan.state_layers[k]
+    slot = None if leaf is None else plan.layout.slots[leaf]
+    return slot if slot is not None and slot.placement == "layer-owned" else None
+
+
+def _device_of(plan: Plan, key: Key) -> int:
+    kind, k = key
+    return plan.layout.slots[k].owner if kind == "master" else plan.state_sources[k]
+
+
 def _store(plan, rows, key, device, value, axis_name) -> tuple[jax.Array, ...]:
     """``rows`` with ``value`` written where ``device`` stores ``key`` (on that device)."""
     r, offset, shape = plan.storage.find(plan.branch_of[device], key)
@@ -159,7 +195,7 @@ def _to_optax_converter(
         master = [
             s.to_logical(p, axis)
             if not s.owned
-            else logical_block(_stored(plan, opt_state.owned, ("master", i), s.owner, axis), axis)
+            else logical_block(_owned_full(plan, opt_state.owned, ("master", i), axis), axis)
             if plan.master_dtypes[s.bucket] is not None
             else logical_block(wholes[i], axis)
             for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
@@ -168,9 +204,7 @@ def _to_optax_converter(
         inner = [
             layout.slots[plan.state_slots[k]].to_logical(x, axis)
             if plan.state_kind(k) == "sliced"
-            else logical_block(
-                _stored(plan, opt_state.owned, ("state", k), plan.state_sources[k], axis), axis
-            )
+            else logical_block(_owned_full(plan, opt_state.owned, ("state", k), axis), axis)
             if plan.state_kind(k) == "owned"
             else x
             for k, x in enumerate(inner)
@@ -294,7 +328,7 @@ def _from_logical_local(
                 kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
             else:
                 full = logical_gather(x, opt_leaves[k].shape, axis)
-                owned = _store(plan, owned, ("state", k), plan.state_sources[k], full, axis)
+                owned = _store_full(plan, owned, ("state", k), full, axis)
         grad_norm = jnp.zeros((), jnp.float32)
         state = plan.state_treedef.unflatten(kept)
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned)

@@ -101,7 +101,9 @@ def estimate_memory(
       optimizer: a name (``"adam"``, ``"sgd"``, ...), a number of fp32 buffers per
         parameter, or an optax transformation (measured with ``jax.eval_shape``; with
         a parameter tree and stage >= 1, laid out as :func:`zeroshard.sharded` would,
-        owned leaves and their imbalance included).
+        owned leaves and their imbalance included). Pass ``zs.sharded(inner, ...)``
+        itself to plan with its options (``stacked`` layers, ``placement``,
+        ``master_dtype``; then ``master_dtype`` here is not used).
 
     Returns:
       A :class:`MemoryEstimate` in bytes (floats: counts may be fractional per device).
@@ -130,11 +132,11 @@ def estimate_memory(
 def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: Any):
     """Optimizer state and master bytes per device as :func:`zeroshard.sharded` lays
     them out (params and grads left to the caller)."""
-    from zeroshard.sharded import sharded
+    from zeroshard.sharded import ShardedTransformation, sharded
 
-    plan = sharded(inner, master_dtype=master_dtype).plan(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params), n
-    )
+    tx = inner if isinstance(inner, ShardedTransformation) else sharded(inner, master_dtype=master_dtype)
+    inner = tx.inner
+    plan = tx.plan(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params), n)
     nbytes = lambda x: float(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(inner.init, plan.view_structs(0)))
     shared = sum(nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")

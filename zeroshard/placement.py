@@ -108,7 +108,11 @@ class Plan:
         whose pieces it is shaped like, or ``None`` (replicated or owned).
       state_sources: per leaf of the inner state, for an owned one the device that
         holds its value as plain optax would (its leaf's owner), else ``None``.
-      branches: per branch, the owned leaves its devices hold whole.
+      state_layers: per leaf of the inner state, for one held layer by layer (its
+        first axis the layers of a layer-owned leaf, each on that layer's owner) the
+        leaf, else ``None``.
+      branches: per branch, the owned leaves its devices hold and how many units of
+        each (:meth:`zeroshard.layout.Layout.profile`).
       branch_of: per device, its branch.
       storage: where owned state and owned master weights live.
       state_treedef: the inner state's tree structure.
@@ -119,7 +123,8 @@ class Plan:
     master_dtypes: tuple[Any, ...]
     state_slots: tuple[int | None, ...]
     state_sources: tuple[int | None, ...]
-    branches: tuple[tuple[int, ...], ...]
+    state_layers: tuple[int | None, ...]
+    branches: tuple[tuple[tuple[int, int], ...], ...]
     branch_of: tuple[int, ...]
     storage: Storage
     state_treedef: Any
@@ -175,19 +180,32 @@ class Plan:
         tags = self.analysis.in_tags(len(self.layout.slots))
         tags += [(CLEAN, frozenset())] * len(jax.tree.leaves(extra_args))
         names = [s.path for s in self.layout.slots]
-        return run_with_sums(fn, (grads, state, params, extra_args), tags, axis_name, names)
+        sliced = {i: s for i, s in enumerate(self.layout.slots) if not s.owned}
+        args = (grads, state, params, extra_args)
+        return run_with_sums(fn, args, tags, axis_name, names, sliced)
 
-    def view(self, branch: int, pieces: list, wholes: list, axis_name: str) -> PyTree:
+    def local_wholes(self, branch: int, wholes: list, axis_name: str) -> list:
+        """What this device, on ``branch``, holds of the full owned leaves ``wholes``:
+        the leaves it owns whole, the layers it owns of layer-owned ones (``None``
+        elsewhere)."""
+        index = jax.lax.axis_index(axis_name)
+        owned = dict(self.branches[branch])
+        return [
+            self.layout.slots[i].local_at(w, index, owned[i]) if i in owned else None
+            for i, w in enumerate(wholes)
+        ]
+
+    def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
-        the piece shape) for a sliced leaf, ``wholes[i]`` for a leaf it owns, an empty
-        array of the inner dtype for any other owned leaf."""
+        the piece shape) for a sliced leaf, ``local[i]`` (see :meth:`local_wholes`) for
+        a leaf it owns, a one-element stand-in for any other owned leaf."""
         dtypes = self.inner_dtypes
-        owned = self.branches[branch]
+        owned = dict(self.branches[branch])
         stand_in = lambda s: jax.lax.pcast(
             jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
         )
         leaves = [
-            wholes[i]
+            local[i]
             if i in owned
             else stand_in(s)
             if s.owned
@@ -199,13 +217,13 @@ class Plan:
     def view_structs(self, branch: int, longer: bool = False) -> PyTree:
         """``ShapeDtypeStruct``s of branch ``branch``'s view (sliced pieces one element
         longer with ``longer``: a probe of which state leaves are per-element)."""
-        dtypes, owned = self.inner_dtypes, self.branches[branch]
+        dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
 
         def struct(i, s):
             if not s.owned:
                 shape = (*s.piece_shape[:-1], s.piece_shape[-1] + longer)
             else:
-                shape = s.shape if i in owned else s.stand_in_shape
+                shape = s.local_shape(owned[i]) if i in owned else s.stand_in_shape
             return jax.ShapeDtypeStruct(shape, dtypes[s.bucket])
 
         return self.layout.treedef.unflatten(struct(i, s) for i, s in enumerate(self.layout.slots))
@@ -214,17 +232,20 @@ class Plan:
         """``"sliced"``, ``"owned"`` or ``"replicated"``: where inner state leaf ``k`` lives."""
         if self.state_slots[k] is not None:
             return "sliced"
-        return "owned" if self.state_sources[k] is not None else "replicated"
+        owned = self.state_sources[k] is not None or self.state_layers[k] is not None
+        return "owned" if owned else "replicated"
 
     def owned_bytes(self) -> list[int]:
         """Per device, the bytes of the owned leaves' state and master it keeps."""
         return [self.storage.nbytes(b) for b in self.branch_of]
 
     def owned_costs(self) -> list[float]:
-        """Per device, the summed update cost of the leaves it owns."""
+        """Per device, the summed update cost of the leaves (and layers) it owns."""
+        slots, matrix = self.layout.slots, self.analysis.matrix
         return [
             sum(
-                leaf_cost(self.layout.slots[i], i in self.analysis.matrix) for i in self.branches[b]
+                leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
+                for i, count in self.branches[b]
             )
             for b in self.branch_of
         ]
@@ -257,16 +278,18 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     piece_state = jax.eval_shape(inner.init, pieces)
     state_treedef = jax.tree.structure(full_state)
     _check_structure(state_treedef, piece_state)
+    stacked = tuple(s.stacked for s in base.slots)
     analysis = analyze(
-        inner, full, full_state, pieces, piece_state, config.axis_name, base.num_shards
+        inner, full, full_state, pieces, piece_state, config.axis_name, base.num_shards, stacked
     )
     layout = _place(config.placement, base, analysis)
-    owned_sets = [layout.owned_by(d) for d in range(layout.num_shards)]
-    branches = tuple(dict.fromkeys(owned_sets))
-    branch_of = tuple(branches.index(o) for o in owned_sets)
+    profiles = [layout.profile(d) for d in range(layout.num_shards)]
+    branches = tuple(dict.fromkeys(profiles))
+    branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(
         layout,
         master_dtypes,
+        (),
         (),
         (),
         branches,
@@ -287,13 +310,15 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         _check_structure(plan.state_treedef, v)
     views = [jax.tree.leaves(v) for v in views]
     longer = jax.tree.leaves(jax.eval_shape(inner.init, plan.view_structs(0, longer=True)))
-    slots, sources = [], []
+    slots, sources, layers = [], [], []
     for k, (path, f) in enumerate(jax.tree_util.tree_flatten_with_path(full_state)[0]):
         leaf = analysis.state_leaves[k]
         shapes = {(tuple(v[k].shape), v[k].dtype) for v in views}
+        layered = leaf is not None and layout.slots[leaf].placement == "layer-owned"
+        layers.append(leaf if layered else None)
         if (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
             slots.append(None)
-            sources.append(_source(layout, plan, views, k, leaf, f, path))
+            sources.append(None if layered else _source(layout, plan, views, k, leaf, f, path))
             continue
         sources.append(None)
         p, q = views[0][k], longer[k]
@@ -309,10 +334,14 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
             )
     storage = []
     for b, owned in enumerate(plan.branches):
-        values = [(("state", k), views[b][k]) for k in range(len(slots)) if sources[k] is not None]
+        values = [
+            (("state", k), views[b][k])
+            for k in range(len(slots))
+            if sources[k] is not None or layers[k] is not None
+        ]
         values += [
-            (("master", i), jax.ShapeDtypeStruct(s.shape, plan.master_dtypes[s.bucket]))
-            for i in owned
+            (("master", i), jax.ShapeDtypeStruct(s.local_shape(n), plan.master_dtypes[s.bucket]))
+            for i, n in owned
             if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
@@ -320,6 +349,7 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         plan,
         state_slots=tuple(slots),
         state_sources=tuple(sources),
+        state_layers=tuple(layers),
         storage=Storage.build(storage),
     )
 
@@ -347,7 +377,8 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     if not costs:
         return base
     leaves = base.full_structs()
-    return Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), owned=costs)
+    layered = analysis.layered & owned
+    return Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), costs, layered)
 
 
 def _stacked_fn(base: Layout):

@@ -262,12 +262,14 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
     axis, layout = opt.config.axis_name, plan.layout
 
     def update_branch(b, grad_pieces, grad_rows, pieces, wholes, state, finite):
-        stored, owned = plan.storage.unpack(state.owned, b), plan.branches[b]
+        stored, device = plan.storage.unpack(state.owned, b), plan.branch_of.index(b)
+        owned = dict(plan.branches[b])
         g = [
-            layout.owned_leaf(grad_rows[s.bucket], i) if i in owned else None
+            layout.owned_local(grad_rows[s.bucket], i, device) if i in owned else None
             for i, s in enumerate(layout.slots)
         ]
-        p = [stored.get(("master", i), wholes[i]) if i in owned else None for i in range(len(g))]
+        local = plan.local_wholes(b, wholes, axis)
+        p = [stored.get(("master", i), local[i]) if i in owned else None for i in range(len(g))]
         inner_state = stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
@@ -288,7 +290,6 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
         else:
             new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
-        device = plan.branch_of.index(b)
         rows = tuple(
             layout.owned_row(new, device, k, dtype) if bucket.owned_width else None
             for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))

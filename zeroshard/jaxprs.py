@@ -1,0 +1,41 @@
+"""Jaxprs: reading traced computations, the same way on every supported jax version.
+
+:mod:`zeroshard.analysis` and :mod:`zeroshard.layers` read the traced inner update
+equation by equation; these are the primitives they treat alike and the helpers that
+find the jaxprs an equation calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Primitives computing each output element from the same element of each operand.
+ELEMENTWISE = frozenset(
+    """
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz conj complex
+    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
+    expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p
+    logistic lt max min mul ne neg nextafter not or population_count pow real
+    reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    """.split()
+)
+# Casts and annotations: the value passes through unchanged.
+PASS_THROUGH = frozenset(["sharding_constraint", "pvary", "pcast", "optimization_barrier"])
+
+
+def open_jaxpr(x: Any) -> Any:
+    """The open jaxpr of a ``Jaxpr`` or ``ClosedJaxpr`` (whose classes vary by jax version)."""
+    inner = getattr(x, "jaxpr", None)
+    if inner is not None and hasattr(inner, "eqns"):
+        return inner
+    return x if hasattr(x, "eqns") and hasattr(x, "invars") else None
+
+
+def called_jaxpr(eqn: Any) -> Any:
+    """The (closed, where it has constants) jaxpr an equation calls, if any."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(name)
+        if open_jaxpr(sub) is not None:
+            return sub
+    return None
