@@ -287,7 +287,10 @@ def test_per_tensor_norms_with_a_large_embedding(optimizer, setups, expected):
     assert_matches_plain_optax(got, expected(optimizer, "embed"), params, optimizer)
 
 
-@pytest.mark.parametrize(("optimizer", "model"), [("muon_stacked", "stacked"), ("lamb", "embed")])
+@pytest.mark.parametrize(
+    ("optimizer", "model"),
+    [("muon_stacked", "stacked"), ("adafactor", "stacked"), ("lamb", "embed")],
+)
 def test_stages_and_accumulation(optimizer, model, setups, expected):
     """Stages 1-3 with two micro-batches per step (stage 3 on 4 devices)."""
     for stage, n in ((1, 8), (2, 8), (3, 4)):
@@ -296,11 +299,13 @@ def test_stages_and_accumulation(optimizer, model, setups, expected):
         assert_matches_plain_optax(got, expected(optimizer, model), setups[model][0], context)
 
 
-def test_stacked_muon_restores_on_other_device_counts(setups, expected, tmp_path):
-    """A checkpoint of the stacked Muon model saved on 8 devices, one step in, resumed
-    on 3 (stage 1) and 2 (stage 3): the same weights as plain optax after 3 steps."""
+@pytest.mark.parametrize("optimizer", ["muon_stacked", "adafactor"])
+def test_stacked_layers_restore_on_other_device_counts(optimizer, setups, expected, tmp_path):
+    """A checkpoint of the stacked model saved on 8 devices (one layer each), one step
+    in, resumed on 3 (stage 1: 3, 3 and 2 layers) and 2 (stage 3): the same weights as
+    plain optax after 3 steps."""
     params, data, loss_fn, stacked = setups["stacked"]
-    tx = zs.sharded(OPTIMIZERS["muon_stacked"](), stacked=stacked)
+    tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
     mesh = make_mesh(N)
     state = zs.init_train_state(params, tx, mesh)
     state, _ = zs.make_train_step(loss_fn, tx, mesh)(state, data[0])
@@ -313,8 +318,29 @@ def test_stacked_muon_restores_on_other_device_counts(setups, expected, tmp_path
         for batch in data[1:]:
             state, _ = step(state, batch)
         got = zs.to_optax_state(state, tx)[0]
-        context = f"restored at stage {stage} on {n}"
-        assert_matches_plain_optax(got, expected("muon_stacked", "stacked"), params, context)
+        context = f"{optimizer} restored at stage {stage} on {n}"
+        assert_matches_plain_optax(got, expected(optimizer, "stacked"), params, context)
+
+
+def test_layers_meeting_through_sums_need_a_layer_on_every_device(setups):
+    """Adafactor's update clipping is an RMS over the whole stacked leaf: owned layer by
+    layer, each device sums its layers and the sums are summed over the devices, so
+    every device must hold a layer; with fewer layers than devices the leaf is owned
+    whole. Muon's layers never meet: 4 layers go to 4 devices."""
+    params = setups["stacked"][0]
+    few = jax.tree.map(lambda x: x[:4], params)
+    placements = {}
+    for optimizer in ("adafactor", "muon_stacked"):
+        for name, tree in (("8 layers", params), ("4 layers", few)):
+            tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=["blocks"])
+            up = next(s for s in tx.plan(tree, N).layout.slots if "up" in s.path)
+            placements[optimizer, name] = (up.placement, len(set(up.owners)))
+    assert placements == {
+        ("adafactor", "8 layers"): ("layer-owned", 8),
+        ("adafactor", "4 layers"): ("owned", 1),
+        ("muon_stacked", "8 layers"): ("layer-owned", 8),
+        ("muon_stacked", "4 layers"): ("layer-owned", 4),
+    }
 
 
 # Memory: bytes of the optimizer state each device holds, after init (training does

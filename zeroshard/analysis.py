@@ -77,6 +77,9 @@ class Analysis:
         global norm): the update then runs with :func:`zeroshard.sums.run_with_sums`.
       layered: of the leaves in ``whole``, the stacked ones whose update treats each
         layer on its own (see :mod:`zeroshard.layers`): they can be owned layer by layer.
+      layer_sums: of those, the leaves whose layers meet through total sums: owned
+        layer by layer, those sums are summed over the devices, so every device must
+        hold some of its layers.
     """
 
     whole: frozenset[int]
@@ -85,6 +88,7 @@ class Analysis:
     state_tags: tuple[Tag, ...] = ()
     sums: bool = False
     layered: frozenset[int] = frozenset()
+    layer_sums: frozenset[int] = frozenset()
 
     def in_tags(self, num_params: int) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
@@ -167,6 +171,16 @@ class Tagger:
         ):
             self.matrix |= leaves
         return (WHOLE, leaves)
+
+    def _over_layers(self, eqn: Any, leaves: frozenset, kinds: set) -> bool:
+        """Whether ``eqn`` sums every element of this device's layers of one
+        layer-owned leaf whose layers meet through sums (a partial sum: its other
+        layers are on other devices)."""
+        if self.sliced is None or len(leaves) != 1 or not kinds <= {ELEM, WHOLE}:
+            return False
+        slot = self.sliced.get(next(iter(leaves)))
+        total = len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape)
+        return slot is not None and slot.placement == "layer-owned" and total
 
     def _summed_here(self, partial: frozenset) -> bool:
         """Whether the partial sums of ``partial`` meeting a non-linear operation are
@@ -293,8 +307,8 @@ class Tagger:
             one = self.sliced.get(next(iter(leaves)))
         if one is None:
             return xs
-        if eqn.primitive.name == "reduce_sum" and kind == ELEM and xs[0].size == one.piece_size:
-            if one.piece_size * one.num_shards != one.size:
+        if eqn.primitive.name == "reduce_sum" and kind == ELEM and not one.owned:
+            if xs[0].size == one.piece_size and one.piece_size * one.num_shards != one.size:
                 mask = one.padding_mask(jax.lax.axis_index(self.axis_name))
                 return [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
         elif self._mean_count(eqn, ins) is not None:
@@ -346,6 +360,9 @@ class Tagger:
             if kinds & {ELEM, WHOLE}:
                 _refuse(eqn, "sums per-element or whole-tensor values across devices")
             return [_CLEAN] * n_out
+        if name == "reduce_sum" and self._over_layers(eqn, leaves, kinds):
+            self._counts[eqn.outvars[0]] = eqn.invars[0].aval.size
+            return [(PARTIAL, leaves)]
         if GENERATED in kinds:
             why = "combines values generated at the leaf's shape (random numbers, iota)"
             return [self._own(eqn, leaves, why)] * n_out
@@ -456,7 +473,7 @@ def analyze(
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
-    layered = _layered(inner, (full_params, full_state), full, state_leaves, candidates)
+    layered, layer_sums = _layered((full_params, full_state), full, state_leaves, candidates)
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
         one = _trace(inner, params, state, axis_name, num_shards, extra)[0]
@@ -469,10 +486,11 @@ def analyze(
         tuple(state_in),
         tagger.sums,
         frozenset(layered),
+        frozenset(layer_sums & layered),
     )
 
 
-def _layered(inner, full, closed, state_leaves, candidates) -> set[int]:
+def _layered(full, closed, state_leaves, candidates) -> tuple[set[int], set[int]]:
     """The candidate leaves whose traced update (``closed``, on the ``full`` parameters
     and state) is independent layer by layer, and whose state keeps the layers first."""
     params, state = (jax.tree.leaves(x) for x in full)
@@ -484,7 +502,7 @@ def _layered(inner, full, closed, state_leaves, candidates) -> set[int]:
     param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
     extra = len(open_jaxpr(closed).invars) - 2 * len(params) - len(state)
     in_axes = param_axes + state_axes + param_axes + [{}] * extra
-    return independent_layers(closed, in_axes, len(params)) if layers else set()
+    return independent_layers(closed, in_axes, len(params)) if layers else (set(), set())
 
 
 def _some_layers(inner, full_params, full_state, state_leaves, layered):

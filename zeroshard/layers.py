@@ -36,9 +36,13 @@ _REDUCTIONS = frozenset(
 )
 
 
-def independent_layers(closed: Any, in_axes: list[Axes], num_params: int) -> set[int]:
+def independent_layers(
+    closed: Any, in_axes: list[Axes], num_params: int
+) -> tuple[set[int], set[int]]:
     """The candidate leaves (those in ``in_axes``) whose traced update is independent
-    layer by layer.
+    layer by layer, and of those the ones whose layers meet only through sums (a total
+    ``reduce_sum``, as Adafactor's update clipping computes an RMS over the whole leaf):
+    owned layer by layer, those sums are summed over the devices.
 
     Args:
       closed: the closed jaxpr of ``inner.update(grads, state, params, **extra)``:
@@ -49,23 +53,25 @@ def independent_layers(closed: Any, in_axes: list[Axes], num_params: int) -> set
         layers first, else ``MIXED``; ``{}`` elsewhere.
       num_params: the number of parameter leaves.
     """
-    outs = _run(closed, in_axes)
+    sums: set[int] = set()
+    outs = _run(closed, in_axes, sums)
     ok = {i for axes in in_axes for i in axes}
     for k, axes in enumerate(outs):
         for i, axis in axes.items():
             expected = 0 if k < num_params else in_axes[k].get(i, MIXED)
             if axis is MIXED or axis != expected:
                 ok.discard(i)
-    return ok
+    return ok, sums & ok
 
 
-def _run(closed: Any, in_axes: list[Axes]) -> list[Axes]:
-    """The layer axes of a (closed) jaxpr's outputs."""
+def _run(closed: Any, in_axes: list[Axes], sums: set[int]) -> list[Axes]:
+    """The layer axes of a (closed) jaxpr's outputs; adds to ``sums`` the leaves whose
+    layers meet in a total sum."""
     jaxpr = open_jaxpr(closed)
     env: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
     get = lambda v: {} if isinstance(v, jex_core.Literal) else env.get(v, {})
     for eqn in jaxpr.eqns:
-        outs = _eqn(eqn, [get(v) for v in eqn.invars])
+        outs = _eqn(eqn, [get(v) for v in eqn.invars], sums)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [get(v) for v in jaxpr.outvars]
 
@@ -75,23 +81,27 @@ def _mixed(ins: list[Axes], n_out: int) -> list[Axes]:
     return [dict.fromkeys(leaves, MIXED) for _ in range(n_out)]
 
 
-def _eqn(eqn: Any, ins: list[Axes]) -> list[Axes]:
+def _eqn(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     """The layer axes of one equation's outputs."""
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     if not any(ins):
         return [{} for _ in range(n_out)]
     sub = called_jaxpr(eqn)
     if sub is not None and name not in ("scan", "while", "cond"):
-        return _run(sub, ins)
+        return _run(sub, ins, sums)
     if name == "scan":
-        return _scan(eqn, ins)
+        return _scan(eqn, ins, sums)
     if name == "while":
-        return _while(eqn, ins)
+        return _while(eqn, ins, sums)
     if name == "cond":
         if ins[0]:
             return _mixed(ins, n_out)
-        branches = [_run(b, ins[1:]) for b in eqn.params["branches"]]
+        branches = [_run(b, ins[1:], sums) for b in eqn.params["branches"]]
         return [_merge(*outs) for outs in zip(*branches, strict=True)]
+    if name == "reduce_sum" and len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape):
+        total = {i for i, p in ins[0].items() if p is not MIXED}
+        sums |= total  # a sum over every layer: whole once summed over the devices
+        return [{i: p for i, p in ins[0].items() if i not in total}]
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     rule = _RULES.get(name)
@@ -120,10 +130,10 @@ def _merge(*outs: Axes) -> Axes:
     return merged
 
 
-def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes]) -> list[Axes]:
+def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums) -> list[Axes]:
     """A loop body's outputs once the carry's layer axes are stable."""
     for _ in range(len(carry) + 2):
-        outs = _run(body, consts + carry + xs)
+        outs = _run(body, consts + carry + xs, sums)
         new = [_merge(c, o) for c, o in zip(carry, outs, strict=False)]
         if new == carry:
             return outs
@@ -131,21 +141,22 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes]) -> l
     return _mixed([*consts, *carry, *xs], len(outs))
 
 
-def _scan(eqn: Any, ins: list[Axes]) -> list[Axes]:
+def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
     # A slice per iteration: the layer axis one lower, unless it is the scanned axis.
     xs = [{i: MIXED if p in (0, MIXED) else p - 1 for i, p in a.items()} for a in xs]
-    outs = _loop(eqn.params["jaxpr"], consts, carry, xs)
+    outs = _loop(eqn.params["jaxpr"], consts, carry, xs, sums)
     ys = [{i: MIXED if p is MIXED else p + 1 for i, p in a.items()} for a in outs[n_carry:]]
     return outs[:n_carry] + ys
 
 
-def _while(eqn: Any, ins: list[Axes]) -> list[Axes]:
+def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     carry = ins[n_cond + n_body :]
-    outs = _loop(eqn.params["body_jaxpr"], ins[n_cond : n_cond + n_body], carry, [])
-    stop = _run(eqn.params["cond_jaxpr"], ins[:n_cond] + [_merge(c, o) for c, o in zip(carry, outs)])
+    outs = _loop(eqn.params["body_jaxpr"], ins[n_cond : n_cond + n_body], carry, [], sums)
+    merged = [_merge(c, o) for c, o in zip(carry, outs, strict=True)]
+    stop = _run(eqn.params["cond_jaxpr"], ins[:n_cond] + merged, set())
     if stop[0]:  # how often it runs depends on the leaf: every layer is involved
         return _mixed(ins, len(outs))
     return outs

@@ -174,13 +174,18 @@ class Plan:
     ) -> tuple[PyTree, PyTree]:
         """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
         the analysis found them (:func:`zeroshard.sums.run_with_sums`)."""
-        if not self.analysis.sums:
+        if not (self.analysis.sums or self.analysis.layer_sums):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         tags = self.analysis.in_tags(len(self.layout.slots))
         tags += [(CLEAN, frozenset())] * len(jax.tree.leaves(extra_args))
         names = [s.path for s in self.layout.slots]
-        sliced = {i: s for i, s in enumerate(self.layout.slots) if not s.owned}
+        sums = self.analysis.layer_sums
+        sliced = {
+            i: s
+            for i, s in enumerate(self.layout.slots)
+            if not s.owned or (i in sums and s.placement == "layer-owned")
+        }
         args = (grads, state, params, extra_args)
         return run_with_sums(fn, args, tags, axis_name, names, sliced)
 
@@ -378,6 +383,13 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
         return base
     leaves = base.full_structs()
     layered = analysis.layered & owned
+    layout = Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), costs, layered)
+    # A leaf whose layers meet through sums needs a part on every device (each device
+    # then runs the same sums); where some device holds none of its layers, own it whole.
+    held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
+    if all(held(i) for i in analysis.layer_sums & layered):
+        return layout
+    layered = {i for i in layered if i not in analysis.layer_sums or held(i)}
     return Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), costs, layered)
 
 
