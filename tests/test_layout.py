@@ -57,10 +57,36 @@ def test_owned_leaves_are_balanced_and_round_trip(n, rng):
         blocks = layout.owned_blocks(leaves, b, bucket.dtype)
         assert blocks.shape == (n, bucket.owned_width)
         for i in (i for i in bucket.slots if slots[i].owned):
-            np.testing.assert_array_equal(layout.owned_leaf(blocks, i), leaves[i])
+            np.testing.assert_array_equal(layout.owned_full(blocks, i), leaves[i])
+            owner = slots[i].owner
+            np.testing.assert_array_equal(layout.owned_local(blocks[owner], i, owner), leaves[i])
         sliced = [i for i in bucket.slots if not slots[i].owned]
         assert bucket.row_size == sum(slots[i].piece_size for i in sliced)
     assert all(p is None for p, s in zip(layout.pieces(t, 0), slots, strict=True) if s.owned)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_layer_owned_leaves_spread_their_layers_and_round_trip(n, rng):
+    """Each layer of a layer-owned leaf is a unit placed like a whole leaf: 7 layers of
+    cost 4 and one whole leaf of cost 10 over n devices, largest first."""
+    t = {"stack": jnp.asarray(rng.normal(size=(7, 3, 5)), jnp.float32), "w": jnp.ones((4, 6))}
+    names = [s.path for s in Layout.from_tree(t, n).slots]
+    stack, w = names.index("['stack']"), names.index("['w']")
+    layout = Layout.from_tree(t, n, owned={stack: 28.0, w: 10.0}, layered={stack})
+    s = layout.slots[stack]
+    assert s.placement == "layer-owned" and layout.slots[w].placement == "owned"
+    assert layout.slots[w].owner == 0  # cost 10 first, then the layers (cost 4 each)
+    load = [4.0 * len(s.units_of(d)) + 10.0 * (d == 0) for d in range(n)]
+    assert max(load) - min(load) <= 10.0
+    leaves = jax.tree.leaves(t)
+    blocks = layout.owned_blocks(leaves, 0, jnp.float32)
+    np.testing.assert_array_equal(layout.owned_full(blocks, stack), leaves[stack])
+    for d in (d for d in range(n) if d in s.owners):
+        units = np.asarray(s.units_of(d))
+        mine = np.asarray(leaves[stack])[units]
+        np.testing.assert_array_equal(s.local(leaves[stack], d), mine)
+        np.testing.assert_array_equal(layout.owned_local(blocks[d], stack, d), mine)
+        np.testing.assert_array_equal(s.local_at(leaves[stack], jnp.int32(d), len(units)), mine)
 
 
 def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():

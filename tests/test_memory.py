@@ -67,3 +67,47 @@ def test_plan_command_prints_the_table():
         timeout=120,
     ).stdout
     assert "| 1 (optimizer state) |" in out and "31.41 GB" in out and "1.88 GB" in out
+
+
+MODEL_FILE = """
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, muon
+
+import zeroshard as zs
+
+
+def init_params():
+    return {
+        "embed": jnp.zeros((1024, 128)),
+        "blocks": {"up": jnp.zeros((8, 128, 256)), "down": jnp.zeros((8, 256, 128))},
+    }
+
+
+def make_tx():
+    layer = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    dims = {"embed": None, "blocks": {"up": layer, "down": layer}}
+    return zs.sharded(muon(1e-2, muon_weight_dimension_numbers=dims), stacked=["blocks"])
+"""
+
+
+def test_plan_command_prints_the_placement_of_a_model(tmp_path):
+    """``--params module:function --optimizer module:function``: the stage table of the
+    placement zs.sharded chooses, and the placement itself (Muon's stacked matrices
+    owned layer by layer, one layer of each per device; the embedding on Adam, sliced)."""
+    (tmp_path / "mymodel.py").write_text(MODEL_FILE)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "zeroshard", "plan", "--devices", "8", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    out = run("--params", "mymodel:init_params", "--optimizer", "mymodel:make_tx").stdout
+    assert "leaves: 2 layer-owned, 1 sliced" in out, out
+    # bf16 params: each layer's fp32 momentum and fp32 master, 2 x 4 x 128 x 256 B each.
+    row = "| ['blocks']['down'][1 layer], ['blocks']['up'][1 layer] | 524,288 |"
+    assert all(f"| {d} {row}" in out for d in range(8)), out
+    assert "imbalance (max/mean): owned bytes 1.00, update cost 1.00" in out, out
+    bad = run("--params", "mymodel:no_such_function", "--optimizer", "adam")
+    assert bad.returncode == 1 and "no_such_function" in bad.stderr

@@ -5,6 +5,12 @@
   and checks it against the checksums recorded at save (exit status 1 if it does not
   match), without the model or the optimizer.
 - ``python -m zeroshard plan --params 7.5e9 --devices 64``: memory per device by stage.
+  With ``--params mymodel:init_params`` (a function returning the parameter tree; it
+  is traced with ``jax.eval_shape``, nothing is allocated) and ``--optimizer
+  mymodel:make_tx`` (a function returning an optax transformation or
+  ``zs.sharded(...)``), the bytes are those of the placement ``zs.sharded`` chooses,
+  which it prints too: leaves sliced, owned and layer-owned, and per device the owned
+  units, their bytes and update cost, and the imbalance.
 """
 
 from __future__ import annotations
@@ -69,26 +75,55 @@ def _describe(manager, meta: dict) -> None:
     )
 
 
-def plan(count: float, devices: int, param_dtype: str, optimizer: str) -> int:
-    """Prints model-state bytes per device for ZeRO stages 0-3."""
-    from zeroshard.memory import plan_table
+def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
+    """Prints model-state bytes per device for ZeRO stages 0-3, and the placement
+    when ``params`` and ``optimizer`` name functions (``module:function``)."""
+    import jax
 
+    from zeroshard.memory import placement_table, plan_table
+
+    try:
+        tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
+        tx = _load(optimizer)() if ":" in optimizer else optimizer
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        print(f"zeroshard plan: {e}", file=sys.stderr)
+        return 1
+    count = tree if isinstance(tree, float) else sum(x.size for x in jax.tree.leaves(tree))
     print(
         f"{count:,.0f} parameters on {devices} devices, {param_dtype} params and grads, "
         f"{optimizer}, fp32 master where the params are narrower (per device):\n"
     )
-    print(plan_table(count, devices, param_dtype=param_dtype, optimizer=optimizer))
+    print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
+    if not isinstance(tree, float) and hasattr(tx, "init"):
+        print("\nplacement (zs.sharded):\n")
+        print(placement_table(tree, devices, tx, param_dtype))
     return 0
+
+
+def _load(spec: str):
+    """The object ``module:name`` names (its module imported from the current directory
+    or the path)."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    sys.path.insert(0, ".")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroshard")
     commands = parser.add_subparsers(dest="command", required=True)
     plan_cmd = commands.add_parser("plan", help="model-state memory per device, by stage")
-    plan_cmd.add_argument("--params", type=float, required=True, help="e.g. 7.5e9")
+    plan_cmd.add_argument(
+        "--params", required=True, help="a count (7.5e9) or module:function returning the params"
+    )
     plan_cmd.add_argument("--devices", type=int, required=True)
     plan_cmd.add_argument("--param-dtype", default="bfloat16")
-    plan_cmd.add_argument("--optimizer", default="adam", help="adam, sgd, momentum, ...")
+    plan_cmd.add_argument(
+        "--optimizer",
+        default="adam",
+        help="adam, sgd, momentum, ...; or module:function returning an optax transformation",
+    )
     inspect_cmd = commands.add_parser("inspect", help="print a checkpoint's metadata")
     inspect_cmd.add_argument("directory")
     inspect_cmd.add_argument("--step", type=int, default=None, help="default: the latest")

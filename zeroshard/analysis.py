@@ -1,22 +1,28 @@
 """Analysis: which leaves the inner optimizer may update as slices, and which need whole tensors.
 
 Running an optimizer on a slice of a leaf gives the same numbers as running it on the
-full leaf only if each output element depends on the same element of the gradients
-and weights (plus scalars such as the step count). A per-tensor norm (LAMB, LARS),
-a factored second moment (Adafactor) or a matrix function (Muon's Newton-Schulz)
-mixes the elements of one leaf: such a leaf is *owned*, placed whole on one device
-(see :mod:`zeroshard.layout`). Mixing the elements of several leaves (e.g.
-``optax.clip_by_global_norm``) cannot be made exact by placement and is refused. All
-of this is read from the traced computation (the jaxpr), not from a list of names.
+full leaf if each output element depends on the same element of the gradients and
+weights, plus scalars such as the step count and *sums* over elements: a per-tensor
+norm (LAMB's and LARS's trust ratios), an RMS or a mean (Adafactor's update clipping),
+a global norm over several leaves (``optax.clip_by_global_norm``). A sum over this
+device's piece is partial; summed over the devices (padding left out, a mean divided
+by the whole leaf's size) it is the sum over the leaf, and the slice's update is
+exact. A factored second moment (Adafactor's row and column means), a matrix function
+(Muon's Newton-Schulz) or a shape-dependent rule mixes the elements of one leaf in
+other ways: such a leaf is *owned*, placed whole on one device, or layer by layer for
+stacked layers the update treats separately (see :mod:`zeroshard.layers`). Mixing
+several leaves other than by sums cannot be made exact by placement and is refused.
+All of this is read from the traced computation (the jaxpr), not from a list of names.
 
 Every value in the jaxpr carries a tag: a kind and the set of parameter leaves it
 derives from. Kinds are ``CLEAN`` (no per-element data), ``ELEM`` (one value per
 element of its leaves), ``PARTIAL`` (a sum over this device's elements, not yet
 summed over the axis) and ``WHOLE`` (computed from a whole leaf: exact only on the
-leaf's owner). A total ``reduce_sum`` turns ``ELEM`` into ``PARTIAL`` and ``psum`` over the
-sharded axis turns ``PARTIAL`` back into ``CLEAN``: that is how
-:func:`zeroshard.clip_by_global_norm` is exact while ``optax.clip_by_global_norm`` is
-refused. Any other mixing makes its one leaf ``WHOLE`` (or is refused across leaves).
+leaf's owner). A total ``reduce_sum`` turns ``ELEM`` into ``PARTIAL``; where a
+``PARTIAL`` value meets a non-linear operation it is summed over the sharded axis
+(:func:`zeroshard.sums.run_with_sums` evaluates the update so), or an explicit
+``psum`` (:func:`zeroshard.clip_by_global_norm`) does it, and it is ``CLEAN`` again.
+Any other mixing makes its one leaf ``WHOLE`` (or is refused across leaves).
 
 A second check compares, leaf by leaf, the operations traced on full leaves with
 those traced on slices: a leaf whose update depends on its shape (e.g. factored only
@@ -47,8 +53,12 @@ _NONE: frozenset[int] = frozenset()
 _LINEAR = frozenset("add sub neg convert_element_type copy copy_p mul div select_n".split())
 _RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 # Evaluated on invariant operands, these give the same value on every device.
-_FREE_TYPED = ELEMENTWISE | _RESHAPING | frozenset(
-    "reduce_sum reduce_max reduce_min dot_general transpose concatenate pad slice".split()
+_FREE_TYPED = (
+    ELEMENTWISE
+    | _RESHAPING
+    | frozenset(
+        "reduce_sum reduce_max reduce_min dot_general transpose concatenate pad slice".split()
+    )
 )
 _CASTS = PASS_THROUGH | {"convert_element_type", "copy", "copy_p"}
 # Make values at a given shape from no per-element data: on a slice they would differ.
@@ -227,43 +237,21 @@ class Tagger:
             summed = [k for k, (kind, _) in enumerate(ins) if kind == PARTIAL]
             ins = [_CLEAN if k in summed else t for k, t in enumerate(ins)]
             if xs is not None:  # the same on every device: typed invariant
-                xs = [jax.lax.psum(x, self.axis_name) if k in summed else x for k, x in enumerate(xs)]
+                xs = [
+                    jax.lax.psum(x, self.axis_name) if k in summed else x for k, x in enumerate(xs)
+                ]
             outs = self._tags(eqn, ins)
         if xs is None:
             return outs, None
         if name == "pvary":  # a cast tracing inserted: made again where needed (_typed)
             return outs, xs
-        xs = self._typed(eqn, xs)
+        xs = _typed(eqn, xs, self.axis_name)
         if name == "cond":  # its branches evaluated here too, sums made whole inside
             return outs, self._switch(eqn, ins, xs)
         params = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax
         ys = eqn.primitive.bind(*subfuns, *xs, **params)
         return outs, ys if eqn.primitive.multiple_results else [ys]
-
-    def _typed(self, eqn: Any, xs: list) -> list:
-        """``eqn``'s operands typed varying over the axis where it needs them so.
-
-        A sum made whole is typed invariant (the same on every device), where the
-        traced jaxpr had it varying; so is what is computed from it alone (the new
-        value of a replicated state leaf, such as novograd's per-leaf second moment,
-        stays replicated). Such an operand is cast back to varying where it meets a
-        varying one, as tracing would have cast it, and where the equation is a
-        collective or a loop (bound as traced)."""
-        axis = self.axis_name
-        varying = lambda x: isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
-        traced = [
-            isinstance(v, jex_core.Var) and axis in v.aval.manual_axis_type.varying
-            for v in eqn.invars
-        ]
-        if not any(t and not varying(x) for t, x in zip(traced, xs, strict=True)):
-            return xs
-        if eqn.primitive.name in _FREE_TYPED and not any(map(varying, xs)):
-            return xs
-        return [
-            jax.lax.pcast(x, axis, to="varying") if t and not varying(x) else x
-            for t, x in zip(traced, xs, strict=True)
-        ]
 
     def _switch(self, eqn: Any, ins: list[Tag], xs: list) -> list:
         """A conditional evaluated branch by branch (see :meth:`_branch`); the outputs
@@ -393,6 +381,29 @@ class Tagger:
         return [self._own(eqn, leaves, why)] * n_out
 
 
+def _typed(eqn: Any, xs: list, axis: str) -> list:
+    """``eqn``'s operands typed varying over the axis where it needs them so.
+
+    A sum made whole is typed invariant (the same on every device), where the
+    traced jaxpr had it varying; so is what is computed from it alone (the new
+    value of a replicated state leaf, such as novograd's per-leaf second moment,
+    stays replicated). Such an operand is cast back to varying where it meets a
+    varying one, as tracing would have cast it, and where the equation is a
+    collective or a loop (bound as traced)."""
+    varying = lambda x: isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
+    traced = [
+        isinstance(v, jex_core.Var) and axis in v.aval.manual_axis_type.varying for v in eqn.invars
+    ]
+    if not any(t and not varying(x) for t, x in zip(traced, xs, strict=True)):
+        return xs
+    if eqn.primitive.name in _FREE_TYPED and not any(map(varying, xs)):
+        return xs
+    return [
+        jax.lax.pcast(x, axis, to="varying") if t and not varying(x) else x
+        for t, x in zip(traced, xs, strict=True)
+    ]
+
+
 def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
     """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
     ``extra`` plus a float32 scalar for each keyword argument the update requires that
@@ -476,8 +487,8 @@ def analyze(
     layered, layer_sums = _layered((full_params, full_state), full, state_leaves, candidates)
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
-        one = _trace(inner, params, state, axis_name, num_shards, extra)[0]
-        if _primitives(open_jaxpr(one)) != _primitives(open_jaxpr(full)):
+        one = layered and _trace(inner, params, state, axis_name, num_shards, extra)[0]
+        if one and _primitives(open_jaxpr(one)) != _primitives(open_jaxpr(full)):
             layered = set()
     return Analysis(
         frozenset(whole),
@@ -512,7 +523,11 @@ def _some_layers(inner, full_params, full_state, state_leaves, layered):
     leaves, treedef = jax.tree.flatten(full_params)
     params = treedef.unflatten(one(i, x) for i, x in enumerate(leaves))
     state = jax.eval_shape(inner.init, params)
-    for j, full, x in zip(state_leaves, jax.tree.leaves(full_state), jax.tree.leaves(state)):
+    if jax.tree.structure(state) != jax.tree.structure(full_state):
+        layered.clear()
+        return params, state
+    pairs = zip(jax.tree.leaves(full_state), jax.tree.leaves(state), strict=True)
+    for j, (full, x) in zip(state_leaves, pairs, strict=True):
         if j in layered and tuple(x.shape) != (1, *full.shape[1:]):
             layered.discard(j)
     return params, state

@@ -143,7 +143,11 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums
 
 def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+    consts, carry, xs = (
+        ins[:n_consts],
+        ins[n_consts : n_consts + n_carry],
+        ins[n_consts + n_carry :],
+    )
     # A slice per iteration: the layer axis one lower, unless it is the scanned axis.
     xs = [{i: MIXED if p in (0, MIXED) else p - 1 for i, p in a.items()} for a in xs]
     outs = _loop(eqn.params["jaxpr"], consts, carry, xs, sums)

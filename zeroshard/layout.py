@@ -12,9 +12,12 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
   ``d`` of *every* layer. Scanning over a stage-3 parameter then hands each
   iteration this device's piece of one layer (see :mod:`zeroshard.stage3`).
 - **owned**: the whole leaf lives on one device, its owner, for optimizers whose
-  update needs the whole tensor (chosen by :mod:`zeroshard.placement`; owners balanced
-  largest cost first). The leaves a device owns, end to end, are its *owned row* of
-  the bucket, padded to the most loaded device's (``Bucket.owned_width``).
+  update needs the whole tensor (chosen by :mod:`zeroshard.placement`); or, for a
+  stacked leaf whose update treats each layer separately (Muon with the layer as a
+  batch axis), **layer-owned**: each layer lives whole on one device. The *units*
+  (whole leaves, layers) are balanced over the devices, largest cost first. The units
+  a device owns, end to end, are its *owned row* of the bucket, padded to the most
+  loaded device's (``Bucket.owned_width``).
 
 Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
 laid end to end, are that device's *row* of the bucket (what a packed collective
@@ -133,7 +136,7 @@ class Slot:
         """``device``'s units of the full owned leaf: the leaf, or its layers stacked."""
         if not self.stacked:
             return full
-        return jnp.stack([full[u] for u in self.units_of(device)])
+        return full[np.asarray(self.units_of(device), np.int32)]
 
     @property
     def stand_in_shape(self) -> tuple[int, ...]:
@@ -527,7 +530,10 @@ class Layout:
         scatters)."""
         rows = []
         for d in range(self.num_shards):
-            local = [s.local(x, d) if d in s.owners else None for x, s in zip(leaves, self.slots)]
+            local = [
+                s.local(x, d) if d in s.owners else None
+                for x, s in zip(leaves, self.slots, strict=True)
+            ]
             rows.append(self.owned_row(local, d, bucket, dtype))
         return jnp.stack(rows)
 

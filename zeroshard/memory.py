@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, NamedTuple
 
 import jax
@@ -64,6 +65,17 @@ def _count(params_or_count: PyTree | float) -> float:
     return float(sum(np.prod(x.shape) for x in jax.tree.leaves(params_or_count)))
 
 
+def _inner(optimizer: Any) -> Any:
+    """The optax transformation ``zs.sharded(inner)`` wraps (others as they are)."""
+    from zeroshard.sharded import ShardedTransformation
+
+    return optimizer.inner if isinstance(optimizer, ShardedTransformation) else optimizer
+
+
+def _structs(params: PyTree, dtype: Any) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+
+
 def _optimizer_bytes(optimizer: Any) -> float:
     """Bytes of optimizer state per parameter."""
     if isinstance(optimizer, str):
@@ -75,6 +87,7 @@ def _optimizer_bytes(optimizer: Any) -> float:
         return 4.0 * MOMENTS[optimizer]
     if isinstance(optimizer, (int, float)):
         return 4.0 * optimizer
+    optimizer = _inner(optimizer)
     probe = {"p": jax.ShapeDtypeStruct((4096,), jnp.float32)}
     state = jax.eval_shape(optimizer.init, probe)
     per_element = [x for x in jax.tree.leaves(state) if x.shape == (4096,)]
@@ -119,10 +132,18 @@ def estimate_memory(
     shard = lambda bytes_per_param, from_stage: (
         psi * bytes_per_param / (n if stage >= from_stage else 1)
     )
-    if stage and hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
-        return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
-            params=shard(p, 3), grads=shard(p, 2)
+    if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
+        if stage:
+            return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
+                params=shard(p, 3), grads=shard(p, 2)
+            )
+        inner = _inner(optimizer)  # stage 0: plain optax's state, on every device
+        dtype = master_dtype if has_master else param_dtype
+        state = jax.eval_shape(inner.init, _structs(params_or_count, dtype))
+        o = sum(
+            float(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)
         )
+        return MemoryEstimate(shard(p, 3), shard(p, 2), o, shard(m, 1))
     o = _optimizer_bytes(optimizer)
     return MemoryEstimate(
         params=shard(p, 3), grads=shard(p, 2), optimizer_state=shard(o, 1), master=shard(m, 1)
@@ -134,9 +155,13 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: 
     them out (params and grads left to the caller)."""
     from zeroshard.sharded import ShardedTransformation, sharded
 
-    tx = inner if isinstance(inner, ShardedTransformation) else sharded(inner, master_dtype=master_dtype)
+    tx = (
+        inner
+        if isinstance(inner, ShardedTransformation)
+        else sharded(inner, master_dtype=master_dtype)
+    )
     inner = tx.inner
-    plan = tx.plan(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params), n)
+    plan = tx.plan(_structs(params, param_dtype), n)
     nbytes = lambda x: float(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(inner.init, plan.view_structs(0)))
     shared = sum(nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
@@ -160,7 +185,43 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: 
     )
 
 
-def plan_table(count: float, num_devices: int, **kwargs: Any) -> str:
+def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtype: Any) -> str:
+    """Where :func:`zeroshard.sharded` puts each leaf of ``params`` and the load per
+    device: leaves by placement, then per device the owned units (whole leaves and
+    layers), their state and master bytes and their update cost, and the imbalance
+    of each (most loaded device over the mean)."""
+    from zeroshard.sharded import ShardedTransformation, sharded
+
+    tx = optimizer if isinstance(optimizer, ShardedTransformation) else sharded(optimizer)
+    plan = tx.plan(_structs(params, param_dtype), num_devices)
+    slots = plan.layout.slots
+    kinds = Counter(s.placement for s in slots)
+    lines = ["leaves: " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))]
+    nbytes, costs = plan.owned_bytes(), plan.owned_costs()
+    if not any(s.owned for s in slots):
+        return "\n".join(lines)
+    lines += ["", "| device | owned units | owned bytes | update cost |", "|---:|---|---:|---:|"]
+    for d in range(num_devices):
+        units = [
+            s.path if s.placement == "owned" else f"{s.path}[{_layers(len(s.units_of(d)))}]"
+            for s in slots
+            if d in s.owners
+        ]
+        shown = ", ".join(units[:3]) + (f" (+{len(units) - 3})" if len(units) > 3 else "")
+        lines.append(f"| {d} | {shown or '-'} | {nbytes[d]:,} | {costs[d]:.3g} |")
+    mean = lambda x: sum(x) / len(x)
+    lines.append(
+        f"\nimbalance (max/mean): owned bytes {max(nbytes) / mean(nbytes):.2f}, "
+        f"update cost {max(costs) / mean(costs):.2f}"
+    )
+    return "\n".join(lines)
+
+
+def _layers(k: int) -> str:
+    return f"{k} layer" + "s" * (k != 1)
+
+
+def plan_table(count: float | PyTree, num_devices: int, **kwargs: Any) -> str:
     """A markdown table of :func:`estimate_memory` for stages 0-3 (GB = 10^9 bytes)."""
     rows = [
         "| stage | params | grads | optimizer state | master | total |",

@@ -3,13 +3,16 @@
 Built once per parameter layout, at trace time, from shapes alone:
 
 1. :func:`zeroshard.analysis.analyze` traces the inner update and finds the leaves whose
-   update needs the whole tensor; they (and any the user forces) are *owned*, the
-   others *sliced* (:mod:`zeroshard.layout` places them, balancing owners).
-2. Devices owning the same leaves share a *branch*. On branch ``b`` the inner
-   optimizer sees its *view* of the parameters: a slice of every sliced leaf, the
-   whole of each leaf the branch owns, and a stand-in (a single zero of the leaf's
-   rank) for every other owned leaf. Every device runs one program: a ``lax.switch`` on
-   its branch (:mod:`zeroshard.branches`).
+   update needs more than their elements and sums over them; they (and any the user
+   forces) are *owned*, whole or, for stacked layers updated separately, layer by
+   layer; the others are *sliced* (:mod:`zeroshard.layout` places them, balancing the
+   owned units over the devices).
+2. Devices owning the same number of units of the same leaves share a *branch*. On
+   branch ``b`` the inner optimizer sees its *view* of the parameters: a slice of
+   every sliced leaf, the whole of each leaf the branch owns (its layers, stacked, of
+   a layer-owned leaf), and a stand-in (a single zero of the leaf's rank) for every
+   other owned leaf. Every device runs one program: a ``lax.switch`` on its branch
+   (:mod:`zeroshard.branches`).
 3. Each leaf of the inner state is classified: *sliced* (per-element, like its
    leaf's slices), *replicated* (counts, hyperparameters) or *owned* (belongs to an
    owned leaf, or differs between views). Owned state, and the master weights of
@@ -210,11 +213,7 @@ class Plan:
             jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
         )
         leaves = [
-            local[i]
-            if i in owned
-            else stand_in(s)
-            if s.owned
-            else pieces[i].reshape(s.piece_shape)
+            local[i] if i in owned else stand_in(s) if s.owned else pieces[i].reshape(s.piece_shape)
             for i, s in enumerate(self.layout.slots)
         ]
         return self.layout.treedef.unflatten(leaves)

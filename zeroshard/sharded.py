@@ -270,7 +270,7 @@ def _log_owned(plan: Plan) -> None:
     nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     mean = sum(costs) / len(costs)
     logger.info(
-        "zeroshard: %d of %d leaves owned whole (their update needs the whole tensor) over "
+        "zeroshard: %d of %d leaves owned (their update needs whole tensors or layers) over "
         "%d devices: owned state %s..%s bytes per device, update cost max/mean %.2f",
         len(owned),
         len(plan.layout.slots),
@@ -354,12 +354,15 @@ def sharded(
     drop-in for ``inner`` (see ``mesh``).
 
     Each leaf is placed where ``inner`` computes on it exactly. Where its update is
-    elementwise (sgd, adam, lion, ...), the leaf is *sliced*: every device updates
-    1/N of it. Where the update needs the whole tensor (per-tensor norms as in lamb,
-    lars, novograd, fromage; factored moments as in adafactor; matrix functions as
-    in muon), the leaf is *owned*: one device updates all of it and keeps its state,
-    owners balanced by bytes or, for matrix work, by ``m * n * min(m, n)``. The
-    choice is read from the traced update, per leaf (see :mod:`zeroshard.placement`).
+    elementwise (sgd, adam, lion, ...) or mixes elements only through sums (the
+    per-tensor norms of lamb, lars, novograd, fromage; adafactor's update clipping),
+    the leaf is *sliced*: every device updates 1/N of it, the sums summed across
+    devices. Where the update needs more (factored moments as in adafactor; matrix
+    functions as in muon), the leaf is *owned*: one device updates all of it and
+    keeps its state; a ``stacked`` leaf updated layer by layer is owned layer by
+    layer. Owned units are balanced by bytes or, for matrix work, by
+    ``m * n * min(m, n)``. The choice is read from the traced update, per leaf (see
+    :mod:`zeroshard.placement`).
     The returned updates are full-shape, so ``optax.apply_updates(params, updates)``
     gives the gathered weights (exactly whenever each new weight lies within a factor
     two of the old one, by Sterbenz's lemma; otherwise within one rounding of them).
@@ -404,13 +407,16 @@ def sharded(
         scan-over-layers models): a collection of names (every leaf below a dict key
         or attribute of that name, e.g. ``["blocks"]``) or a function
         ``(path, leaf) -> number of layer axes``. Each device then holds 1/N of
-        every layer, and in stage 3 ``jax.lax.scan`` over the stacked pieces gathers
-        one layer per iteration (:func:`zeroshard.layer`). Numbers are the same
-        either way; ``None`` (default) marks nothing.
+        every layer of a sliced leaf, and in stage 3 ``jax.lax.scan`` over the
+        stacked pieces gathers one layer per iteration (:func:`zeroshard.layer`); a
+        leaf with one layer axis whose update needs whole tensors but treats each
+        layer separately is owned layer by layer. Numbers are the same either way;
+        ``None`` (default) marks nothing.
       placement: forces leaves ``"sliced"`` or ``"owned"``: a tree like the
         parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
         (``None``: automatic). Forcing a leaf sliced whose update needs the whole
-        tensor is refused. An owned stacked leaf is owned with all its layers.
+        tensor is refused. A stacked leaf forced owned is owned whole unless its
+        update needs whole layers, and treats them separately.
       mesh: the mesh the state lives on when ``init`` and ``update`` run outside
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
