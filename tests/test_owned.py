@@ -172,6 +172,11 @@ PER_LEAF_SUMS = {
     "block_rms_clipping": lambda: optax.chain(optax.clip_by_block_rms(1e-3), optax.sgd(0.1)),
     "param_block_rms": lambda: optax.chain(optax.scale_by_param_block_rms(), optax.sgd(0.1)),
     "adafactor_unfactored": lambda: optax.adafactor(1e-2, factored=False),
+    # A clean term inside the norm: added once, not once per device.
+    "norm_with_a_constant_inside": lambda: optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: x / jnp.sqrt(jnp.sum(x * x) + 1.0), u), s),
+    ),
     "chained_with_global_clipping": lambda: optax.chain(
         optax.clip_by_global_norm(0.05), optax.lamb(1e-2)
     ),

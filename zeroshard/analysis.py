@@ -50,7 +50,7 @@ CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
 
 # Linear in a PARTIAL operand when every other operand is CLEAN.
-_LINEAR = frozenset("add sub neg convert_element_type copy copy_p mul div select_n".split())
+_UNARY_LINEAR = frozenset("neg convert_element_type copy copy_p reduce_sum".split())
 _RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 # Evaluated on invariant operands, these give the same value on every device.
 _FREE_TYPED = (
@@ -357,13 +357,7 @@ class Tagger:
         if WHOLE in kinds:
             return [self._own(eqn, leaves, "combines a whole-tensor value")] * n_out
         if PARTIAL in kinds:
-            clean_others = sum(k != CLEAN for k, _ in ins) == 1
-            linear = name in _LINEAR and (clean_others or name in ("add", "sub"))
-            if ELEM not in kinds and (
-                name in ("reduce_sum", "concatenate")
-                or name in _RESHAPING
-                or (linear and not (name == "div" and ins[1][0] != CLEAN))
-            ):
+            if _linear(name, [k for k, _ in ins]):
                 return [(PARTIAL, leaves)] * n_out
             partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
             if self._summed_here(partial):
@@ -402,6 +396,25 @@ def _typed(eqn: Any, xs: list, axis: str) -> list:
         jax.lax.pcast(x, axis, to="varying") if t and not varying(x) else x
         for t, x in zip(traced, xs, strict=True)
     ]
+
+
+def _linear(name: str, kinds: list[int]) -> bool:
+    """Whether an equation is linear in its ``PARTIAL`` operands, so that summing its
+    output over the devices equals applying it to their sums: scaling by clean
+    values, and adding, selecting or joining partial sums only (a clean term added
+    to a partial sum would be added once per device)."""
+    partial = [k == PARTIAL for k in kinds]
+    if name in _UNARY_LINEAR or name in _RESHAPING:
+        return len(kinds) == 1
+    if name == "mul":
+        return sum(partial) == 1 and all(k in (CLEAN, PARTIAL) for k in kinds)
+    if name == "div":
+        return kinds == [PARTIAL, CLEAN]
+    if name in ("add", "sub", "concatenate"):
+        return all(partial)
+    if name == "select_n":
+        return kinds[0] == CLEAN and all(partial[1:])
+    return False
 
 
 def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):

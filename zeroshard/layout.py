@@ -345,6 +345,7 @@ class Layout:
         stacked: Stacked = None,
         owned: Mapping[int, float] | None = None,
         layered: Collection[int] | None = None,
+        spread: Collection[int] | None = None,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
@@ -358,6 +359,8 @@ class Layout:
           layered: of the ``owned`` leaves, those owned layer by layer (stacked
             leaves whose update treats each layer on its own): each layer is a unit,
             placed as a whole leaf is, with its share of the leaf's cost.
+          spread: of the ``layered`` leaves, those whose layers go first, so that
+            each device gets one where there are as many layers as devices.
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -371,7 +374,7 @@ class Layout:
                 "Pass the model's parameters (a pytree with at least one array)."
             )
         dims = stacked_dims(tree, stacked)
-        owners = _owners(path_leaves, num_shards, owned or {}, layered or set())
+        owners = _owners(path_leaves, num_shards, owned or {}, layered or (), spread or ())
         dtypes: list[np.dtype] = []
         slots = []
         for i, (path, leaf) in enumerate(path_leaves):
@@ -556,11 +559,15 @@ class Layout:
 
 
 def _owners(
-    path_leaves: list, num_shards: int, costs: Mapping[int, float], layered: Collection[int]
+    path_leaves: list,
+    num_shards: int,
+    costs: Mapping[int, float],
+    layered: Collection[int],
+    spread: Collection[int],
 ) -> dict[int, tuple[int, ...]]:
     """The owner of each unit of each owned leaf (the leaf, or each of its layers where
-    ``layered``): largest cost first, each to the least loaded device (ties: fewest
-    bytes, lowest index)."""
+    ``layered``): the layers of ``spread`` leaves first, then largest cost first, each
+    to the least loaded device (ties: fewest bytes, lowest index)."""
     units = []  # (cost, leaf, unit, bytes)
     for i, cost in costs.items():
         leaf = path_leaves[i][1]
@@ -569,7 +576,7 @@ def _owners(
         units += [(cost / n, i, u, nbytes) for u in range(n)]
     load = [(0.0, 0, d) for d in range(num_shards)]  # (cost, bytes, device)
     owners: dict[int, list[int]] = {i: [] for i in costs}
-    for cost, i, _, nbytes in sorted(units, key=lambda x: (-x[0], x[1], x[2])):
+    for cost, i, _, nbytes in sorted(units, key=lambda x: (x[1] not in spread, -x[0], x[1], x[2])):
         done, held, d = min(load)
         owners[i].append(d)
         load[d] = (done + cost, held + nbytes, d)

@@ -381,15 +381,18 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     if not costs:
         return base
     leaves = base.full_structs()
-    layered = analysis.layered & owned
-    layout = Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), costs, layered)
-    # A leaf whose layers meet through sums needs a part on every device (each device
-    # then runs the same sums); where some device holds none of its layers, own it whole.
+    # A leaf whose layers meet through sums needs a layer on every device (each device
+    # then runs the same sums): its layers are placed first; where some device still
+    # holds none (fewer layers than devices), it is owned whole.
+    layered, sums = analysis.layered & owned, analysis.layer_sums & owned
+    place = lambda layered: Layout.from_tree(
+        leaves, base.num_shards, _stacked_fn(base), costs, layered, sums & layered
+    )
+    layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
-    if all(held(i) for i in analysis.layer_sums & layered):
+    if all(held(i) for i in sums & layered):
         return layout
-    layered = {i for i in layered if i not in analysis.layer_sums or held(i)}
-    return Layout.from_tree(leaves, base.num_shards, _stacked_fn(base), costs, layered)
+    return place({i for i in layered if i not in sums or held(i)})
 
 
 def _stacked_fn(base: Layout):
