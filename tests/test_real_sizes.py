@@ -322,6 +322,38 @@ def test_stacked_layers_restore_on_other_device_counts(optimizer, setups, expect
         assert_matches_plain_optax(got, expected(optimizer, "stacked"), params, context)
 
 
+def per_layer_then_whole_rms():
+    """Each layer divided by its own norm (a sum over that layer only), then the leaf by
+    its RMS over all layers (a sum across layers): on one layer per device, the first
+    sum must stay local and the second be summed over the devices."""
+
+    def update(u, state, params=None):
+        def one(x):
+            per_layer = jnp.sqrt(jnp.sum(x * x, axis=tuple(range(1, x.ndim)), keepdims=True))
+            y = x / per_layer
+            return y / jnp.sqrt(jnp.mean(y * y) + 1.0)
+
+        return jax.tree.map(one, u), state
+
+    return optax.chain(
+        optax.GradientTransformation(lambda p: optax.EmptyState(), update), optax.sgd(0.05)
+    )
+
+
+def test_sums_per_layer_and_across_layers(setups):
+    params, data, loss_fn, stacked = setups["stacked"]
+    inner = per_layer_then_whole_rms()
+    tx = zs.sharded(inner, stacked=stacked)
+    assert {s.placement for s in tx.plan(params, N).layout.slots} == {"layer-owned"}
+    mesh = make_mesh(N)
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(loss_fn, tx, mesh)
+    for batch in data:
+        state, _ = step(state, batch)
+    expected = reference(optax.with_extra_args_support(inner), params, data, loss_fn, N)
+    assert_matches_plain_optax(state.params, expected, params, "per-layer and whole sums")
+
+
 def test_layers_meeting_through_sums_need_a_layer_on_every_device(setups):
     """Adafactor's update clipping is an RMS over the whole stacked leaf: owned layer by
     layer, each device sums its layers and the sums are summed over the devices, so

@@ -49,7 +49,7 @@ from zeroshard.layout import PyTree, Slot
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
 
-# Linear in a PARTIAL operand when every other operand is CLEAN.
+# Linear in their one (PARTIAL) operand.
 _UNARY_LINEAR = frozenset("neg convert_element_type copy copy_p reduce_sum".split())
 _RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 # Evaluated on invariant operands, these give the same value on every device.
@@ -182,15 +182,17 @@ class Tagger:
             self.matrix |= leaves
         return (WHOLE, leaves)
 
+    def _layered(self, leaves: frozenset) -> bool:
+        """Whether ``leaves`` is one layer-owned leaf whose layers meet through sums."""
+        slot = self.sliced.get(next(iter(leaves))) if self.sliced and len(leaves) == 1 else None
+        return slot is not None and slot.placement == "layer-owned"
+
     def _over_layers(self, eqn: Any, leaves: frozenset, kinds: set) -> bool:
         """Whether ``eqn`` sums every element of this device's layers of one
         layer-owned leaf whose layers meet through sums (a partial sum: its other
-        layers are on other devices)."""
-        if self.sliced is None or len(leaves) != 1 or not kinds <= {ELEM, WHOLE}:
-            return False
-        slot = self.sliced.get(next(iter(leaves)))
+        layers are on other devices; a sum over some axes is one per layer)."""
         total = len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape)
-        return slot is not None and slot.placement == "layer-owned" and total
+        return total and kinds <= {ELEM, WHOLE} and self._layered(leaves)
 
     def _summed_here(self, partial: frozenset) -> bool:
         """Whether the partial sums of ``partial`` meeting a non-linear operation are
@@ -364,7 +366,7 @@ class Tagger:
                 return None
             why = "uses a sum over this device's elements only (a norm without a psum)"
             return [self._own(eqn, leaves, why)] * n_out
-        if name == "reduce_sum" and eqn.outvars[0].aval.size == 1:
+        if name == "reduce_sum" and eqn.outvars[0].aval.size == 1 and not self._layered(leaves):
             self._counts[eqn.outvars[0]] = eqn.invars[0].aval.size
             return [(PARTIAL, leaves)]
         if name in ELEMENTWISE or name in PASS_THROUGH:
