@@ -39,3 +39,13 @@ def called_jaxpr(eqn: Any) -> Any:
         if open_jaxpr(sub) is not None:
             return sub
     return None
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """``(constants, carries)`` among a ``scan`` equation's operands (then its scanned
+    inputs): named parameters up to jax 0.10, one group per kind in ``ft_in`` since."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))

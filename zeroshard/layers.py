@@ -22,7 +22,7 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from zeroshard.jaxprs import ELEMENTWISE, PASS_THROUGH, called_jaxpr, open_jaxpr
+from zeroshard.jaxprs import ELEMENTWISE, PASS_THROUGH, called_jaxpr, open_jaxpr, scan_counts
 
 MIXED = None
 """The position of a leaf's layer axis in a value that mixes its layers."""
@@ -142,7 +142,7 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums
 
 
 def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn)
     consts, carry, xs = (
         ins[:n_consts],
         ins[n_consts : n_consts + n_carry],
