@@ -83,8 +83,10 @@ class Analysis:
       state_leaves: per leaf of the inner state, the parameter leaf it derives from
         in the update, or ``None`` (counts, hyperparameters, leaves never updated).
       state_tags: the inner state's tags, as the update reads them.
-      sums: whether partial sums meet a non-linear operation (a norm, an RMS, a
-        global norm): the update then runs with :func:`zeroshard.sums.run_with_sums`.
+      sums: the leaves of each partial sum that meets a non-linear operation (a
+        norm, an RMS: one leaf; a global norm: several): where such a sum is partial
+        (a leaf in it is sliced, or it spans leaves), the update runs with
+        :func:`zeroshard.sums.run_with_sums`.
       layered: of the leaves in ``whole``, the stacked ones whose update treats each
         layer on its own (see :mod:`zeroshard.layers`): they can be owned layer by layer.
       layer_sums: of those, the leaves whose layers meet through total sums: owned
@@ -96,7 +98,7 @@ class Analysis:
     matrix: frozenset[int]
     state_leaves: tuple[int | None, ...]
     state_tags: tuple[Tag, ...] = ()
-    sums: bool = False
+    sums: frozenset[frozenset[int]] = frozenset()
     layered: frozenset[int] = frozenset()
     layer_sums: frozenset[int] = frozenset()
 
@@ -164,7 +166,7 @@ class Tagger:
         self.whole: set[int] = set()
         self.matrix: set[int] = set()
         self.ops: dict[int, list[str]] = defaultdict(list)
-        self.sums = False
+        self.sums: set[frozenset[int]] = set()
         self._in_branch = 0
         self._counts: dict[Any, int] = {}  # a total sum's value -> the elements it summed
         self._scalars: dict[Any, float] = {}  # a constant scalar's value, once cast
@@ -235,8 +237,8 @@ class Tagger:
         if xs is not None:
             xs = self._exact_sums(eqn, ins, xs)
         if outs is None:  # partial sums meet a non-linear operation: sum them over the axis
-            self.sums = True
             summed = [k for k, (kind, _) in enumerate(ins) if kind == PARTIAL]
+            self.sums.add(frozenset().union(*(ins[k][1] for k in summed)))
             ins = [_CLEAN if k in summed else t for k, t in enumerate(ins)]
             if xs is not None:  # the same on every device: typed invariant
                 xs = [
@@ -510,7 +512,7 @@ def analyze(
         frozenset(tagger.matrix),
         state_leaves,
         tuple(state_in),
-        tagger.sums,
+        frozenset(tagger.sums),
         frozenset(layered),
         frozenset(layer_sums & layered),
     )

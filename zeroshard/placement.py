@@ -177,7 +177,9 @@ class Plan:
     ) -> tuple[PyTree, PyTree]:
         """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
         the analysis found them (:func:`zeroshard.sums.run_with_sums`)."""
-        if not (self.analysis.sums or self.analysis.layer_sums):
+        slots = self.layout.slots
+        partial = lambda leaves: len(leaves) > 1 or any(not slots[i].owned for i in leaves)
+        if not (any(map(partial, self.analysis.sums)) or self.analysis.layer_sums):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         tags = self.analysis.in_tags(len(self.layout.slots))
