@@ -20,8 +20,10 @@ ELEMENTWISE = frozenset(
     shift_right_logical sign sin sinh sqrt square sub tan tanh xor
     """.split()
 )
-# Casts and annotations: the value passes through unchanged.
-PASS_THROUGH = frozenset(["sharding_constraint", "pvary", "pcast", "optimization_barrier"])
+# Casts and annotations: the value passes through unchanged (its layout may change).
+PASS_THROUGH = frozenset(
+    ["sharding_constraint", "pvary", "pcast", "optimization_barrier", "reshard", "mesh_cast"]
+)
 
 
 def open_jaxpr(x: Any) -> Any:
