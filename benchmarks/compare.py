@@ -400,7 +400,12 @@ def describe(v: Variant, params: Any, n: int, row: dict) -> dict:
     plain = jax.eval_shape(v.inner.init, params)
     return row | {
         "plain_state_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plain)),
-        "owned": {s.path: s.owner for s in plan.layout.slots if s.owned},
+        # The owner of each owned leaf, or of each layer of a layer-owned one.
+        "owned": {
+            s.path: s.owner if s.owner is not None else list(s.owners)
+            for s in plan.layout.slots
+            if s.owned
+        },
         "owned_bytes": plan.owned_bytes(),
         "owned_costs": plan.owned_costs(),
     }
