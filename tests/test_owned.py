@@ -163,6 +163,21 @@ def test_global_norm_clipping_needs_no_source_change(alias_setup):
     assert max(errors.values()) < RTOL, errors
 
 
+@pytest.mark.parametrize("n", [8, 3])
+def test_zeroshard_clipping_is_summed_once(n, alias_setup):
+    """zs.clip_by_global_norm sums its partial squares (from 0.0) and psums them itself:
+    the update must not sum them over the devices a second time."""
+    params, data, _ = alias_setup
+    inner = optax.chain(zs.clip_by_global_norm(0.05, axis_name="data"), optax.lamb(1e-2))
+    plain = optax.chain(optax.clip_by_global_norm(0.05), optax.lamb(1e-2))
+    errors = relative_errors(
+        hand_written_loop(zs.sharded(inner), params, data, n, awkward_loss),
+        reference(optax.with_extra_args_support(plain), params, data, awkward_loss, n),
+        params,
+    )
+    assert max(errors.values()) < RTOL, errors
+
+
 # Per-leaf norms, RMS and means: the leaves stay sliced and their sums are made whole
 # (summed over the devices, padding left out, a mean divided by the leaf's size).
 PER_LEAF_SUMS = {

@@ -361,7 +361,12 @@ class Tagger:
         if WHOLE in kinds:
             return [self._own(eqn, leaves, "combines a whole-tensor value")] * n_out
         if PARTIAL in kinds:
-            if _linear(name, [k for k, _ in ins]):
+            # A clean zero added is a partial sum of nothing (``sum(squares, 0.0)``).
+            zero = lambda k, v: k == CLEAN and name in ("add", "sub") and self._scalar(v) == 0
+            if _linear(
+                name,
+                [PARTIAL if zero(k, v) else k for (k, _), v in zip(ins, eqn.invars, strict=True)],
+            ):
                 return [(PARTIAL, leaves)] * n_out
             partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
             if self._summed_here(partial):
