@@ -89,6 +89,38 @@ def test_layer_owned_leaves_spread_their_layers_and_round_trip(n, rng):
         np.testing.assert_array_equal(s.local_at(leaves[stack], jnp.int32(d), len(units)), mine)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
+    """Stage 3 keeps owned leaves as pieces too: each device's pieces of the units a
+    device owns reach it (one all_to_all, simulated here), which puts the units back
+    together; and the owners' units return as every device's pieces."""
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    t = {"stack": f(5, 3, 7), "w": f(4, 6), "b": f(9), "stacked_whole": f(2, 5, 3)}
+    dims = lambda path, leaf: int("stack" in path)
+    names = [s.path for s in Layout.from_tree(t, n, dims).slots]
+    index = {name[2:-2]: k for k, name in enumerate(names)}
+    owned = {index["stack"]: 20.0, index["w"]: 8.0, index["stacked_whole"]: 4.0}
+    layout = Layout.from_tree(t, n, dims, owned=owned, layered={index["stack"]})
+    leaves = jax.tree.leaves(t)
+    sent = [  # per device: (num_shards, owned_chunk), row d for device d
+        layout.to_owners([s.cut(x, d) for x, s in zip(leaves, layout.slots)], 0, jnp.float32)
+        for d in range(n)
+    ]
+    back = []
+    for o in range(n):
+        received = jnp.stack([sent[d][o] for d in range(n)])
+        local = [None] * len(leaves)
+        for i in (i for i in owned if o in layout.slots[i].owners):
+            local[i] = layout.from_pieces(received, i, o)
+            np.testing.assert_array_equal(local[i], layout.slots[i].local(leaves[i], o))
+        back.append(layout.to_pieces(local, o, 0, jnp.float32))
+    for d in range(n):
+        received = jnp.stack([back[o][d] for o in range(n)])
+        for i in owned:
+            s = layout.slots[i]
+            np.testing.assert_array_equal(layout.from_owners(received, i), s.cut(leaves[i], d))
+
+
 def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():
     t = {
         "a": jnp.zeros(300, jnp.float32),  # 1,200 B

@@ -78,11 +78,12 @@ class Slot:
       bucket: index of the dtype bucket holding the leaf.
       offset: first column of the leaf's piece in the bucket row.
       num_shards: the number of devices the leaf is cut over.
-      stacked: the number of leading layer axes (0: a sliced or whole-owned leaf).
+      stacked: the number of leading layer axes: its pieces are cut layer by layer
+        (for an owned leaf, the stage-3 pieces of its weights).
       owners: for an owned leaf, the device holding each of its *units*: the whole
-        leaf (one unit), or each layer of a layer-owned leaf (``stacked`` is 1);
-        ``()`` for a sliced leaf.
+        leaf (one unit), or each layer of a layer-owned leaf; ``()`` for a sliced leaf.
       unit_offsets: each unit's place in its owner's owned row of the bucket.
+      layered: whether the leaf is layer-owned (one layer axis; a unit per layer).
     """
 
     path: str
@@ -94,12 +95,13 @@ class Slot:
     stacked: int = 0
     owners: tuple[int, ...] = ()
     unit_offsets: tuple[int, ...] = ()
+    layered: bool = False
 
     @property
     def placement(self) -> str:
         """``"sliced"``, ``"stacked"``, ``"owned"`` or ``"layer-owned"``."""
         if self.owners:
-            return "layer-owned" if self.stacked else "owned"
+            return "layer-owned" if self.layered else "owned"
         return "stacked" if self.stacked else "sliced"
 
     @property
@@ -109,12 +111,12 @@ class Slot:
     @property
     def owner(self) -> int | None:
         """The device holding a whole-owned leaf (``None`` otherwise)."""
-        return self.owners[0] if self.owned and not self.stacked else None
+        return self.owners[0] if self.owned and not self.layered else None
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
         """The shape of one owned unit: a layer of a layer-owned leaf, else the leaf."""
-        return self.shape[1:] if self.stacked else self.shape
+        return self.shape[1:] if self.layered else self.shape
 
     def units_of(self, device: int) -> tuple[int, ...]:
         """The units of this owned leaf that ``device`` holds."""
@@ -123,18 +125,29 @@ class Slot:
     def local_at(self, full: jax.Array, index: jax.Array, count: int) -> jax.Array:
         """The ``count`` units of the full owned leaf that device ``index`` (traced)
         holds, for devices that hold that many (others get some ``count`` layers)."""
-        if not self.stacked:
+        if not self.layered:
             return full
         table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
         return jnp.take(full, jnp.asarray(table, jnp.int32)[index], axis=0)
 
+    @property
+    def unit_piece(self) -> int:
+        """Elements of one device's stage-3 piece of one owned unit: of each layer of a
+        layer-owned leaf, else of the whole leaf."""
+        return self.width if self.layered else self.piece_size
+
+    def unit_geometry(self) -> Slot:
+        """How one owned unit is cut into stage-3 pieces (a layer of a layer-owned leaf
+        as a leaf of its own)."""
+        return Slot.of(self.unit_shape, self.dtype, self.num_shards) if self.layered else self
+
     def local_shape(self, count: int) -> tuple[int, ...]:
         """The shape of ``count`` units of this owned leaf, as their owner holds them."""
-        return (count, *self.unit_shape) if self.stacked else self.shape
+        return (count, *self.unit_shape) if self.layered else self.shape
 
     def local(self, full: jax.Array, device: int) -> jax.Array:
         """``device``'s units of the full owned leaf: the leaf, or its layers stacked."""
-        if not self.stacked:
+        if not self.layered:
             return full
         return full[np.asarray(self.units_of(device), np.int32)]
 
@@ -178,9 +191,11 @@ class Slot:
 
     def spec(self, axis_name: str) -> P:
         """``PartitionSpec`` of the leaf's global array of pieces (``P()``: owned leaves
-        are whole on every device outside the update)."""
-        if self.owned:
-            return P()
+        are whole on every device outside the update, but in stage 3)."""
+        return P() if self.owned else self.piece_spec(axis_name)
+
+    def piece_spec(self, axis_name: str) -> P:
+        """``PartitionSpec`` of the global array of every device's piece of the leaf."""
         return P(*(None,) * (len(self.piece_shape) - 1), axis_name)
 
     def _padded(self, leaf: jax.Array) -> jax.Array:
@@ -316,12 +331,16 @@ class Bucket:
         ``(num_shards, row_size)`` matrix).
       owned_width: elements of its owned leaves on the most loaded device: the row
         each device has for them is padded to this.
+      owned_chunk: elements of one device's stage-3 pieces of the units another
+        device owns, for the device owning most (what an ``all_to_all`` between
+        pieces and owners moves per pair of devices, padded to this).
     """
 
     dtype: np.dtype
     slots: tuple[int, ...]
     row_size: int
     owned_width: int = 0
+    owned_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +407,6 @@ class Layout:
                 )
             dtypes += [] if dtype in dtypes else [dtype]
             units = owners.get(i, ())
-            layer_owned = len(units) > 1 or (units and i in (layered or ()))
             slots.append(
                 Slot(
                     name,
@@ -397,8 +415,9 @@ class Layout:
                     dtypes.index(dtype),
                     0,
                     num_shards,
-                    1 if layer_owned else 0 if units else dims[i],
+                    dims[i],
                     units,
+                    layered=bool(units) and i in (layered or ()),
                 )
             )
         buckets = []
@@ -416,7 +435,11 @@ class Layout:
                     unit_offsets.append(ends[d])
                     ends[d] += math.prod(s.unit_shape)
                 slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
-            buckets.append(Bucket(dtype, members, row, max(ends)))
+            chunks = [
+                sum(slots[i].unit_piece * len(slots[i].units_of(d)) for i in members)
+                for d in range(num_shards)
+            ]
+            buckets.append(Bucket(dtype, members, row, max(ends), max(chunks)))
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
     @property
@@ -498,6 +521,12 @@ class Layout:
             for leaf, s in zip(leaves, self.slots, strict=True)
         ]
 
+    def shard_pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
+        """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves), owned
+        ones too: the stage-3 parameters."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return [s.cut(leaf, index) for leaf, s in zip(leaves, self.slots, strict=True)]
+
     def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
         """Device ``index``'s row of bucket ``bucket``'s sliced leaves, cut from full leaves."""
         return self.rows(self.pieces(tree, index))[bucket]
@@ -547,6 +576,69 @@ class Layout:
         start, size = s.unit_offsets[units[0]], math.prod(s.unit_shape)
         return row[start : start + len(units) * size].reshape(s.local_shape(len(units)))
 
+    # Stage 3: the owned leaves' weights and gradients are pieces like the sliced ones;
+    # one all_to_all per bucket moves them between the pieces and the owners.
+
+    def _chunk_start(self, device: int, i: int) -> int:
+        """Where leaf ``i``'s units begin in ``device``'s chunk of its bucket."""
+        bucket = self.buckets[self.slots[i].bucket]
+        before = [j for j in bucket.slots if j < i and device in self.slots[j].owners]
+        return sum(self.slots[j].unit_piece * len(self.slots[j].units_of(device)) for j in before)
+
+    def to_owners(self, pieces: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
+        """This device's pieces (1-D, per leaf) -> ``(num_shards, owned_chunk)``: row
+        ``d`` holds its pieces of the units device ``d`` owns (an ``all_to_all`` sends
+        row ``d`` to device ``d``)."""
+        b = self.buckets[bucket]
+        rows = []
+        for d in range(self.num_shards):
+            parts = [jnp.zeros((0,), dtype)]
+            for i in (i for i in b.slots if d in self.slots[i].owners):
+                s = self.slots[i]
+                piece = pieces[i].astype(dtype)
+                parts += (
+                    [piece.reshape(s.layers, s.width)[u] for u in s.units_of(d)]
+                    if (s.layered)
+                    else [piece]
+                )
+            row = jnp.concatenate(parts)
+            rows.append(jnp.pad(row, (0, b.owned_chunk - row.shape[0])))
+        return jnp.stack(rows)
+
+    def from_pieces(self, received: jax.Array, i: int, device: int) -> jax.Array:
+        """``device``'s units of owned leaf ``i`` from the pieces every device sent it
+        (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
+        s = self.slots[i]
+        start, k, w = self._chunk_start(device, i), len(s.units_of(device)), s.unit_piece
+        geometry = s.unit_geometry()
+        units = [geometry.uncut(received[:, start + j * w : start + (j + 1) * w]) for j in range(k)]
+        return jnp.stack(units) if s.layered else units[0]
+
+    def to_pieces(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
+        """``device``'s units (``local[i]``, as :meth:`Slot.local` gives them) -> every
+        device's pieces of them: ``(num_shards, owned_chunk)``, row ``d`` for device ``d``."""
+        b = self.buckets[bucket]
+        parts = [jnp.zeros((self.num_shards, 0), dtype)]
+        for i in (i for i in b.slots if device in self.slots[i].owners):
+            s = self.slots[i]
+            units = list(local[i]) if s.layered else [local[i]]
+            parts += [s.unit_geometry().blocks(u.astype(dtype)) for u in units]
+        blocks = jnp.concatenate(parts, axis=1)
+        return jnp.pad(blocks, ((0, 0), (0, b.owned_chunk - blocks.shape[1])))
+
+    def from_owners(self, received: jax.Array, i: int) -> jax.Array:
+        """This device's 1-D piece of owned leaf ``i`` from what the owners sent it
+        (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
+        s = self.slots[i]
+        if not s.layered:
+            start = self._chunk_start(s.owner, i)
+            return received[s.owner, start : start + s.piece_size]
+        layers = []
+        for u, d in enumerate(s.owners):
+            start = self._chunk_start(d, i) + s.units_of(d).index(u) * s.width
+            layers.append(received[d, start : start + s.width])
+        return jnp.concatenate(layers)
+
     def owned_full(self, rows: jax.Array, i: int) -> jax.Array:
         """Owned leaf ``i`` from every device's owned row (``(num_shards, owned_width)``)."""
         s = self.slots[i]
@@ -555,7 +647,7 @@ class Layout:
             rows[d, o : o + size].reshape(s.unit_shape)
             for d, o in zip(s.owners, s.unit_offsets, strict=True)
         ]
-        return jnp.stack(units) if s.stacked else units[0]
+        return jnp.stack(units) if s.layered else units[0]
 
 
 def _owners(

@@ -94,6 +94,14 @@ def _store_full(plan: Plan, rows, key: Key, full: jax.Array, axis_name: str) -> 
     return rows
 
 
+def _owned_weights(x: Any, slot: Any, axis_name: str) -> jax.Array:
+    """This device's block of an owned leaf's logical weights: cut from the full leaf,
+    or from its stage-3 piece as a sliced leaf's is."""
+    if is_shard(x):
+        return slot.to_logical(x.piece.reshape(-1), axis_name)
+    return logical_block(x.astype(slot.dtype), axis_name)
+
+
 def _layers_of(plan: Plan, key: Key) -> Any:
     """The slot of the layer-owned leaf whose layers ``key``'s value holds, if any."""
     kind, k = key
@@ -191,14 +199,15 @@ def _to_optax_converter(
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
         pieces = master_pieces(plan, opt_state, own_pieces(plan, params, axis))
-        wholes = owned_wholes(plan, params)
         master = [
             s.to_logical(p, axis)
             if not s.owned
             else logical_block(_owned_full(plan, opt_state.owned, ("master", i), axis), axis)
             if plan.master_dtypes[s.bucket] is not None
-            else logical_block(wholes[i], axis)
-            for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
+            else _owned_weights(x, s, axis)
+            for i, (p, s, x) in enumerate(
+                zip(pieces, layout.slots, layout.treedef.flatten_up_to(params), strict=True)
+            )
         ]
         inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
         inner = [
@@ -313,7 +322,14 @@ def _from_logical_local(
             logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
         ]
         if stage == 3:
-            compute = to_shards(layout, pieces, fulls)
+            index = jax.lax.axis_index(axis)
+            compute = to_shards(
+                layout,
+                [
+                    s.cut(f, index) if p is None else p.reshape(-1)
+                    for p, f, s in zip(pieces, fulls, layout.slots, strict=True)
+                ],
+            )
         else:
             compute = layout.treedef.unflatten(
                 x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)

@@ -124,24 +124,20 @@ def full_structs(params: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)
 
 
-def to_shards(layout: Layout, pieces: list[jax.Array | None], wholes: Any) -> PyTree:
-    """Stage-3 parameters: this device's 1-D pieces of the sliced leaves -> :class:`Shard`
-    pieces, and ``wholes[i]`` (full, replicated) for each owned leaf ``i``, in the
-    parameters' dtypes."""
+def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
+    """Stage-3 parameters: this device's 1-D piece of every leaf (owned ones too: their
+    owners gather them for the update) -> :class:`Shard` pieces, in the parameters'
+    dtypes."""
     return layout.treedef.unflatten(
-        wholes[i].astype(s.dtype)
-        if s.owned
-        else Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
-        for i, (p, s) in enumerate(zip(pieces, layout.slots, strict=True))
+        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
+        for p, s in zip(pieces, layout.slots, strict=True)
     )
 
 
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
-    """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's
-    spec for a sliced leaf, ``P()`` (replicated) for an owned one."""
+    """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's spec."""
     return layout.treedef.unflatten(
-        s.spec(axis_name) if s.owned else Shard(s.spec(axis_name), s.shape, s.dtype, s.stacked)
-        for s in layout.slots
+        Shard(s.piece_spec(axis_name), s.shape, s.dtype, s.stacked) for s in layout.slots
     )
 
 

@@ -31,7 +31,7 @@ from zeroshard.step_io import (
     stacked_aux,
     step_metrics,
 )
-from zeroshard.update import arrive, update
+from zeroshard.update import arrive, arrive_pieces, update
 
 
 class TrainState(NamedTuple):
@@ -113,9 +113,7 @@ def init_train_state(
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
             index = jax.lax.axis_index(axis_name)
-            params = to_shards(
-                layout, layout.pieces(params, index), layout.treedef.flatten_up_to(params)
-            )
+            params = to_shards(layout, layout.shard_pieces(params, index))
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
@@ -219,22 +217,27 @@ class TrainStep:
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
         layout = plan.layout
+        f32 = lambda n: zeros(jax.ShapeDtypeStruct((n,), jnp.float32))
         if self.stage == 1:
             accumulator = jax.tree.map(zeros, params)
-        else:
-            f32 = lambda n: zeros(jax.ShapeDtypeStruct((n,), jnp.float32))
+        elif self.stage == 2:
             accumulator = (
                 [None if s.owned else f32(s.piece_size) for s in layout.slots],
                 tuple(f32(b.owned_width) if b.owned_width else None for b in layout.buckets),
             )
+        else:  # every leaf's gradient piece; the owned ones go to their owners once
+            accumulator = [f32(s.piece_size) for s in layout.slots]
 
         def body(carry, xs):
             model_state, acc = carry
             mb, i = xs
             mb_key = None if key is None else jax.random.fold_in(key, i)
             (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            if self.stage > 1:
+            if self.stage == 2:
                 grads = arrive(self.opt, plan, grads)
+            elif self.stage == 3:
+                n = layout.num_shards
+                grads = [g.piece.reshape(-1) / n for g in layout.treedef.flatten_up_to(grads)]
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             return (model_state, acc), (loss, aux)
 
@@ -243,9 +246,10 @@ class TrainStep:
         rows = local_rows(batch) // k
         aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
+        acc = jax.tree.map(lambda a: a / k, acc)
         if self.stage == 1:
-            return out, arrive(self.opt, plan, jax.tree.map(lambda a: a / k, acc))
-        return out, jax.tree.map(lambda a: a / k, acc)
+            return out, arrive(self.opt, plan, acc)
+        return out, arrive_pieces(self.opt, plan, acc) if self.stage == 3 else acc
 
     def _global_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
@@ -253,7 +257,7 @@ class TrainStep:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         layout = self.tx.plan(full_structs(state.params), self.num_shards).layout
         pieces = [is_shard(x) for x in layout.treedef.flatten_up_to(state.params)]
-        if pieces != [self.stage == 3 and not s.owned for s in layout.slots]:
+        if pieces != [self.stage == 3] * len(layout.slots):
             raise ValueError(
                 f"this is a stage-{self.stage} step, but the state's params are "
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "

@@ -38,11 +38,12 @@ from zeroshard.branches import (
 )
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import (
-    all_gather_owned,
     all_gather_params,
+    exchange_owned,
     is_identity,
     reduce_scatter_leaves,
     reduce_scatter_owned,
+    to_owners,
 )
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -70,11 +71,19 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     axis, dtype = config.axis_name, config.reduce_dtype
     leaves = layout.treedef.flatten_up_to(grads)
     if any(is_shard(g) for g in leaves):
-        pieces = [g.piece.reshape(-1) / layout.num_shards if is_shard(g) else None for g in leaves]
-    else:
-        check_local(leaves, layout, axis)
-        pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
+        return arrive_pieces(opt, plan, [g.piece.reshape(-1) / layout.num_shards for g in leaves])
+    check_local(leaves, layout, axis)
+    pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
     return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
+
+
+def arrive_pieces(opt: Sharded, plan: Plan, pieces: list[jax.Array]) -> GradParts:
+    """Stage 3: this device's 1-D piece of every leaf's mean gradient -> its part: the
+    sliced leaves' pieces, and what every device holds of the units it owns (one
+    ``all_to_all`` per bucket with owned leaves)."""
+    config, layout = opt.config, plan.layout
+    owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
+    return [None if s.owned else p for p, s in zip(pieces, layout.slots, strict=True)], owned
 
 
 def check_local(leaves: list, layout: Layout, axis_name: str) -> None:
@@ -154,11 +163,33 @@ def update(
         parts = jax.lax.pmean(parts, config.replica_axis)
     parts = to_inner(plan, parts)
     pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
-    wholes = owned_wholes(plan, params)
+    wholes = owned_params(plan, params, config.axis_name)
     new, rows, state = update_parts(opt, plan, parts, state, pieces, wholes, **extra_args)
     if any(is_shard(x) for x in layout.treedef.flatten_up_to(params)):
-        return to_shards(layout, new, all_gather_owned(rows, layout, config.axis_name)), state
+        back = exchange_owned(rows, config.axis_name)  # the owners' units -> pieces
+        new = [
+            layout.from_owners(back[s.bucket], i) if s.owned else p
+            for i, (p, s) in enumerate(zip(new, layout.slots, strict=True))
+        ]
+        return to_shards(layout, new), state
     return all_gather_params(new, layout, config.axis_name, config.pack_bytes, rows), state
+
+
+def owned_params(plan: Plan, params: PyTree, axis_name: str) -> Any:
+    """The current weights of the owned leaves, as the update reads them where it keeps
+    no master for them: the full leaves (a list, ``None`` for sliced ones); in stage 3,
+    per bucket what each device holds of this device's units (a tuple of
+    ``(num_shards, owned_chunk)`` blocks), gathered only where a bucket keeps no master."""
+    leaves = plan.layout.treedef.flatten_up_to(params)
+    if not any(is_shard(x) for x in leaves):
+        return owned_wholes(plan, params)
+    layout, dtypes = plan.layout, plan.inner_dtypes
+    pieces = [
+        x.piece.reshape(-1).astype(dtypes[s.bucket])
+        for x, s in zip(leaves, layout.slots, strict=True)
+    ]
+    blocks = to_owners(pieces, layout, axis_name)
+    return tuple(None if plan.master_dtypes[b] is not None else x for b, x in enumerate(blocks))
 
 
 def to_inner(plan: Plan, parts: GradParts) -> GradParts:
@@ -265,10 +296,18 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
         stored, device = plan.storage.unpack(state.owned, b), plan.branch_of.index(b)
         owned = dict(plan.branches[b])
         g = [
-            layout.owned_local(grad_rows[s.bucket], i, device) if i in owned else None
+            owned_local(layout, grad_rows[s.bucket], i, device) if i in owned else None
             for i, s in enumerate(layout.slots)
         ]
-        local = plan.local_wholes(b, wholes, axis)
+        if isinstance(wholes, tuple):  # stage 3: what each device holds of the units
+            local = [
+                owned_local(layout, wholes[s.bucket], i, device)
+                if i in owned and wholes[s.bucket] is not None
+                else None
+                for i, s in enumerate(layout.slots)
+            ]
+        else:
+            local = plan.local_wholes(b, wholes, axis)
         p = [stored.get(("master", i), local[i]) if i in owned else None for i in range(len(g))]
         inner_state = stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
@@ -290,8 +329,10 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
         else:
             new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
+        stage3 = any(r is not None and r.ndim == 2 for r in grad_rows)
+        out = layout.to_pieces if stage3 else layout.owned_row  # stage 3: back to pieces
         rows = tuple(
-            layout.owned_row(new, device, k, dtype) if bucket.owned_width else None
+            out(new, device, k, dtype) if bucket.owned_width else None
             for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))
         )
         kept, owned_rows = kept_and_stored(plan, b, new_state, new)
@@ -301,6 +342,12 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
         return new_pieces, rows, kept, owned_rows
 
     return update_branch
+
+
+def owned_local(layout: Layout, x: jax.Array, i: int, device: int) -> jax.Array:
+    """``device``'s units of owned leaf ``i`` from its owned row (stages 1 and 2), or
+    from what every device holds of its units (stage 3: ``(num_shards, owned_chunk)``)."""
+    return layout.owned_local(x, i, device) if x.ndim == 1 else layout.from_pieces(x, i, device)
 
 
 def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
