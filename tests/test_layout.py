@@ -103,7 +103,9 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
     layout = Layout.from_tree(t, n, dims, owned=owned, layered={index["stack"]})
     leaves = jax.tree.leaves(t)
     sent = [  # per device: (num_shards, owned_chunk), row d for device d
-        layout.to_owners([s.cut(x, d) for x, s in zip(leaves, layout.slots)], 0, jnp.float32)
+        layout.to_owners(
+            [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32
+        )
         for d in range(n)
     ]
     back = []
