@@ -5,15 +5,16 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 1. the gradients *arrive* as this device's part of the mean gradient
    (:func:`arrive`): local full gradients are reduce-scattered; in stage 3 the
    gradient of a :class:`zeroshard.Shard` piece arrives reduced already (the
-   transpose of its gather) and only owned leaves are reduce-scattered; in the
-   user's own ``jax.jit`` the gradient is the mean already and each device cuts its
-   part out (:func:`arrive_mean`);
+   transpose of its gather), and the pieces of owned leaves go to their owners (one
+   ``all_to_all`` per dtype); in the user's own ``jax.jit`` the gradient is the mean
+   already and each device cuts its part out (:func:`arrive_mean`);
 2. :func:`update` averages that part over the replica axis (if any), casts it to
    the inner dtypes, skips the step everywhere if it is not finite, and runs the
    inner optimizer on this device's part (a 1/N piece of every sliced leaf and the
    whole of each leaf it owns), with the moments and master weights kept here;
 3. the parameters *leave*: all-gathered whole (stages 1 and 2), or as
-   :class:`zeroshard.Shard` pieces again (stage 3: only owned leaves are gathered).
+   :class:`zeroshard.Shard` pieces again (stage 3: the owners' new units go back to
+   every device's pieces by one ``all_to_all`` per dtype).
 
 ``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
 (stages 1-3, with and without accumulation) and the Flax steps all call these functions;
@@ -63,8 +64,8 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
 
     Full local gradients are reduce-scattered leaf by leaf (small leaves packed). The
     gradient of a stage-3 :class:`zeroshard.Shard` arrives as a piece summed over the
-    devices (the transpose of its gather) and is divided by their number; only the
-    owned leaves, kept whole, are reduce-scattered.
+    devices (the transpose of its gather) and is divided by their number; the pieces
+    of owned leaves then go to their owners (:func:`arrive_pieces`).
     """
     layout, config = plan.layout, opt.config
     layout.check_matches(full_structs(grads), "gradients")
