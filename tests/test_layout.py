@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from zeroshard.layout import Layout
+from zeroshard.stage3 import owner_blocks, piece_blocks, piece_from_owners, units_from_pieces
 
 
 def tree(rng):
@@ -103,8 +104,8 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
     layout = Layout.from_tree(t, n, dims, owned=owned, layered={index["stack"]})
     leaves = jax.tree.leaves(t)
     sent = [  # per device: (num_shards, owned_chunk), row d for device d
-        layout.to_owners(
-            [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32
+        owner_blocks(
+            layout, [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32
         )
         for d in range(n)
     ]
@@ -113,14 +114,16 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
         received = jnp.stack([sent[d][o] for d in range(n)])
         local = [None] * len(leaves)
         for i in (i for i in owned if o in layout.slots[i].owners):
-            local[i] = layout.from_pieces(received, i, o)
+            local[i] = units_from_pieces(layout, received, i, o)
             np.testing.assert_array_equal(local[i], layout.slots[i].local(leaves[i], o))
-        back.append(layout.to_pieces(local, o, 0, jnp.float32))
+        back.append(piece_blocks(layout, local, o, 0, jnp.float32))
     for d in range(n):
         received = jnp.stack([back[o][d] for o in range(n)])
         for i in owned:
             s = layout.slots[i]
-            np.testing.assert_array_equal(layout.from_owners(received, i), s.cut(leaves[i], d))
+            np.testing.assert_array_equal(
+                piece_from_owners(layout, received, i), s.cut(leaves[i], d)
+            )
 
 
 def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():

@@ -121,36 +121,6 @@ def reduce_scatter_owned(
     )
 
 
-def exchange_owned(
-    blocks: Sequence[jax.Array | None], axis_name: str
-) -> tuple[jax.Array | None, ...]:
-    """Stage 3: per bucket, row ``d`` of this device's ``(num_shards, owned_chunk)``
-    blocks goes to device ``d``, which gets one row from each device (one
-    ``all_to_all`` per bucket with owned leaves; see :meth:`Layout.to_owners` and
-    :meth:`Layout.to_pieces` for what the rows hold)."""
-    return tuple(
-        None
-        if x is None
-        else x
-        if is_identity(x, axis_name)
-        else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
-        for x in blocks
-    )
-
-
-def to_owners(
-    pieces: Sequence[jax.Array | None], layout: Layout, axis_name: str, dtype: Any = None
-) -> tuple[jax.Array | None, ...]:
-    """Stage 3: per bucket with owned leaves, what each device holds of the units this
-    device owns (``(num_shards, owned_chunk)``, row ``d`` from device ``d``), from
-    this device's 1-D ``pieces`` of every owned leaf (in ``dtype``, else the bucket's)."""
-    blocks = [
-        layout.to_owners(pieces, b, dtype or bucket.dtype) if bucket.owned_width else None
-        for b, bucket in enumerate(layout.buckets)
-    ]
-    return exchange_owned(blocks, axis_name)
-
-
 def all_gather_params(
     pieces: Sequence[jax.Array | None],
     layout: Layout,

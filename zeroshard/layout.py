@@ -420,26 +420,7 @@ class Layout:
                     layered=bool(units) and i in (layered or ()),
                 )
             )
-        buckets = []
-        for b, dtype in enumerate(dtypes):
-            members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
-            ends = [0] * num_shards  # per device, its owned row's end so far
-            row = 0  # the sliced row's end so far
-            for i in members:
-                s = slots[i]
-                if not s.owned:
-                    slots[i], row = dataclasses.replace(s, offset=row), row + s.piece_size
-                    continue
-                unit_offsets = []
-                for d in s.owners:
-                    unit_offsets.append(ends[d])
-                    ends[d] += math.prod(s.unit_shape)
-                slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
-            chunks = [
-                sum(slots[i].unit_piece * len(slots[i].units_of(d)) for i in members)
-                for d in range(num_shards)
-            ]
-            buckets.append(Bucket(dtype, members, row, max(ends), max(chunks)))
+        buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
     @property
@@ -576,69 +557,6 @@ class Layout:
         start, size = s.unit_offsets[units[0]], math.prod(s.unit_shape)
         return row[start : start + len(units) * size].reshape(s.local_shape(len(units)))
 
-    # Stage 3: the owned leaves' weights and gradients are pieces like the sliced ones;
-    # one all_to_all per bucket moves them between the pieces and the owners.
-
-    def _chunk_start(self, device: int, i: int) -> int:
-        """Where leaf ``i``'s units begin in ``device``'s chunk of its bucket."""
-        bucket = self.buckets[self.slots[i].bucket]
-        before = [j for j in bucket.slots if j < i and device in self.slots[j].owners]
-        return sum(self.slots[j].unit_piece * len(self.slots[j].units_of(device)) for j in before)
-
-    def to_owners(self, pieces: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
-        """This device's pieces (1-D, per leaf) -> ``(num_shards, owned_chunk)``: row
-        ``d`` holds its pieces of the units device ``d`` owns (an ``all_to_all`` sends
-        row ``d`` to device ``d``)."""
-        b = self.buckets[bucket]
-        rows = []
-        for d in range(self.num_shards):
-            parts = [jnp.zeros((0,), dtype)]
-            for i in (i for i in b.slots if d in self.slots[i].owners):
-                s = self.slots[i]
-                piece = pieces[i].astype(dtype)
-                parts += (
-                    [piece.reshape(s.layers, s.width)[u] for u in s.units_of(d)]
-                    if (s.layered)
-                    else [piece]
-                )
-            row = jnp.concatenate(parts)
-            rows.append(jnp.pad(row, (0, b.owned_chunk - row.shape[0])))
-        return jnp.stack(rows)
-
-    def from_pieces(self, received: jax.Array, i: int, device: int) -> jax.Array:
-        """``device``'s units of owned leaf ``i`` from the pieces every device sent it
-        (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
-        s = self.slots[i]
-        start, k, w = self._chunk_start(device, i), len(s.units_of(device)), s.unit_piece
-        geometry = s.unit_geometry()
-        units = [geometry.uncut(received[:, start + j * w : start + (j + 1) * w]) for j in range(k)]
-        return jnp.stack(units) if s.layered else units[0]
-
-    def to_pieces(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
-        """``device``'s units (``local[i]``, as :meth:`Slot.local` gives them) -> every
-        device's pieces of them: ``(num_shards, owned_chunk)``, row ``d`` for device ``d``."""
-        b = self.buckets[bucket]
-        parts = [jnp.zeros((self.num_shards, 0), dtype)]
-        for i in (i for i in b.slots if device in self.slots[i].owners):
-            s = self.slots[i]
-            units = list(local[i]) if s.layered else [local[i]]
-            parts += [s.unit_geometry().blocks(u.astype(dtype)) for u in units]
-        blocks = jnp.concatenate(parts, axis=1)
-        return jnp.pad(blocks, ((0, 0), (0, b.owned_chunk - blocks.shape[1])))
-
-    def from_owners(self, received: jax.Array, i: int) -> jax.Array:
-        """This device's 1-D piece of owned leaf ``i`` from what the owners sent it
-        (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
-        s = self.slots[i]
-        if not s.layered:
-            start = self._chunk_start(s.owner, i)
-            return received[s.owner, start : start + s.piece_size]
-        layers = []
-        for u, d in enumerate(s.owners):
-            start = self._chunk_start(d, i) + s.units_of(d).index(u) * s.width
-            layers.append(received[d, start : start + s.width])
-        return jnp.concatenate(layers)
-
     def owned_full(self, rows: jax.Array, i: int) -> jax.Array:
         """Owned leaf ``i`` from every device's owned row (``(num_shards, owned_width)``)."""
         s = self.slots[i]
@@ -648,6 +566,32 @@ class Layout:
             for d, o in zip(s.owners, s.unit_offsets, strict=True)
         ]
         return jnp.stack(units) if s.layered else units[0]
+
+
+def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list[Bucket]:
+    """The buckets of ``slots`` (one per dtype), each slot given its offset: in the
+    sliced row, or per unit in its owner's owned row (updated in place)."""
+    buckets = []
+    for b, dtype in enumerate(dtypes):
+        members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
+        ends = [0] * num_shards  # per device, its owned row's end so far
+        row = 0  # the sliced row's end so far
+        for i in members:
+            s = slots[i]
+            if not s.owned:
+                slots[i], row = dataclasses.replace(s, offset=row), row + s.piece_size
+                continue
+            unit_offsets = []
+            for d in s.owners:
+                unit_offsets.append(ends[d])
+                ends[d] += math.prod(s.unit_shape)
+            slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
+        chunks = [
+            sum(slots[i].unit_piece * len(slots[i].units_of(d)) for i in members)
+            for d in range(num_shards)
+        ]
+        buckets.append(Bucket(dtype, members, row, max(ends), max(chunks)))
+    return buckets
 
 
 def _owners(

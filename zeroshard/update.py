@@ -23,6 +23,7 @@ they differ only in how the gradients arrive and how the parameters leave.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -40,15 +41,22 @@ from zeroshard.branches import (
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import (
     all_gather_params,
-    exchange_owned,
     is_identity,
     reduce_scatter_leaves,
     reduce_scatter_owned,
-    to_owners,
 )
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
-from zeroshard.stage3 import full_structs, is_shard, to_shards
+from zeroshard.stage3 import (
+    exchange,
+    full_structs,
+    is_shard,
+    piece_blocks,
+    piece_from_owners,
+    to_owners,
+    to_shards,
+    units_from_pieces,
+)
 
 if TYPE_CHECKING:
     from zeroshard.sharded import Sharded, ShardedState
@@ -167,9 +175,9 @@ def update(
     wholes = owned_params(plan, params, config.axis_name)
     new, rows, state = update_parts(opt, plan, parts, state, pieces, wholes, **extra_args)
     if any(is_shard(x) for x in layout.treedef.flatten_up_to(params)):
-        back = exchange_owned(rows, config.axis_name)  # the owners' units -> pieces
+        back = exchange(rows, config.axis_name)  # the owners' units -> pieces
         new = [
-            layout.from_owners(back[s.bucket], i) if s.owned else p
+            piece_from_owners(layout, back[s.bucket], i) if s.owned else p
             for i, (p, s) in enumerate(zip(new, layout.slots, strict=True))
         ]
         return to_shards(layout, new), state
@@ -331,7 +339,7 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
             new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
         stage3 = any(r is not None and r.ndim == 2 for r in grad_rows)
-        out = layout.to_pieces if stage3 else layout.owned_row  # stage 3: back to pieces
+        out = functools.partial(piece_blocks, layout) if stage3 else layout.owned_row
         rows = tuple(
             out(new, device, k, dtype) if bucket.owned_width else None
             for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))
@@ -348,7 +356,9 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
 def owned_local(layout: Layout, x: jax.Array, i: int, device: int) -> jax.Array:
     """``device``'s units of owned leaf ``i`` from its owned row (stages 1 and 2), or
     from what every device holds of its units (stage 3: ``(num_shards, owned_chunk)``)."""
-    return layout.owned_local(x, i, device) if x.ndim == 1 else layout.from_pieces(x, i, device)
+    return (
+        layout.owned_local(x, i, device) if x.ndim == 1 else units_from_pieces(layout, x, i, device)
+    )
 
 
 def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
