@@ -54,6 +54,7 @@ STACKED_DIMS = {
     }
 }
 OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2),
     "adafactor": lambda: optax.adafactor(1e-2),
     "adafactor_unfactored": lambda: optax.adafactor(1e-2, factored=False),
     "muon": lambda: optax.contrib.muon(1e-2),
@@ -502,3 +503,32 @@ def test_stage3_weights_are_pieces_whatever_the_optimizer(optimizer, model, setu
         state, _ = step(state, batch)
     got = zs.to_optax_state(state, tx)[0]
     assert_matches_plain_optax(got, expected(optimizer, model), params, f"{optimizer} stage 3")
+
+
+ESTIMATE_CASES = [("adamw", "stacked"), ("muon_stacked", "stacked"), ("adafactor", "stacked")]
+ESTIMATE_CASES += [("lamb", "embed"), ("muon", "dense")]
+
+
+@pytest.mark.parametrize(("optimizer", "model"), ESTIMATE_CASES)
+def test_estimate_memory_is_what_each_stage_holds(optimizer, model, setups):
+    """``zs.estimate_memory`` of ``zs.sharded(inner, ...)``, stages 1-3 (bf16 params,
+    fp32 master): its params, optimizer state and master within 2% of the bytes a
+    device holds (the state's arrays), and of the compiled step's arguments less the
+    batch."""
+    params, data, loss_fn, stacked = setups[model]
+    tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
+    mesh = make_mesh(N)
+    batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(data[0])) / N
+    for stage in (1, 2, 3):
+        state = zs.init_train_state(params, tx, mesh, stage=stage, param_dtype=jnp.bfloat16)
+        held = zs.state_bytes_per_device((state.params, state.opt_state))
+        est = zs.estimate_memory(params, N, stage=stage, optimizer=tx)
+        planned = est.params + est.optimizer_state + est.master
+        step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+        arguments = step.lower(state, data[0]).compile().memory_analysis().argument_size_in_bytes
+        print(
+            f"{optimizer} stage {stage}: planned {planned:,.0f} B, held {held:,} B, "
+            f"arguments less batch {arguments - batch_bytes:,.0f} B"
+        )
+        assert planned == pytest.approx(held, rel=0.02)
+        assert planned == pytest.approx(arguments - batch_bytes, rel=0.02)
