@@ -58,6 +58,10 @@ OPTIMIZERS = {
     "adafactor": lambda: optax.adafactor(1e-2),
     "adafactor_unfactored": lambda: optax.adafactor(1e-2, factored=False),
     "muon": lambda: optax.contrib.muon(1e-2),
+    # Weight decay on one matrix only: its update reads its weights, the others' do not.
+    "muon_decay_up": lambda: optax.contrib.muon(
+        1e-2, weight_decay=0.1, weight_decay_mask=lambda p: {k: k == "up" for k in p}
+    ),
     "muon_stacked": lambda: optax.contrib.muon(1e-2, muon_weight_dimension_numbers=STACKED_DIMS),
     "lamb": lambda: optax.lamb(1e-2),
     "lars": lambda: optax.lars(1.0),
@@ -532,3 +536,21 @@ def test_estimate_memory_is_what_each_stage_holds(optimizer, model, setups):
         )
         assert planned == pytest.approx(held, rel=0.02)
         assert planned == pytest.approx(arguments - batch_bytes, rel=0.02)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "muon_decay_up"])
+def test_stage3_owners_get_the_weights_their_update_reads(optimizer, setups, expected):
+    """fp32 stage 3 keeps no master: the owners gather an owned leaf's weights only
+    where the update reads them (weight decay), and send back the new weights; the
+    others' owners send back the update, which each device adds to its piece."""
+    params, data, _, stacked = setups["dense"]
+    tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
+    reads = {tx.plan(params, N).layout.slots[i].path for i in tx.plan(params, N).analysis.reads}
+    assert ("['up']" in reads) == (optimizer == "muon_decay_up") and "['down']" not in reads
+    mesh = make_mesh(N)
+    state = zs.init_train_state(params, tx, mesh, stage=3)
+    step = zs.make_train_step(dense_layer_loss, tx, mesh, stage=3)
+    for batch in data:
+        state, _ = step(state, batch)
+    got = zs.to_optax_state(state, tx)[0]
+    assert_matches_plain_optax(got, expected(optimizer, "dense"), params, f"{optimizer} stage 3")

@@ -92,6 +92,8 @@ class Analysis:
       layer_sums: of those, the leaves whose layers meet through total sums: owned
         layer by layer, those sums are summed over the devices, so every device must
         hold some of its layers.
+      reads: the leaves whose weights the update reads (weight decay, trust ratios):
+        the others' need not reach their owners.
     """
 
     whole: frozenset[int]
@@ -101,6 +103,7 @@ class Analysis:
     sums: frozenset[frozenset[int]] = frozenset()
     layered: frozenset[int] = frozenset()
     layer_sums: frozenset[int] = frozenset()
+    reads: frozenset[int] = frozenset()
 
     def in_tags(self, num_params: int) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
@@ -520,7 +523,17 @@ def analyze(
         frozenset(tagger.sums),
         frozenset(layered),
         frozenset(layer_sums & layered),
+        _reads(full, n_params, n_state),
     )
+
+
+def _reads(closed: Any, n_params: int, n_state: int) -> frozenset[int]:
+    """The parameter leaves whose weights (inputs after the gradients and the state)
+    the traced update uses at all."""
+    jaxpr = open_jaxpr(closed)
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    weights = jaxpr.invars[n_params + n_state : 2 * n_params + n_state]
+    return frozenset(i for i, v in enumerate(weights) if id(v) in used)
 
 
 def _layered(full, closed, state_leaves, candidates) -> tuple[set[int], set[int]]:

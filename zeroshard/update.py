@@ -51,6 +51,7 @@ from zeroshard.stage3 import (
     exchange,
     full_structs,
     is_shard,
+    owner_blocks,
     piece_blocks,
     piece_from_owners,
     to_owners,
@@ -174,31 +175,56 @@ def update(
     pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
     wholes = owned_params(plan, params, config.axis_name)
     new, rows, state = update_parts(opt, plan, parts, state, pieces, wholes, **extra_args)
-    if any(is_shard(x) for x in layout.treedef.flatten_up_to(params)):
+    leaves = layout.treedef.flatten_up_to(params)
+    if any(is_shard(x) for x in leaves):
         back = exchange(rows, config.axis_name)  # the owners' units -> pieces
         new = [
-            piece_from_owners(layout, back[s.bucket], i) if s.owned else p
-            for i, (p, s) in enumerate(zip(new, layout.slots, strict=True))
+            _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x) if s.owned else p
+            for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
         ]
         return to_shards(layout, new), state
     return all_gather_params(new, layout, config.axis_name, config.pack_bytes, rows), state
+
+
+def _unread(plan: Plan, i: int) -> bool:
+    """Whether owned leaf ``i``'s stage-3 weights stay with their pieces: no master holds
+    them and the update does not read them, so its owners get zeros for them, and
+    what they send back is the update (zeros plus the update), which each device adds
+    to its piece: the same sum as the owner's would be."""
+    return plan.master_dtypes[plan.layout.slots[i].bucket] is None and i not in plan.analysis.reads
+
+
+def _new_piece(plan: Plan, i: int, received: jax.Array, old: Any) -> jax.Array:
+    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent."""
+    if not _unread(plan, i):
+        return received
+    return old.piece.reshape(-1) + received.astype(old.dtype)
 
 
 def owned_params(plan: Plan, params: PyTree, axis_name: str) -> Any:
     """The current weights of the owned leaves, as the update reads them where it keeps
     no master for them: the full leaves (a list, ``None`` for sliced ones); in stage 3,
     per bucket what each device holds of this device's units (a tuple of
-    ``(num_shards, owned_chunk)`` blocks), gathered only where a bucket keeps no master."""
+    ``(num_shards, owned_chunk)`` blocks), gathered only where a bucket keeps no master
+    and the update reads them (Muon without weight decay does not)."""
     leaves = plan.layout.treedef.flatten_up_to(params)
     if not any(is_shard(x) for x in leaves):
         return owned_wholes(plan, params)
     layout, dtypes = plan.layout, plan.inner_dtypes
+    read = {  # buckets with owned leaves whose update reads weights no master holds
+        s.bucket
+        for i, s in enumerate(layout.slots)
+        if s.owned and plan.master_dtypes[s.bucket] is None and not _unread(plan, i)
+    }
     pieces = [
-        x.piece.reshape(-1).astype(dtypes[s.bucket])
+        x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
         for x, s in zip(leaves, layout.slots, strict=True)
     ]
-    blocks = to_owners(pieces, layout, axis_name)
-    return tuple(None if plan.master_dtypes[b] is not None else x for b, x in enumerate(blocks))
+    blocks = [
+        owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
+        for b in range(len(layout.buckets))
+    ]
+    return exchange(blocks, axis_name)
 
 
 def to_inner(plan: Plan, parts: GradParts) -> GradParts:
@@ -311,13 +337,19 @@ def _branch_update(opt: Sharded, plan: Plan, extra_args: dict) -> Any:
         if isinstance(wholes, tuple):  # stage 3: what each device holds of the units
             local = [
                 owned_local(layout, wholes[s.bucket], i, device)
-                if i in owned and wholes[s.bucket] is not None
+                if i in owned and wholes[s.bucket] is not None and not _unread(plan, i)
                 else None
                 for i, s in enumerate(layout.slots)
             ]
         else:
             local = plan.local_wholes(b, wholes, axis)
-        p = [stored.get(("master", i), local[i]) if i in owned else None for i in range(len(g))]
+        zeros = lambda i: jnp.zeros_like(g[i], plan.inner_dtypes[layout.slots[i].bucket])
+        p = [  # weights the update does not read, in stage 3: zeros (see _unread)
+            stored.get(("master", i), zeros(i) if local[i] is None else local[i])
+            if i in owned
+            else None
+            for i in range(len(g))
+        ]
         inner_state = stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
