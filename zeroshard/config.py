@@ -94,8 +94,8 @@ class ShardConfig:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over: the replica axis (if any), then the
-        sharding axis."""
+        """The mesh axes the batch is split over (the replica axis, if any, then the
+        sharding axis)."""
         if self.replica_axis is None:
             return (self.axis_name,)
         return (self.replica_axis, self.axis_name)

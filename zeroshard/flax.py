@@ -1,4 +1,4 @@
-"""Flax integration: zeroshard steps for NNX models and Linen ``TrainState``s.
+"""Flax integration: zeroshard steps for NNX models and Linen's ``TrainState``.
 
 The optimizer from :func:`zeroshard.sharded` is an ordinary optax transformation, so
 it is the ``tx`` of ``flax.nnx.Optimizer`` and of

@@ -23,7 +23,7 @@ Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced lea
 laid end to end, are that device's *row* of the bucket (what a packed collective
 moves; the state itself keeps one piece per leaf). The collectives of a step move a
 large leaf's pieces directly, with no copy into or out of a packed buffer; small
-leaves of one dtype are packed together (:meth:`groups`).
+leaves of one dtype are packed together (:meth:`Layout.groups`).
 
 Holding a piece of every sliced leaf keeps the tree structure visible to the inner
 optimizer: it sees a pytree shaped like the parameters whose leaves are this
