@@ -1,0 +1,86 @@
+"""The documentation site (docs/) documents every public name and shows the notebooks
+as they are.
+
+No site is built here (``make docs`` builds it, warnings as errors): these tests read
+the autodoc directives of the API reference pages (docs/api/*.rst) and the executed
+copies of the notebooks that the site renders (docs/notebooks/).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+import zeroshard
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+API_PAGES = ROOT / "docs" / "api"
+DIRECTIVE = re.compile(
+    r"^\.\. auto(?:function|class|exception|data)::\s+(zeroshard(?:\.flax)?)\.(\w+)\s*$",
+    re.MULTILINE,
+)
+
+
+def documented() -> dict[tuple[str, str], list[str]]:
+    """(module, name) -> the reference pages with an autodoc directive for it."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for page in sorted(API_PAGES.glob("*.rst")):
+        for module, name in DIRECTIVE.findall(page.read_text()):
+            found.setdefault((module, name), []).append(page.name)
+    return found
+
+
+def public_names(module: str) -> set[str]:
+    """``zeroshard.__all__``; for ``zeroshard.flax`` (no ``__all__``), the functions
+    and classes it defines without a leading underscore."""
+    if module == "zeroshard":
+        return set(zeroshard.__all__)
+    flax = pytest.importorskip("zeroshard.flax")
+    if hasattr(flax, "__all__"):
+        return set(flax.__all__)
+    return {
+        name
+        for name, obj in vars(flax).items()
+        if not name.startswith("_") and getattr(obj, "__module__", None) == flax.__name__
+    }
+
+
+@pytest.mark.parametrize("module", ["zeroshard", "zeroshard.flax"])
+def test_reference_documents_every_public_name(module):
+    names = {name for mod, name in documented() if mod == module}
+    missing = sorted(public_names(module) - names)
+    assert not missing, (
+        f"{module} names with no page in docs/api/: {missing}. Add "
+        f"'.. autofunction:: {module}.NAME' (or autoclass, autoexception, autodata) "
+        "to the page of its topic."
+    )
+
+
+def test_reference_documents_public_names_once():
+    for (module, name), pages in documented().items():
+        assert name in public_names(module), (
+            f"docs/api/{pages[0]} documents {module}.{name}, which is not public"
+        )
+        assert len(pages) == 1, f"{module}.{name} is documented twice: {pages}"
+
+
+def test_rendered_notebooks_are_the_notebooks_executed():
+    sources = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    copies = sorted((ROOT / "docs" / "notebooks").glob("*.ipynb"))
+    refresh = "run: .venv/bin/python docs/execute_notebooks.py"
+    assert [p.name for p in copies] == [p.name for p in sources], refresh
+    for source, copy in zip(sources, copies, strict=True):
+        book = nbformat.read(source, as_version=4)
+        executed = nbformat.read(copy, as_version=4)
+        cells = [(c.cell_type, c.source) for c in book.cells]
+        assert cells == [(c.cell_type, c.source) for c in executed.cells], (
+            f"{source.name} changed after docs/notebooks/{copy.name} was executed; "
+            f"{refresh} {source.stem}"
+        )
+        code = [c for c in executed.cells if c.cell_type == "code"]
+        assert all(c.execution_count is not None for c in code), copy.name
+        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+        assert not errors, f"docs/notebooks/{copy.name} stores an error"
