@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint format clean
+.PHONY: venv demo test lint format docs clean
 
 venv: $(VENV)/.installed
 
@@ -31,6 +31,16 @@ lint: venv
 format: venv
 	$(BIN)/ruff format zeroshard tests benchmarks examples notebooks
 	$(BIN)/ruff check --fix zeroshard tests benchmarks examples notebooks
+
+# The documentation site: Sphinx + myst-nb from docs/, offline, warnings as errors,
+# into build/docs/html (git-ignored). Installs the docs extra into the venv once.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: venv $(VENV)/.docs-installed
+	$(BIN)/sphinx-build -b html -E -W --keep-going -q -d build/docs/doctrees docs build/docs/html
+	@echo "docs: build/docs/html/index.html"
 
 clean:
 	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info
