@@ -40,7 +40,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 
 docs: venv $(VENV)/.docs-installed
 	$(BIN)/sphinx-build -b html -E -W --keep-going -q -d build/docs/doctrees docs build/docs/html
-	@echo "docs: build/docs/html/index.html"
+	@echo "docs: built with no warnings (-W) -> build/docs/html/index.html"
 
 clean:
 	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info
