@@ -1,6 +1,6 @@
 """Two processes x 4 CPU devices (jax.distributed on loopback, gloo) against one x 8.
 
-Each run starts ``examples/multihost.py`` (the README's multi-host example) in fresh
+Each run starts ``examples/multihost.py`` (the multi-host example of docs/multihost.md) in fresh
 processes, bounded by a timeout that kills every process of a run that hangs.
 """
 

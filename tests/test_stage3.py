@@ -87,7 +87,7 @@ def test_stage3_bytes_and_collectives(rng):
     # The program JAX emits: per zs.layer, one all-gather forward and one again in the
     # rematerialised backward, and one reduce-scatter (the gather's transpose); the
     # scalar, gathered outside zs.layer, once each. (XLA's CPU compiler then merges
-    # each backward gather with its forward twin: see README, "Stages".)
+    # each backward gather with its forward twin: see docs/stages.md.)
     kinds = [c.kind for c in found]
     assert kinds.count("all-gather") == 2 * layers + 1
     assert kinds.count("reduce-scatter") == layers + 1
