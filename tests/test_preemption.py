@@ -8,10 +8,12 @@ each bounded in time.
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from multihost_runs import Run
+from multihost_runs import Run, free_port
 
 import zeroshard as zs
 
@@ -90,3 +92,32 @@ def test_the_guard_in_one_process_stops_after_the_step_in_flight():
         assert guard.requested and guard.should_stop(2) and guard.stop_step == 2
         assert guard.should_stop(2) and not guard.should_stop(3)  # one stop step
     assert signal.getsignal(signal.SIGTERM) is previous  # handler put back
+
+
+UNDER_DISTRIBUTED = """
+import sys
+import jax
+jax.config.update("jax_enable_preemption_service", sys.argv[2] == "on")
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+import zeroshard as zs
+try:
+    guard = zs.PreemptionGuard()
+    print("distributed", guard.distributed, "stop", guard.should_stop(1))
+except ValueError as e:
+    print("ValueError", e)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.parametrize("service", ["on", "off"])
+def test_the_guard_under_jax_distributed_needs_its_preemption_service(service):
+    """In a process where ``jax.distributed`` is initialised, the guard agrees through
+    jax's preemption service, or refuses to start without it."""
+    command = [sys.executable, "-c", UNDER_DISTRIBUTED, str(free_port()), service]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    if service == "on":
+        assert "distributed True stop False" in run.stdout, run.stdout + run.stderr
+    else:
+        assert "ValueError jax.distributed is initialised without its preemption" in run.stdout

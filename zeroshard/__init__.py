@@ -12,6 +12,8 @@ and integrity checks) with :mod:`~zeroshard.logical`, :mod:`~zeroshard.preemptio
 :mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
 """
 
+from importlib import metadata as _metadata
+
 from zeroshard.analysis import NotElementwiseError
 from zeroshard.checkpointing import CheckpointCorruptedError, CheckpointManager, checksums
 from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
@@ -33,7 +35,10 @@ from zeroshard.sharded import Sharded, ShardedState, ShardedTransformation, shar
 from zeroshard.stage3 import Shard, gather, layer
 from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
 
-__version__ = "0.1.0"
+try:  # The one source of the version is pyproject.toml, read from the installed metadata.
+    __version__ = _metadata.version("zeroshard")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CheckpointCorruptedError",

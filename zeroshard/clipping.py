@@ -1,4 +1,14 @@
-"""Global-norm clipping that sees every device's slice."""
+"""Global-norm clipping for a user's own ``jax.shard_map`` code, outside ``zs.sharded``.
+
+Inside :func:`zeroshard.sharded`, ``optax.clip_by_global_norm`` is supported as it
+is: the analysis of the traced update (:mod:`zeroshard.analysis`) finds the partial
+sums of squares behind its global norm, and :mod:`zeroshard.sums` sums them across
+devices where the norm is used, so every device clips by the norm of the whole
+gradient. In code of one's own whose updates are split over a mesh axis (a
+hand-written ``shard_map`` step), ``optax.clip_by_global_norm`` would clip each
+device's slice by that slice's norm; :func:`clip_by_global_norm` here adds the
+partial sums over the axis itself, with one ``psum``.
+"""
 
 from __future__ import annotations
 
@@ -39,9 +49,11 @@ ClipByGlobalNormState = optax.EmptyState
 def clip_by_global_norm(max_norm: float, *, axis_name: str) -> optax.GradientTransformation:
     """Clips updates so that their norm over *all* devices is at most ``max_norm``.
 
-    The drop-in replacement for ``optax.clip_by_global_norm`` inside ``zs.sharded``:
-    the stock one would clip each slice against its own partial norm. Outside a
-    sharded optimizer it needs ``axis_name`` bound (e.g. inside ``jax.shard_map``).
+    For a user's own ``jax.shard_map`` code outside ``zs.sharded``, where each device
+    holds a slice of the updates along ``axis_name`` (which must be bound): there
+    ``optax.clip_by_global_norm`` would clip each slice by its own partial norm. Inside
+    ``zs.sharded`` use ``optax.clip_by_global_norm`` itself: its global norm is summed
+    across devices where it is used (this one works there too, summed once).
 
     Args:
       max_norm: the largest global norm let through.
@@ -51,10 +63,18 @@ def clip_by_global_norm(max_norm: float, *, axis_name: str) -> optax.GradientTra
       An optax ``GradientTransformation``.
 
     Example:
-      >>> import optax, zeroshard as zs
-      >>> tx = zs.sharded(
-      ...     optax.chain(zs.clip_by_global_norm(1.0, axis_name="data"), optax.adamw(1e-3)),
-      ...     axis_name="data")
+      >>> import jax, jax.numpy as jnp, numpy as np, zeroshard as zs
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> clip = zs.clip_by_global_norm(1.0, axis_name="data")
+      >>> def clip_slices(updates):  # this device's slice of every leaf
+      ...     return clip.update(updates, clip.init(updates))[0]
+      >>> updates = {"w": jnp.full((4 * jax.device_count(),), 0.75)}  # norm >= 1.5
+      >>> updates = jax.device_put(updates, jax.NamedSharding(mesh, P("data")))
+      >>> clipped = jax.jit(jax.shard_map(clip_slices, mesh=mesh, in_specs=P("data"),
+      ...                                 out_specs=P("data")))(updates)
+      >>> print(f"{np.linalg.norm(clipped['w']):.4f}")  # the norm of the whole leaf
+      1.0000
     """
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:

@@ -196,13 +196,14 @@ def lm_loss(graphdef):
 
 
 def adamw(lr: float, steps: int):
-    """The inner optimizer: global-norm clipping, then AdamW with cosine decay."""
+    """The inner optimizer: global-norm clipping, then AdamW with cosine decay.
+
+    ``optax.clip_by_global_norm`` as it is: inside ``zs.sharded`` its global norm is
+    summed across devices (the replicated baseline runs the same optimizer)."""
     import optax
 
-    import zeroshard as zs
-
     return optax.chain(
-        zs.clip_by_global_norm(1.0, axis_name="data"),
+        optax.clip_by_global_norm(1.0),
         optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1), weight_decay=0.01),
     )
 

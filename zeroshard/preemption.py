@@ -33,15 +33,15 @@ import signal
 import threading
 from types import FrameType
 
+import jax
+
 
 def _distributed() -> bool:
-    """Whether jax.distributed is initialised; raises if its preemption service is off."""
-    from jax._src import distributed  # jax's client and preemption sync manager live here
-
-    state = distributed.global_state
-    if state.client is None:
+    """Whether jax.distributed is initialised; raises if its preemption service is off
+    (``jax.distributed.initialize`` starts the service only when the option is on)."""
+    if not jax.distributed.is_initialized():
         return False
-    if state.preemption_sync_manager is None:
+    if not jax.config.jax_enable_preemption_service:
         raise ValueError(
             "jax.distributed is initialised without its preemption service, which "
             "PreemptionGuard needs to agree on a stop step across processes: set "
