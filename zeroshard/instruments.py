@@ -14,6 +14,7 @@ from zeroshard.layout import PyTree
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -63,6 +64,10 @@ class Collective:
       group_size: devices taking part in each group.
       axes: the mesh axes each group spans, e.g. ``("data",)``, when the HLO names
         them or :func:`collectives` was given the mesh; empty when unknown.
+      op_name: where in the program the collective comes from (the instruction's
+        ``op_name`` metadata, e.g. ``jit(step)/shard_map/zeroshard/reduce_scatter/...``;
+        :func:`zeroshard.scopes.scopes_of` reads zeroshard's scopes from it); empty
+        when the HLO has none.
     """
 
     kind: str
@@ -70,6 +75,7 @@ class Collective:
     result_bytes: int
     group_size: int
     axes: tuple[str, ...] = ()
+    op_name: str = ""
 
     @property
     def ring_bytes(self) -> float:
@@ -115,7 +121,9 @@ def collectives(
         )
         n, axes = _group(line, mesh)
         n = n or num_devices or jax.device_count()
-        found.append(Collective(m["kind"], shapes[0][0] if shapes else "?", nbytes, n, axes))
+        name = _OP_NAME.search(line)
+        dtype = shapes[0][0] if shapes else "?"
+        found.append(Collective(m["kind"], dtype, nbytes, n, axes, name[1] if name else ""))
     return found
 
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from zeroshard.collectives import is_identity
 from zeroshard.layout import Layout, PyTree, Slot
+from zeroshard.scopes import GATHER, scope
 
 
 @jax.tree_util.register_pytree_node_class
@@ -154,12 +155,20 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
 
     Returns:
       The same tree with full arrays for the shards. Differentiating through it
-      reduce-scatters the cotangents back onto the pieces.
+      reduce-scatters the cotangents back onto the pieces. The gather runs in the
+      named scope ``zeroshard/gather``; its transpose, the gradients' reduce-scatter,
+      in ``transpose(jvp(zeroshard/gather))`` (see :mod:`zeroshard.scopes`).
 
     Raises:
       ValueError: if a piece cannot be gathered in the layout it has here (e.g. a
         parameter not marked stacked was scanned over).
     """
+    with scope(GATHER):
+        return _gather(tree, axis_name)
+
+
+def _gather(tree: PyTree, axis_name: str) -> PyTree:
+    """:func:`gather`, inside its named scope."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
     n = jax.lax.axis_size(axis_name)

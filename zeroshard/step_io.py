@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from zeroshard.collectives import is_identity
 from zeroshard.layout import PyTree
+from zeroshard.scopes import METRICS, MODEL_STATE, scope
 
 Axes = str | tuple[str, ...]
 
@@ -51,7 +52,8 @@ def mean_state(tree: PyTree, axes: Axes) -> PyTree:
             return pmean(x, axes)
         return x
 
-    return jax.tree.map(mean, tree)
+    with scope(MODEL_STATE):
+        return jax.tree.map(mean, tree)
 
 
 def is_per_example(x: Any, rows: int) -> bool:
@@ -85,9 +87,10 @@ def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
 def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, rows: int) -> dict:
     """A step's metrics: the global mean ``loss``, the gradient norm and, when there is
     one, ``aux`` as :func:`global_aux` returns it (``rows``: the local batch size)."""
-    metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
-    if aux is not None:
-        metrics["aux"] = global_aux(aux, rows, axes)
+    with scope(METRICS):
+        metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
+        if aux is not None:
+            metrics["aux"] = global_aux(aux, rows, axes)
     return metrics
 
 

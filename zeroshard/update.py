@@ -19,6 +19,12 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 ``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
 (stages 1-3, with and without accumulation) and the Flax steps all call these functions;
 they differ only in how the gradients arrive and how the parameters leave.
+
+Each part runs in a named scope (:mod:`zeroshard.scopes`): ``zeroshard/reduce_scatter``
+(or ``zeroshard/cut``, ``zeroshard/to_owners``), ``zeroshard/replica_mean``,
+``zeroshard/grad_norm``, ``zeroshard/update``, ``zeroshard/all_gather`` (or
+``zeroshard/from_owners``), so a profile and the compiled program's op names tell them
+apart.
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ from zeroshard.collectives import (
 )
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
+from zeroshard.scopes import (
+    ALL_GATHER,
+    CUT,
+    FROM_OWNERS,
+    GRAD_NORM,
+    REDUCE_SCATTER,
+    REPLICA_MEAN,
+    TO_OWNERS,
+    UPDATE,
+    scope,
+)
 from zeroshard.stage3 import (
     exchange,
     full_structs,
@@ -81,10 +98,13 @@ def arrive(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     axis, dtype = config.axis_name, config.reduce_dtype
     leaves = layout.treedef.flatten_up_to(grads)
     if any(is_shard(g) for g in leaves):
-        return arrive_pieces(opt, plan, [g.piece.reshape(-1) / layout.num_shards for g in leaves])
+        with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
+            pieces = [g.piece.reshape(-1) / layout.num_shards for g in leaves]
+        return arrive_pieces(opt, plan, pieces)
     check_local(leaves, layout, axis)
-    pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
-    return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
+    with scope(REDUCE_SCATTER):
+        pieces = reduce_scatter_leaves(grads, layout, axis, dtype, config.pack_bytes)
+        return pieces, reduce_scatter_owned(grads, layout, axis, dtype)
 
 
 def arrive_pieces(opt: Sharded, plan: Plan, pieces: list[jax.Array]) -> GradParts:
@@ -92,7 +112,8 @@ def arrive_pieces(opt: Sharded, plan: Plan, pieces: list[jax.Array]) -> GradPart
     sliced leaves' pieces, and what every device holds of the units it owns (one
     ``all_to_all`` per bucket with owned leaves)."""
     config, layout = opt.config, plan.layout
-    owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
+    with scope(TO_OWNERS):
+        owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
     return [None if s.owned else p for p, s in zip(pieces, layout.slots, strict=True)], owned
 
 
@@ -132,16 +153,17 @@ def arrive_mean(opt: Sharded, plan: Plan, grads: PyTree) -> GradParts:
     layout.check_matches(grads, "gradients")
     index = jax.lax.axis_index(config.axis_name)
     cast = lambda x: x.astype(config.reduce_dtype or x.dtype)
-    leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
-    pieces = [
-        None if s.owned else s.cut(g, index) for g, s in zip(leaves, layout.slots, strict=True)
-    ]
-    rows = tuple(
-        layout.owned_blocks(leaves, b, config.reduce_dtype or bucket.dtype)[index]
-        if bucket.owned_width
-        else None
-        for b, bucket in enumerate(layout.buckets)
-    )
+    with scope(CUT):
+        leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
+        pieces = [
+            None if s.owned else s.cut(g, index) for g, s in zip(leaves, layout.slots, strict=True)
+        ]
+        rows = tuple(
+            layout.owned_blocks(leaves, b, config.reduce_dtype or bucket.dtype)[index]
+            if bucket.owned_width
+            else None
+            for b, bucket in enumerate(layout.buckets)
+        )
     return pieces, rows
 
 
@@ -170,20 +192,26 @@ def update(
     """
     config, layout = opt.config, plan.layout
     if config.replica_axis is not None and not averaged:
-        parts = jax.lax.pmean(parts, config.replica_axis)
-    parts = to_inner(plan, parts)
-    pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
+        with scope(REPLICA_MEAN):
+            parts = jax.lax.pmean(parts, config.replica_axis)
     wholes = owned_params(plan, params, config.axis_name)
+    with scope(UPDATE):
+        parts = to_inner(plan, parts)
+        pieces = master_pieces(plan, state, own_pieces(plan, params, config.axis_name))
     new, rows, state = update_parts(opt, plan, parts, state, pieces, wholes, **extra_args)
     leaves = layout.treedef.flatten_up_to(params)
     if any(is_shard(x) for x in leaves):
-        back = exchange(rows, config.axis_name)  # the owners' units -> pieces
-        new = [
-            _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x) if s.owned else p
-            for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
-        ]
-        return to_shards(layout, new), state
-    return all_gather_params(new, layout, config.axis_name, config.pack_bytes, rows), state
+        with scope(FROM_OWNERS):
+            back = exchange(rows, config.axis_name)  # the owners' units -> pieces
+            new = [
+                _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x)
+                if s.owned
+                else p
+                for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
+            ]
+            return to_shards(layout, new), state
+    with scope(ALL_GATHER):
+        return all_gather_params(new, layout, config.axis_name, config.pack_bytes, rows), state
 
 
 def _unread(plan: Plan, i: int) -> bool:
@@ -209,22 +237,24 @@ def owned_params(plan: Plan, params: PyTree, axis_name: str) -> Any:
     and the update reads them (Muon without weight decay does not)."""
     leaves = plan.layout.treedef.flatten_up_to(params)
     if not any(is_shard(x) for x in leaves):
-        return owned_wholes(plan, params)
+        with scope(UPDATE):
+            return owned_wholes(plan, params)
     layout, dtypes = plan.layout, plan.inner_dtypes
     read = {  # buckets with owned leaves whose update reads weights no master holds
         s.bucket
         for i, s in enumerate(layout.slots)
         if s.owned and plan.master_dtypes[s.bucket] is None and not _unread(plan, i)
     }
-    pieces = [
-        x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
-        for x, s in zip(leaves, layout.slots, strict=True)
-    ]
-    blocks = [
-        owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
-        for b in range(len(layout.buckets))
-    ]
-    return exchange(blocks, axis_name)
+    with scope(TO_OWNERS):
+        pieces = [
+            x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
+            for x, s in zip(leaves, layout.slots, strict=True)
+        ]
+        blocks = [
+            owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
+            for b in range(len(layout.buckets))
+        ]
+        return exchange(blocks, axis_name)
 
 
 def to_inner(plan: Plan, parts: GradParts) -> GradParts:
@@ -295,21 +325,24 @@ def update_parts(
     grad_pieces, grad_rows = grads
     if config.loss_scale is not None:  # the gradients are of the scaled loss
         unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
-        grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
+        with scope(UPDATE):
+            grad_pieces = list(map(unscale, grad_pieces))
+            grad_rows = tuple(map(unscale, grad_rows))
     present = [g for g in (*grad_pieces, *grad_rows) if g is not None]
-    grad_norm, finite = norm_and_finite(present, config.axis_name)
-    update_branch = _branch_update(opt, plan, extra_args)
-    new, rows, inner_state, owned = run_branches(
-        plan, config.axis_name, update_branch, grad_pieces, grad_rows, pieces, wholes, state, finite
-    )
-    inner_state = replicated_again(plan, config.axis_name, inner_state)
-    skipped = state.skipped
-    if config.skip_nonfinite:
-        skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-    master = None if state.master is None else plan.master_tree(new)
-    scale = None
-    if config.loss_scale is not None:
-        scale = config.loss_scale.adjust(state.loss_scale, finite)
+    with scope(GRAD_NORM):
+        grad_norm, finite = norm_and_finite(present, config.axis_name)
+    with scope(UPDATE):
+        update_branch = _branch_update(opt, plan, extra_args)
+        args = (grad_pieces, grad_rows, pieces, wholes, state, finite)
+        new, rows, inner_state, owned = run_branches(plan, config.axis_name, update_branch, *args)
+        inner_state = replicated_again(plan, config.axis_name, inner_state)
+        skipped = state.skipped
+        if config.skip_nonfinite:
+            skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
+        master = None if state.master is None else plan.master_tree(new)
+        scale = None
+        if config.loss_scale is not None:
+            scale = config.loss_scale.adjust(state.loss_scale, finite)
     new_state = state._replace(
         inner_state=inner_state,
         master=master,
