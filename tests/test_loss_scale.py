@@ -91,6 +91,31 @@ def test_overflow_halves_the_scale_everywhere_and_finite_steps_grow_it(rng):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.max(np.abs(b)), 1e-30))
 
 
+def test_metrics_report_the_scale_each_step_used_and_the_skipped_step(rng):
+    """``metrics["loss_scale"]`` is the scale the step multiplied its loss by (halved
+    after the step that overflowed); ``metrics["skipped"]`` marks that step."""
+    mesh, params, data = make_mesh(8), awkward_params(rng), batches(rng, 4)
+    data[1] = {k: np.array(v) for k, v in data[1].items()}
+    data[1]["y"][10, 0] = np.inf  # an inf in one device's gradient
+    config = zs.DynamicLossScale(initial=2.0**8, growth_interval=2)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", loss_scale=config)
+    state = zs.init_train_state(params, tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh)
+    reported = []
+    for batch in data:
+        used = float(state.opt_state.loss_scale.scale)
+        state, metrics = step(state, batch)
+        assert float(metrics["loss_scale"]) == used
+        assert metrics["loss_scale"].dtype == jnp.float32
+        reported.append((float(metrics["loss_scale"]), int(metrics["skipped"])))
+    assert reported == [(2.0**8, 0), (2.0**8, 1), (2.0**7, 0), (2.0**7, 0)]
+    assert float(state.opt_state.loss_scale.scale) == 2.0**8  # grown after 2 finite steps
+    plain = zs.sharded(optax.sgd(0.1), axis_name="data")
+    plain_state = zs.init_train_state(params, plain, mesh)
+    _, metrics = zs.make_train_step(awkward_loss, plain, mesh)(plain_state, data[0])
+    assert "loss_scale" not in metrics and int(metrics["skipped"]) == 0
+
+
 def test_a_scale_too_large_for_fp16_backs_off_until_finite(rng):
     """2^24 overflows the fp16 backward (max 65504): each such step is skipped on every
     device and halves the scale, until the gradients fit; then it trains."""

@@ -75,11 +75,15 @@ def test_a_bad_gradient_on_one_device_skips_the_step_everywhere(setup, bad, rng)
         return awkward_loss(zs.gather(p) if stage == 3 else p, batch)
 
     step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
-    state, _ = step(state, data[0])
+    state, metrics = step(state, data[0])
+    assert int(metrics["skipped"]) == 0
     before = host(state)
     # Rows 10-11 of 16 go to device 5 only (device (1, 1) of the 2 x 4 mesh).
     state, metrics = step(state, poison(data[1], 10, bad))
     assert not np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["skipped"]) == 1  # this step was skipped
+    assert metrics["skipped"].dtype == jnp.int32 and metrics["skipped"].ndim == 0
+    assert "loss_scale" not in metrics  # no loss scaling
     assert int(state.opt_state.skipped) == 1
     assert int(state.step) == 2  # the step counter counts batches consumed
     after = host(state)
@@ -95,6 +99,7 @@ def test_a_bad_gradient_on_one_device_skips_the_step_everywhere(setup, bad, rng)
     # Training then continues as if the bad batch had never come.
     for batch in data[2:]:
         state, metrics = step(state, batch)
+        assert int(metrics["skipped"]) == 0  # the count stays on the state
     assert np.isfinite(float(metrics["grad_norm"]))
     assert int(state.opt_state.skipped) == 1
     clean = [data[0], *data[2:]]
@@ -107,7 +112,9 @@ def test_without_skipping_the_nan_reaches_the_weights(rng):
     mesh, params, data = make_mesh(8), awkward_params(rng), batches(rng, 1)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data", skip_nonfinite=False)
     state = zs.init_train_state(params, tx, mesh)
-    state, _ = zs.make_train_step(awkward_loss, tx, mesh)(state, poison(data[0], 10, np.nan))
+    step = zs.make_train_step(awkward_loss, tx, mesh)
+    state, metrics = step(state, poison(data[0], 10, np.nan))
+    assert "skipped" not in metrics  # no step is ever skipped
     assert int(state.opt_state.skipped) == 0
     assert np.isnan(np.asarray(state.params["dense"]["w"])).all()
 

@@ -48,8 +48,12 @@ class ShardedState(NamedTuple):
       grad_norm: global L2 norm of the mean gradient at the last update, before any
         clipping (``nan`` or ``inf`` when that gradient was not finite).
       skipped: number of updates skipped because the mean gradient was not finite
-        (int32; see ``skip_nonfinite`` in :func:`sharded`).
+        (int32; see ``skip_nonfinite`` in :func:`sharded`). A step of
+        :func:`zeroshard.make_train_step` reports whether it was skipped as
+        ``metrics["skipped"]`` (0 or 1).
       loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
+        A step of :func:`zeroshard.make_train_step` reports the scale it used as
+        ``metrics["loss_scale"]``.
       owned: per dtype, this device's row of the inner state and master weights of
         the leaves it owns (see :class:`zeroshard.placement.Storage`); ``()`` when no
         leaf is owned.
@@ -371,6 +375,13 @@ def sharded(
     arrays sharded over ``axis_name`` of the mesh (``mesh``, ``jax.set_mesh``, or the
     params' own); it works on ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
 
+    In a profile, and in the compiled program's op names, ``update`` shows as named
+    scopes (:mod:`zeroshard.scopes`): ``zeroshard/reduce_scatter`` (or
+    ``zeroshard/cut``, where it takes the mean gradient), ``zeroshard/grad_norm``,
+    ``zeroshard/update`` (the inner optimizer), ``zeroshard/all_gather``. The
+    skipped-step count and the loss scale are on the state (``state.skipped``,
+    ``state.loss_scale``); :func:`zeroshard.make_train_step` reports them per step.
+
     Args:
       inner: any optax transformation whose update treats leaves separately, or
         combines them through sums (``optax.clip_by_global_norm``'s global norm is
@@ -391,8 +402,9 @@ def sharded(
       skip_nonfinite: skip the update on every device when any element of the mean
         gradient is ``nan`` or ``inf`` (a NaN on one device's local gradient reaches
         the mean): the state, master and weights stay as they were and
-        ``state.skipped`` counts the step. The decision rides on the gradient-norm
-        all-reduce, so all devices agree. ``False`` applies every update.
+        ``state.skipped`` counts the step (a train step reports it as
+        ``metrics["skipped"]``). The decision rides on the gradient-norm all-reduce,
+        so all devices agree. ``False`` applies every update.
       pack_bytes: each leaf of at least this many bytes has its own reduce-scatter and
         all-gather, with no copy into or out of a packed buffer; smaller leaves of
         one dtype are packed together, up to ``pack_bytes`` per collective, so they

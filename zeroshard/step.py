@@ -30,6 +30,7 @@ from zeroshard.step_io import (
     plain_outputs,
     stacked_aux,
     step_metrics,
+    update_metrics,
 )
 from zeroshard.update import arrive, arrive_pieces, update
 
@@ -185,6 +186,7 @@ class TrainStep:
             loss = loss / scale.scale
         params, opt_state = update(self.opt, plan, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
+        metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
         model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
@@ -362,8 +364,25 @@ def make_train_step(
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = train_step(state, batch[, key])``, where
-      ``metrics`` has the global mean ``"loss"`` and ``"grad_norm"`` (the global norm
-      of the mean gradient, before clipping).
+      ``metrics`` holds replicated scalars (and ``"aux"``, see ``has_aux``):
+
+      - ``"loss"``: the global mean loss (unscaled under loss scaling);
+      - ``"grad_norm"``: the global norm of the mean gradient, before clipping
+        (``nan``/``inf`` when it was not finite);
+      - ``"skipped"`` (with ``skip_nonfinite``, the default): int32, 1 when this step's
+        update was skipped because the mean gradient was not finite, else 0; its sum
+        is ``state.opt_state.skipped``, the running count;
+      - ``"loss_scale"`` (with ``zs.sharded(..., loss_scale=...)``): the scale this
+        step's loss was multiplied by (it halves after a skipped step).
+
+    Profiling: the step's parts run in named scopes (:mod:`zeroshard.scopes`), so a
+    profile (``jax.profiler``) and the compiled program's op names
+    (``train_step.lower(state, batch).compile().as_text()``) tell them apart:
+    ``zeroshard/reduce_scatter``, ``zeroshard/grad_norm``, ``zeroshard/update``,
+    ``zeroshard/all_gather``; in stage 3 ``zeroshard/gather`` (and its transpose,
+    the gradients' reduce-scatter), ``zeroshard/to_owners``, ``zeroshard/from_owners``;
+    ``zeroshard/replica_mean`` with a replica axis; ``zeroshard/metrics`` and
+    ``zeroshard/model_state``. The loss function's own operations keep their names.
 
     Raises:
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
@@ -382,6 +401,8 @@ def make_train_step(
       >>> state, metrics = train_step(state, batch)
       >>> float(metrics["loss"]), int(state.step)
       (1.0, 1)
+      >>> sorted(metrics), int(metrics["skipped"])
+      (['grad_norm', 'loss', 'skipped'], 0)
     """
     config = sharding_of(tx).config
     axis_name = check_mesh(config, mesh, axis_name)

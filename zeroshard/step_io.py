@@ -10,6 +10,8 @@ make what crosses the step's boundary mean what it means on one device:
   dimension comes back as the global per-example array, in batch order;
 - non-trainable model state (BatchNorm statistics, ...) is averaged over the batch
   axes, so it is identical on every device;
+- the metrics report what the sharded update did: the gradient norm, whether the
+  step was skipped (a non-finite gradient) and the loss scale it used;
 - what a step returns is typed as a plain ``jax.jit``'s outputs are: not with the
   mesh's Explicit axis types, so it mixes with single-device code outside any mesh
   context (``nnx.MultiMetric.reset()``, an eval step).
@@ -18,7 +20,7 @@ make what crosses the step's boundary mean what it means on one device:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,10 @@ from jax.sharding import NamedSharding
 from zeroshard.collectives import is_identity
 from zeroshard.layout import PyTree
 from zeroshard.scopes import METRICS, MODEL_STATE, scope
+
+if TYPE_CHECKING:
+    from zeroshard.config import ShardConfig
+    from zeroshard.sharded import ShardedState
 
 Axes = str | tuple[str, ...]
 
@@ -91,6 +97,27 @@ def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, ro
         metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
         if aux is not None:
             metrics["aux"] = global_aux(aux, rows, axes)
+    return metrics
+
+
+def update_metrics(config: ShardConfig, before: ShardedState, after: ShardedState) -> dict:
+    """What a step's sharded update did, from its optimizer state ``before`` and
+    ``after`` it (``config``: the optimizer's options); every value is a replicated
+    scalar, the same on every device:
+
+    - ``"skipped"`` (when ``config.skip_nonfinite``, the default): int32, 1 when this
+      step's update was skipped because the mean gradient was not finite (the
+      weights and state stayed as they were), else 0. Its sum over steps is
+      ``opt_state.skipped``, the running count; its mean, the fraction skipped.
+    - ``"loss_scale"`` (when ``config.loss_scale`` is set): float32, the scale this
+      step's loss was multiplied by. After a skipped step the next step's is smaller;
+      after ``growth_interval`` finite steps, larger.
+    """
+    metrics = {}
+    if config.skip_nonfinite:
+        metrics["skipped"] = after.skipped - before.skipped
+    if config.loss_scale is not None:
+        metrics["loss_scale"] = before.loss_scale.scale
     return metrics
 
 
