@@ -92,6 +92,30 @@ def test_linen_train_state_matches_plain_optax(name, n, rng):
     assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
 
 
+def test_flax_steps_report_a_skipped_step(rng):
+    """An inf in one device's rows: the step is skipped everywhere and says so."""
+    data, mesh = batches(rng, 2), make_mesh(8)
+    bad = {k: np.array(v) for k, v in data[1].items()}
+    bad["y"][3, 0] = np.inf
+    model = NNXModel(nnx.Rngs(0))
+    optimizer = zf.nnx_optimizer(model, zs.sharded(optax.sgd(0.1)), mesh)
+    nnx_step = zf.nnx_train_step(nnx_loss, mesh)
+    linen = LinenModel()
+    params = linen.init(jax.random.key(0), jnp.ones((1, 7)))["params"]
+    tx = zs.sharded(optax.sgd(0.1))
+    state = zf.linen_train_state(linen.apply, params, tx, mesh)
+    loss_fn = lambda p, b: jnp.mean((linen.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    linen_step = zf.linen_train_step(loss_fn, tx, mesh)
+    reported = []
+    for batch in (data[0], bad):
+        metrics = nnx_step(model, optimizer, batch)
+        state, linen_metrics = linen_step(state, batch)
+        reported.append((int(metrics["skipped"]), int(linen_metrics["skipped"])))
+        assert "loss_scale" not in metrics and "loss_scale" not in linen_metrics
+    assert reported == [(0, 0), (1, 1)]
+    assert int(optimizer.opt_state.skipped[...]) == int(state.opt_state.skipped) == 1
+
+
 def test_linen_bf16_compute_keeps_an_fp32_master(rng):
     data, mesh, model = batches(rng, 3), make_mesh(8), LinenModel()
     params = model.init(jax.random.key(0), jnp.ones((1, 7)))["params"]

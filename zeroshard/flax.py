@@ -67,6 +67,7 @@ from zeroshard.step_io import (
     plain_outputs,
     stacked_aux,
     step_metrics,
+    update_metrics,
 )
 
 
@@ -219,7 +220,7 @@ class NNXTrainStep:
             nnx.update(model, jax.tree.map(_across_devices, rests))
             # The update: manual over every mesh axis, the state replicated over all but
             # the data axis; then the parameters return to their own shardings.
-            tx, opt_state = optimizer.tx, nnx.as_pure(optimizer.opt_state)
+            tx, old_state = optimizer.tx, nnx.as_pure(optimizer.opt_state)
             specs = tx.state_specs(params, self.num_shards)
             update = jax.shard_map(
                 lambda g, s, p: tx.sharding.apply(jax.tree.map(lambda x: x[0], g), s, p),
@@ -233,7 +234,7 @@ class NNXTrainStep:
             )
             grads = jax.tree.map(lambda g: constrain(g, P(axis)), grads)
             params = jax.tree.map(lambda p: constrain(p, P()), params)
-            new, opt_state = update(grads, opt_state, params)
+            new, opt_state = update(grads, old_state, params)
             nnx.update(model, jax.tree.map(constrain, new, param_specs))
             nnx.update(optimizer.opt_state, nnx.state(opt_state))
             optimizer.step[...] += 1
@@ -241,6 +242,7 @@ class NNXTrainStep:
             metrics = {"loss": jnp.mean(loss.astype(jnp.float32)), "grad_norm": opt_state.grad_norm}
             if aux is not None:
                 metrics["aux"] = jax.tree.map(lambda x: stacked_aux(x, rows), aux)
+            metrics.update(update_metrics(tx.config, old_state, opt_state))
             return nnx.state((model, optimizer)), metrics
 
         return jax.jit(step, donate_argnums=(0,) if self._donate else ())
@@ -318,7 +320,8 @@ def nnx_train_step(
 
     Returns:
       ``train_step(model, optimizer, batch) -> metrics`` (global mean ``"loss"``,
-      ``"grad_norm"`` and ``"aux"``), updating ``model`` and ``optimizer`` in place.
+      ``"grad_norm"``, ``"skipped"`` and ``"aux"``, as :func:`zeroshard.make_train_step`
+      reports them), updating ``model`` and ``optimizer`` in place.
     """
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}).")
@@ -454,7 +457,9 @@ def linen_train_step(
         over the devices either way).
 
     Returns:
-      ``train_step(state, batch, key=None) -> (state, metrics)``.
+      ``train_step(state, batch, key=None) -> (state, metrics)``; ``metrics`` as
+      :func:`zeroshard.make_train_step` reports them (``"loss"``, ``"grad_norm"``,
+      ``"skipped"``, and ``"aux"``).
     """
     axis_name = _check_flax_setup(tx, mesh, axis_name)
     check_other_axes(mesh, (axis_name,))
@@ -468,11 +473,14 @@ def linen_train_step(
         synced = _synced_linen_batch_norm if sync_batch_stats else contextlib.nullcontext
         with synced(axis_name):
             (loss, (aux, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(local_params)
+        before = state.opt_state
         state = state.apply_gradients(grads=grads)
         if model_state is not None:
             state = state.replace(model_state=mean_state(model_state, axis_name))
         grad_norm = state.opt_state.grad_norm
-        return state, step_metrics(loss, aux, grad_norm, axis_name, local_rows(batch))
+        metrics = step_metrics(loss, aux, grad_norm, axis_name, local_rows(batch))
+        metrics.update(update_metrics(sharding_of(tx).config, before, state.opt_state))
+        return state, metrics
 
     def global_step(state, batch, key):
         check_batch(batch, num_shards, axis_name)
