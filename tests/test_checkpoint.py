@@ -1,6 +1,7 @@
 """Checkpoints: any device count, crash safety, clear errors, donation after async save."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -363,20 +364,25 @@ def test_files_never_read_at_restore_are_the_per_process_copies(two_steps, tmp_p
         np.testing.assert_array_equal(a, b)
 
 
-def test_latest_valid_is_explicit_and_says_what_it_skipped(two_steps, tmp_path):
+def test_latest_valid_is_explicit_and_says_what_it_skipped(two_steps, tmp_path, caplog):
     directory, tx, _, like = two_steps
     biggest = max(data_files(directory, 2), key=lambda p: p.stat().st_size)
     copy = damage(directory, biggest, tmp_path / "copy")
     ckpt = zs.CheckpointManager(copy, tx)
     with pytest.raises(zs.CheckpointCorruptedError, match="step 2 of .*corrupted"):
         ckpt.restore(make_mesh(8), like=like)  # the default never falls back
-    with pytest.warns(UserWarning, match=r"restored step 1, the newest .* skipped: step 2 of"):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
         state = ckpt.restore(make_mesh(8), like=like, step="latest_valid")
+    (record,) = [r for r in caplog.records if r.name.startswith("zeroshard")]
+    assert record.name == "zeroshard.checkpointing.manager"
+    assert record.levelno == logging.WARNING
+    assert re.search(r"restored step 1, the newest .* skipped: step 2 of", record.getMessage())
     assert int(state.step) == 1
     assert ckpt.all_steps() == [1, 2]  # nothing deleted
 
 
-def test_a_step_saved_without_checksums_restores_with_a_warning(two_steps, tmp_path):
+def test_a_step_saved_without_checksums_restores_with_a_warning(two_steps, tmp_path, caplog):
     directory, tx, _, like = two_steps
     copy = tmp_path / "old"
     shutil.copytree(directory, copy)
@@ -384,8 +390,11 @@ def test_a_step_saved_without_checksums_restores_with_a_warning(two_steps, tmp_p
     meta = json.loads(record.read_text())
     del meta["checksums"], meta["record_sha256"]  # as zeroshard wrote it before them
     record.write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="has no checksums .* restored without verifying"):
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
         state = zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+    (record,) = [r for r in caplog.records if r.name.startswith("zeroshard")]
+    assert record.name == "zeroshard.checkpointing.metadata"
+    assert re.search("has no checksums .* restored without verifying", record.getMessage())
     assert int(state.step) == 2
     with pytest.raises(ValueError, match="no checksums .* cannot be verified"):
         zs.CheckpointManager(copy).verify()

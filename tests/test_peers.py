@@ -1,8 +1,11 @@
 """A peer lost mid-run: the survivor exits non-zero with a message that says how to
 resume, within the documented time (``--step-timeout``, half of ``--timeout``)."""
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -51,3 +54,36 @@ def test_the_watchdog_does_nothing_in_one_process():
         time.sleep(0.1)  # over the limit, but there is no peer to lose
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         zs.PeerWatchdog(0)
+
+
+WATCHDOG_FAILS = """
+import logging, sys
+import jax
+import zeroshard as zs
+if sys.argv[1] == "configured":
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s", stream=sys.stdout)
+watchdog = zs.PeerWatchdog(5, checkpoint_dir=sys.argv[2])
+watchdog.active = True  # as in a multi-process run
+with watchdog.watch("step 7"):
+    raise jax.errors.JaxRuntimeError("Connection reset by peer")
+"""
+
+
+@pytest.mark.parametrize("logging_setup", ["default", "configured"])
+def test_the_watchdog_s_message_is_a_critical_log_record(logging_setup, tmp_path):
+    """The message goes through the ``zeroshard.peers`` logger: to stderr when the
+    program configured no logging, else to its handlers (flushed before the exit)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WATCHDOG_FAILS, logging_setup, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == EXIT_CODE, proc.stderr
+    out = proc.stderr if logging_setup == "default" else proc.stdout
+    message = "zeroshard: process 0 of 1 stops: a peer process was lost. step 7 failed: "
+    assert message + "JaxRuntimeError: Connection reset by peer" in out, (proc.stdout, proc.stderr)
+    assert f"no finalised step in {tmp_path}" in out
+    if logging_setup == "configured":
+        assert out.startswith("zeroshard.peers CRITICAL zeroshard: process 0 of 1 stops")

@@ -5,6 +5,7 @@ The runs are ``examples/multihost.py`` in fresh processes (``multihost_runs.Run`
 each bounded in time.
 """
 
+import logging
 import os
 import re
 import signal
@@ -84,13 +85,17 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path, uni
             np.testing.assert_allclose(resumed[key], uninterrupted[key], atol=1e-6 * scale)
 
 
-def test_the_guard_in_one_process_stops_after_the_step_in_flight():
+def test_the_guard_in_one_process_stops_after_the_step_in_flight(caplog):
     previous = signal.getsignal(signal.SIGTERM)
-    with zs.PreemptionGuard() as guard:
+    with zs.PreemptionGuard() as guard, caplog.at_level(logging.INFO, logger="zeroshard"):
         assert not guard.distributed and not guard.should_stop(1)
+        assert not caplog.records
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
         assert guard.requested and guard.should_stop(2) and guard.stop_step == 2
         assert guard.should_stop(2) and not guard.should_stop(3)  # one stop step
+    (record,) = caplog.records  # logged once, when the stop step is decided
+    assert (record.name, record.levelno) == ("zeroshard.preemption", logging.WARNING)
+    assert record.getMessage() == "zeroshard: preemption signalled; stopping at step 2"
     assert signal.getsignal(signal.SIGTERM) is previous  # handler put back
 
 

@@ -9,8 +9,10 @@ dead peer until the heartbeat timeout, and the process aborts with a C++ stack t
 heartbeat timeout too.
 
 :class:`PeerWatchdog` watches each step (or save) of the loop. If the step raises a
-runtime error, or does not finish within ``timeout_s``, it prints what happened and
-how to resume, and ends the process at once with exit code :data:`EXIT_CODE`
+runtime error, or does not finish within ``timeout_s``, it logs what happened and
+how to resume (a CRITICAL record of the ``zeroshard.peers`` logger: on stderr unless
+logging is configured otherwise), and ends the process at once with exit code
+:data:`EXIT_CODE`
 (``os._exit``: the shutdown barrier is skipped, it could only wait for the dead
 peer). The survivors therefore exit within about ``timeout_s`` of the peer's death
 (at once where the collective fails, as gloo's does), before jax's own abort at the
@@ -27,6 +29,7 @@ lose).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -35,6 +38,8 @@ import time
 from collections.abc import Iterator
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 EXIT_CODE = 75
 """Exit status of a process ended by :class:`PeerWatchdog` (``EX_TEMPFAIL``: retry)."""
@@ -136,16 +141,32 @@ class PeerWatchdog:
             if latest is None
             else f"from step {latest} in {self.checkpoint_dir}"
         )
-        print(
-            f"zeroshard: process {jax.process_index()} of {jax.process_count()} stops: a "
-            f"peer process was lost. {reason}. Another process died or hangs, and the run "
-            f"cannot continue without it. To resume, {self.resume}: it restarts {where}, "
-            f"on any number of devices. Exiting with code {EXIT_CODE}.",
-            file=sys.stderr,
-            flush=True,
+        logger.critical(
+            "zeroshard: process %d of %d stops: a peer process was lost. %s. Another "
+            "process died or hangs, and the run cannot continue without it. To resume, "
+            "%s: it restarts %s, on any number of devices. Exiting with code %d.",
+            jax.process_index(),
+            jax.process_count(),
+            reason,
+            self.resume,
+            where,
+            EXIT_CODE,
         )
+        _flush_logs()
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+def _flush_logs() -> None:
+    """Flushes the handlers this module's records reach (``os._exit`` skips the flush
+    at interpreter exit)."""
+    node: logging.Logger | None = logger
+    while node is not None:
+        for handler in node.handlers:
+            handler.flush()
+        node = node.parent if node.propagate else None
+    if logging.lastResort is not None:
+        logging.lastResort.flush()
 
 
 def _latest_step(directory: str | None) -> int | None:

@@ -29,11 +29,14 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from types import FrameType
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 
 def _distributed() -> bool:
@@ -111,7 +114,8 @@ class PreemptionGuard:
 
         Returns:
           ``True`` once preemption was signalled and this is the step every process
-          stops at; ``False`` otherwise.
+          stops at (logged then as a warning of the ``zeroshard.preemption`` logger);
+          ``False`` otherwise.
         """
         if self.stop_step is not None:
             return step == self.stop_step
@@ -123,6 +127,7 @@ class PreemptionGuard:
             stop = self._event.is_set()
         if stop:
             self.stop_step = step
+            logger.warning("zeroshard: preemption signalled; stopping at step %d", step)
         return stop
 
     def close(self) -> None:

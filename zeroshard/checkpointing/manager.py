@@ -27,7 +27,8 @@ restored arrays and raises :class:`~zeroshard.CheckpointCorruptedError` on a mis
 ``step="latest_valid"`` restores the newest step that verifies, saying which it
 skipped; ``python -m zeroshard inspect DIR --verify`` checks a step without training
 code. Steps saved before checksums existed restore with a warning that they were not
-verified.
+verified. Warnings are records of the ``zeroshard.checkpointing`` loggers (on stderr
+unless logging is configured otherwise).
 
 orbax's ``CheckpointManager`` provides async saves, ``max_to_keep`` and atomic
 finalisation: a step appears only once fully written, so a process killed while
@@ -36,9 +37,9 @@ saving leaves the previous steps intact.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
-import warnings
 from typing import Any, Literal
 
 import jax
@@ -63,6 +64,8 @@ from zeroshard.logical import mesh_of
 from zeroshard.sharded import ShardedTransformation
 from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
+
+logger = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 METADATA_ITEM = "zeroshard"
@@ -227,7 +230,7 @@ class CheckpointManager:
             dtypes: the tree structure, shapes and dtypes to restore into.
           step: the step to restore: ``None`` (default) for the latest, whether it
             verifies or not; ``"latest_valid"`` for the newest step that verifies
-            (each corrupted newer step is named in a warning); or a step number.
+            (each corrupted newer step is named in a logged warning); or a step number.
           stage: the ZeRO stage to lay the state out for (3: params as pieces).
           model_state: the non-trainable model state's tree (arrays or
             ``jax.ShapeDtypeStruct``), when the state was saved with one.
@@ -254,10 +257,11 @@ class CheckpointManager:
                 errors.append(e)
                 continue
             if errors:
-                warnings.warn(
-                    f"restored step {candidate}, the newest step of {self.directory} that "
-                    "verifies; skipped: " + " | ".join(map(str, errors)),
-                    stacklevel=2,
+                logger.warning(
+                    "zeroshard: restored step %d, the newest step of %s that verifies; skipped: %s",
+                    candidate,
+                    self.directory,
+                    " | ".join(map(str, errors)),
                 )
             return state
         raise CheckpointCorruptedError(

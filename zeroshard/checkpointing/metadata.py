@@ -26,8 +26,8 @@ corruption message (the other steps to restore instead) and is called only then.
 
 from __future__ import annotations
 
+import logging
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +48,8 @@ from zeroshard.loss_scale import LossScaleState
 from zeroshard.sharded import ShardedTransformation
 from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "zeroshard-logical-1"
 """The ``format`` field: the logical layout of :func:`zeroshard.to_optax_state`."""
@@ -192,8 +194,7 @@ def check_checksums(
     """Compares checksums recomputed on the arrays read back (``got``, from
     :func:`~zeroshard.checkpointing.integrity.record`) with the recorded ones.
 
-    A record without checksums (saved before they existed) only warns, on behalf of
-    the caller's caller (``CheckpointManager.restore``).
+    A record without checksums (saved before they existed) only logs a warning.
 
     Raises:
       ValueError: if the checksums are of another algorithm.
@@ -201,11 +202,12 @@ def check_checksums(
     """
     recorded = saved.get("checksums")
     if recorded is None:
-        warnings.warn(
-            f"step {step} of {directory} has no checksums (saved by zeroshard "
-            f"{saved.get('zeroshard_version', '< 0.1')} before they were recorded): "
-            "restored without verifying it.",
-            stacklevel=3,
+        logger.warning(
+            "zeroshard: step %d of %s has no checksums (saved by zeroshard %s before they "
+            "were recorded): restored without verifying it.",
+            step,
+            directory,
+            saved.get("zeroshard_version", "< 0.1"),
         )
         return
     if recorded.get("algorithm") != ALGORITHM:
