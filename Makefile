@@ -33,12 +33,13 @@ format: venv
 	$(BIN)/ruff check --fix zeroshard tests benchmarks examples notebooks
 
 # The documentation site: Sphinx + myst-nb from docs/, offline, warnings as errors,
-# into build/docs/html (git-ignored). Installs the docs extra into the venv once.
+# into build/docs/html (git-ignored), with the notebooks executed first. Installs the docs extra into the venv once.
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[docs]"
 	touch $@
 
 docs: venv $(VENV)/.docs-installed
+	$(BIN)/python docs/execute_notebooks.py
 	$(BIN)/sphinx-build -b html -E -W --keep-going -q -d build/docs/doctrees docs build/docs/html
 	@echo "docs: built with no warnings (-W) -> build/docs/html/index.html"
 

@@ -2,7 +2,8 @@
 
 Sphinx with myst-nb, as jax, optax, flax and orbax build theirs: Markdown pages, the
 API reference from the docstrings (autodoc + napoleon for the Google-style sections),
-and the notebooks rendered from their stored executed outputs (never run here).
+and the notebooks rendered from the copies ``make docs`` executes first (never run
+by Sphinx itself).
 """
 
 import importlib
@@ -34,7 +35,7 @@ source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb", ".rst": "restructuredtex
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
-# Notebooks: render the outputs stored in docs/notebooks/ (see docs/README.md);
+# Notebooks: render the executed copies make docs writes to docs/notebooks/;
 # never execute them while building.
 nb_execution_mode = "off"
 nb_merge_streams = True

@@ -1,14 +1,13 @@
-"""Executes notebooks/*.ipynb and stores the executed copies in docs/notebooks/.
+"""Executes notebooks/*.ipynb into docs/notebooks/ (git-ignored), for the site.
 
-The notebooks are committed without outputs (the test suite executes them); the
-documentation site renders these executed copies and never runs code while it
-builds. Run this after changing a notebook (``tests/test_docs.py`` fails until the
-copies' cells match the notebooks'):
+The notebooks are committed without outputs; ``make docs`` runs this first, and the
+site renders the executed copies (Sphinx itself never runs code):
 
     .venv/bin/python docs/execute_notebooks.py [NAME ...]
 
 Each notebook runs in its own kernel on 8 simulated CPU devices, in a temporary
-directory, with this checkout's ``zeroshard`` first on the path.
+directory, with this checkout's ``zeroshard`` first on the path. An error in a
+notebook fails the build.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The documentation site (docs/) documents every public name and shows the notebooks
-as they are.
+"""The documentation site (docs/) documents every public name.
 
 No site is built here (``make docs`` builds it, warnings as errors): these tests read
-the autodoc directives of the API reference pages (docs/api/*.rst) and the executed
-copies of the notebooks that the site renders (docs/notebooks/).
+the autodoc directives of the API reference pages (docs/api/*.rst).
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ from __future__ import annotations
 import pathlib
 import re
 
-import nbformat
 import pytest
 
 import zeroshard
@@ -65,22 +62,3 @@ def test_reference_documents_public_names_once():
             f"docs/api/{pages[0]} documents {module}.{name}, which is not public"
         )
         assert len(pages) == 1, f"{module}.{name} is documented twice: {pages}"
-
-
-def test_rendered_notebooks_are_the_notebooks_executed():
-    sources = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    copies = sorted((ROOT / "docs" / "notebooks").glob("*.ipynb"))
-    refresh = "run: .venv/bin/python docs/execute_notebooks.py"
-    assert [p.name for p in copies] == [p.name for p in sources], refresh
-    for source, copy in zip(sources, copies, strict=True):
-        book = nbformat.read(source, as_version=4)
-        executed = nbformat.read(copy, as_version=4)
-        cells = [(c.cell_type, c.source) for c in book.cells]
-        assert cells == [(c.cell_type, c.source) for c in executed.cells], (
-            f"{source.name} changed after docs/notebooks/{copy.name} was executed; "
-            f"{refresh} {source.stem}"
-        )
-        code = [c for c in executed.cells if c.cell_type == "code"]
-        assert all(c.execution_count is not None for c in code), copy.name
-        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
-        assert not errors, f"docs/notebooks/{copy.name} stores an error"
