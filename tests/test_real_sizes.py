@@ -30,7 +30,7 @@ import optax
 import pytest
 from helpers import make_mesh
 from optax.contrib import MuonDimensionNumbers
-from test_owned import reference, relative_errors
+from test_owned import reference, relative_errors, resumed_elsewhere
 
 import zeroshard as zs
 
@@ -311,18 +311,7 @@ def test_stacked_layers_restore_on_other_device_counts(optimizer, setups, expect
     plain optax after 3 steps."""
     params, data, loss_fn, stacked = setups["stacked"]
     tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
-    mesh = make_mesh(N)
-    state = zs.init_train_state(params, tx, mesh)
-    state, _ = zs.make_train_step(loss_fn, tx, mesh)(state, data[0])
-    with zs.CheckpointManager(tmp_path, tx) as ckpt:
-        ckpt.save(state, force=True)
-    for stage, n in ((1, 3), (3, 2)):
-        mesh = make_mesh(n)
-        state = zs.CheckpointManager(tmp_path, tx).restore(mesh, like=params, stage=stage)
-        step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
-        for batch in data[1:]:
-            state, _ = step(state, batch)
-        got = zs.to_optax_state(state, tx)[0]
+    for (stage, n), got in resumed_elsewhere(loss_fn, tx, params, data, tmp_path):
         context = f"{optimizer} restored at stage {stage} on {n}"
         assert_matches_plain_optax(got, expected(optimizer, "stacked"), params, context)
 
