@@ -125,7 +125,7 @@ def hand_written_loop(tx, params, data, n, loss_fn):
     )
     with jax.set_mesh(mesh):
         s = tx.init(params)
-    p = params
+    p = jax.device_put(params, jax.NamedSharding(mesh, P()))  # typed as the step returns it
     for batch in data:
         p, s = step(p, s, jax.device_put(batch, jax.NamedSharding(mesh, P("data"))))
     return p
