@@ -2,12 +2,16 @@
 #               make test   (the test suite)
 # Both create .venv with everything from pyproject.toml on first use.
 # Another interpreter: make test PYTHON=python3.12 VENV=.venv-py312
+# make test-slow runs the slow tier, make test-all both tiers (tests/README.md).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers for the suite: one per core, at most 4 (each simulates 8 devices).
+JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+PYTEST = $(BIN)/python -m pytest -n $(JOBS) --dist worksteal
 
-.PHONY: venv demo test lint format docs clean
+.PHONY: venv demo test test-slow test-all lint format docs clean
 
 venv: $(VENV)/.installed
 
@@ -22,7 +26,13 @@ demo: venv
 	$(BIN)/python -m zeroshard.demo $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
+
+test-slow: venv
+	$(PYTEST) -m slow $(ARGS)
+
+test-all: venv
+	$(PYTEST) -m "" $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check zeroshard tests benchmarks examples notebooks
@@ -44,4 +54,4 @@ docs: venv $(VENV)/.docs-installed
 	@echo "docs: built with no warnings (-W) -> build/docs/html/index.html"
 
 clean:
-	rm -rf .venv .venv-* .pytest_cache .ruff_cache *.egg-info
+	rm -rf .venv .venv-* .pytest_cache .ruff_cache .cache *.egg-info

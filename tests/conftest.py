@@ -1,8 +1,31 @@
-"""Simulated devices: set before JAX starts its backend."""
+"""Simulated devices and the compilation cache: set before JAX starts its backend."""
 
 import os
+import pathlib
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile a program another test compiled already (the same step on the same
+# shapes, the same plain-optax reference): the persistent compilation cache, in the
+# checkout (git-ignored), turns those compiles into reads. Every program is still traced
+# and lowered; a fresh clone starts with an empty cache. The variables reach the
+# processes the tests start (workers, examples, notebook kernels), and the pytest-xdist
+# workers share the directory. JAX_ENABLE_COMPILATION_CACHE=false turns it off.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# A hit must be the same program to the op names and source lines (named scopes are
+# metadata, and tests/test_scopes.py compiles a step with and without them).
+os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
+# Compiling is most of the suite's time: the CPU backend's LLVM code generation at
+# optimization level 0 takes ~25% less of it. The HLO passes (fusion, scheduling, the
+# collectives and buffer sizes the tests read) are the same; programs run slower, which
+# the suite's small steps do not feel. ZEROSHARD_TEST_XLA_OPT=default keeps XLA's level.
+if os.environ.get("ZEROSHARD_TEST_XLA_OPT") != "default":
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 import jax
 import numpy as np
@@ -21,3 +44,68 @@ def _check_devices():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# The slow tier (``pytest -m slow``; ``make test-slow``; CI runs it on the newest jax):
+# more cases of a property the default tier checks already, on other device counts,
+# optimizers or sizes. Each pattern is a regular expression matched from the start of
+# the test's id (``file::name[params]``); tests/README.md says why each is here.
+SLOW = [
+    # optax's whole alias list on 8, 3 and 2 devices; the default tier keeps the
+    # configurations with owned leaves or global sums, on 8 devices.
+    r"test_owned.py::test_optax_alias_list_matches_plain_optax\[(?!(adafactor|fromage|lamb|"
+    r"lars|noisy_sgd|novograd|polyak_sgd|sm3)\d+-8\])",
+    r"test_owned.py::test_per_leaf_sums_keep_leaves_sliced\[\w+-3\]",
+    r"test_owned.py::test_zeroshard_clipping_is_summed_once\[3\]",
+    r"test_owned.py::test_per_leaf_sums_keep_leaves_sliced\[(adafactor_unfactored|block_rms_"
+    r"clipping|param_block_rms)-8\]",
+    r"test_owned.py::test_whole_tensor_optimizers_on_a_transformer\[(?!muon)",
+    # Owned leaves through stages, accumulation and restores: test_real_sizes.py (layer-owned
+    # Muon) and test_stage3.py keep it.
+    r"test_owned.py::test_stages_accumulation_and_a_restore_on_another_device_count",
+    # Every optimizer on 2 and 4 devices (SGD, which sees a gradient-scale bug, stays).
+    r"test_parity.py::test_parity_with_plain_optax\[(?!sgd)\w+-[24]\]",
+    # Real sizes: a second optimizer or variant of a case the default tier runs.
+    r"test_real_sizes.py::test_muon_on_large_and_stacked_matrices\[.*-False\]",
+    r"test_real_sizes.py::test_adafactor_on_stacked_layers\[False\]",
+    r"test_real_sizes.py::test_per_tensor_norms_with_a_large_embedding\[(lars|novograd)\]",
+    r"test_real_sizes.py::test_stages_and_accumulation\[(adafactor-stacked|lamb-embed)\]",
+    r"test_real_sizes.py::test_stacked_layers_restore_on_other_device_counts\[adafactor\]",
+    r"test_real_sizes.py::test_stage3_weights_are_pieces_whatever_the_optimizer\[(muon-dense|"
+    r"adafactor-stacked)\]",
+    r"test_real_sizes.py::test_estimate_memory_is_what_each_stage_holds\[(muon-dense|lamb-embed|"
+    r"adafactor-stacked)\]",
+    r"test_real_sizes.py::test_stage3_owners_get_the_weights_their_update_reads\[muon\]",
+    # The largest widths of the planner check (256 stays, for every stage and dtype).
+    r"test_memory.py::test_compiled_arguments_match_the_planner\[.*-(512|1024)\]",
+    r"test_meshes.py::test_hierarchical_sharding_matches_plain_optax\[[12]-(adamw|lamb)\]",
+    r"test_nonfinite.py::test_a_bad_gradient_on_one_device_skips_the_step_everywhere\[.*-inf\]",
+    r"test_stages.py::test_stage_and_accumulation_match_plain_optax\[adamw-[12]-1\]",
+    r"test_logical.py::test_plain_optax_run_continues_under_zeroshard\[.*-1\]",
+    # Programs: a second optimizer or mesh shape of a program the default tier trains.
+    r"test_flax_programs.py::test_annotated_minigpt_on_its_mesh",  # test_dropin.py's stays
+    r"test_orbax_manager.py::test_restores_exactly_on_8_and_3_and_continues_identically\[(linen|"
+    r"nnx)-adamw\]",
+    r"test_scopes.py::test_scopes_change_no_bit\[1\]",
+    # Flax's drop-in run eagerly, outside any jit (test_dropin.py runs it under jit).
+    r"test_flax.py::test_updates_outside_the_steps_take_the_mean_gradient",
+    # Two processes: the hierarchical mesh (in one process in test_meshes.py) and a NaN
+    # (the agreed skip across processes stays, with an inf in one device's piece).
+    r"test_multiprocess.py::test_(hierarchical_across_two_processes|a_nan_on_one_process)",
+    r"test_flax_programs.py::test_linen_mnist_example_matches_plain_optax\[lamb_owned\]",
+    r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
+    r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",
+    r"test_dropin.py::test_the_linen_mnist_example\[adamw\]",
+    # The demo's preemption (zeroshard's own is in test_preemption.py) and the notebooks
+    # (make docs executes every one; the default tier checks they carry no outputs).
+    r"test_demo.py::test_demo_stops_on_sigterm_and_the_same_command_resumes",
+    r"test_notebooks.py::test_notebook_executes",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marks
+def pytest_collection_modifyitems(items):
+    slow = re.compile("|".join(f"(?:{p})" for p in SLOW))
+    for item in items:
+        if slow.match(item.nodeid.removeprefix("tests/")):
+            item.add_marker(pytest.mark.slow)
