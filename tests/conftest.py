@@ -49,16 +49,15 @@ def rng():
 # The slow tier (``pytest -m slow``; ``make test-slow``; CI runs it on the newest jax):
 # more cases of a property the default tier checks already, on other device counts,
 # optimizers or sizes. Each pattern is a regular expression matched from the start of
-# the test's id (``file::name[params]``); tests/README.md says why each is here.
+# the test's id (``file::name[params]``); the comment above each group says why.
 SLOW = [
     # optax's whole alias list on 8, 3 and 2 devices; the default tier keeps the
     # configurations with owned leaves or global sums, on 8 devices.
     r"test_owned.py::test_optax_alias_list_matches_plain_optax\[(?!(adafactor|fromage|lamb|"
     r"lars|noisy_sgd|novograd|polyak_sgd|sm3)\d+-8\])",
-    r"test_owned.py::test_per_leaf_sums_keep_leaves_sliced\[\w+-3\]",
+    r"test_owned.py::test_per_leaf_sums_keep_leaves_sliced\[(\w+-3|(adafactor_unfactored|"
+    r"block_rms_clipping|param_block_rms)-8)\]",
     r"test_owned.py::test_zeroshard_clipping_is_summed_once\[3\]",
-    r"test_owned.py::test_per_leaf_sums_keep_leaves_sliced\[(adafactor_unfactored|block_rms_"
-    r"clipping|param_block_rms)-8\]",
     r"test_owned.py::test_whole_tensor_optimizers_on_a_transformer\[(?!muon)",
     # Owned leaves through stages, accumulation and restores: test_real_sizes.py (layer-owned
     # Muon) and test_stage3.py keep it.
@@ -78,24 +77,25 @@ SLOW = [
     r"test_real_sizes.py::test_stage3_owners_get_the_weights_their_update_reads\[muon\]",
     # The largest widths of the planner check (256 stays, for every stage and dtype).
     r"test_memory.py::test_compiled_arguments_match_the_planner\[.*-(512|1024)\]",
+    # A second optimizer, variant or stage of a case the default tier runs.
     r"test_meshes.py::test_hierarchical_sharding_matches_plain_optax\[[12]-(adamw|lamb)\]",
     r"test_nonfinite.py::test_a_bad_gradient_on_one_device_skips_the_step_everywhere\[.*-inf\]",
     r"test_stages.py::test_stage_and_accumulation_match_plain_optax\[adamw-[12]-1\]",
     r"test_logical.py::test_plain_optax_run_continues_under_zeroshard\[.*-1\]",
-    # Programs: a second optimizer or mesh shape of a program the default tier trains.
-    r"test_flax_programs.py::test_annotated_minigpt_on_its_mesh",  # test_dropin.py's stays
     r"test_orbax_manager.py::test_restores_exactly_on_8_and_3_and_continues_identically\[(linen|"
     r"nnx)-adamw\]",
     r"test_scopes.py::test_scopes_change_no_bit\[1\]",
+    # Programs: a second optimizer or mesh shape of a program the default tier trains.
+    r"test_flax_programs.py::test_annotated_minigpt_on_its_mesh",  # test_dropin.py's stays
+    r"test_flax_programs.py::test_linen_mnist_example_matches_plain_optax\[lamb_owned\]",
+    r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
+    r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",
+    r"test_dropin.py::test_the_linen_mnist_example\[adamw\]",
     # Flax's drop-in run eagerly, outside any jit (test_dropin.py runs it under jit).
     r"test_flax.py::test_updates_outside_the_steps_take_the_mean_gradient",
     # Two processes: the hierarchical mesh (in one process in test_meshes.py) and a NaN
     # (the agreed skip across processes stays, with an inf in one device's piece).
     r"test_multiprocess.py::test_(hierarchical_across_two_processes|a_nan_on_one_process)",
-    r"test_flax_programs.py::test_linen_mnist_example_matches_plain_optax\[lamb_owned\]",
-    r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
-    r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",
-    r"test_dropin.py::test_the_linen_mnist_example\[adamw\]",
     # The demo's preemption (zeroshard's own is in test_preemption.py) and the notebooks
     # (make docs executes every one; the default tier checks they carry no outputs).
     r"test_demo.py::test_demo_stops_on_sigterm_and_the_same_command_resumes",
