@@ -36,29 +36,36 @@ import re
 import sys
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+import zeroshard.flax as zf
 
 STEPS, BATCH, LAYERS = 3, 48, 2
-OPTS = ("sgd", "adamw", "lamb", "adafactor", "muon")
+INNER = {
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "muon": lambda: optax.contrib.muon(1e-2),
+}
 
 
-def inner(name):
-    import optax
-
-    make = {
-        "sgd": lambda: optax.sgd(0.1, momentum=0.9),
-        "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-        "lamb": lambda: optax.lamb(1e-2),
-        "adafactor": lambda: optax.adafactor(1e-2),
-        "muon": lambda: optax.contrib.muon(1e-2),
-    }[name]
-    return optax.chain(optax.clip_by_global_norm(1.0), make())
+def optimizer(name: str, **options) -> zs.ShardedTransformation:
+    """``INNER[name]`` after ``optax.clip_by_global_norm(1.0)``, sharded over ``"data"``."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0), INNER[name]())
+    return zs.sharded(inner, axis_name="data", **options)
 
 
-def model(seed=0):
+def model(seed: int = 0) -> tuple[dict, list[dict]]:
     """The parameters (fp32) and ``STEPS`` batches."""
-    import jax.numpy as jnp
-
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.normal(size=s) / s[-2 if len(s) > 1 else 0] ** 0.5, jnp.float32)
     params = {
@@ -68,26 +75,16 @@ def model(seed=0):
         "head": f(256, 37),
         "bias": f(37) / 10,
     }
-    data = [
-        {"x": f(BATCH, 256) * 16, "y": jnp.asarray(rng.normal(size=(BATCH, 37)), jnp.float32)}
-        for _ in range(STEPS)
-    ]
-    return params, data
+    y = lambda: jnp.asarray(rng.normal(size=(BATCH, 37)), jnp.float32)
+    return params, [{"x": f(BATCH, 256) * 16, "y": y()} for _ in range(STEPS)]
 
 
-def block(p, x):
-    import jax.numpy as jnp
-
+def block(p: dict, x: jax.Array) -> jax.Array:
     return jnp.tanh(x @ p["w"].astype(jnp.float32) + p["b"].astype(jnp.float32))
 
 
-def loss_fn(params, batch, stage=1):
+def loss_fn(params: dict, batch: dict, stage: int = 1) -> jax.Array:
     """Squared error of the model; in stage 3 the pieces are gathered (blocks per layer)."""
-    import jax
-    import jax.numpy as jnp
-
-    import zeroshard as zs
-
     rest = {k: v for k, v in params.items() if k != "blocks"}
     rest = jax.tree.map(lambda x: x.astype(jnp.float32), zs.gather(rest) if stage == 3 else rest)
     apply = zs.layer(block) if stage == 3 else block
@@ -97,68 +94,44 @@ def loss_fn(params, batch, stage=1):
     return jnp.mean((out - batch["y"]) ** 2)
 
 
-def logical(params, opt_state, tx, mesh):
-    """``zs.to_optax_state``: the fp32 masters and the inner state as plain optax holds it."""
-    import jax
-    import jax.numpy as jnp
-
-    import zeroshard as zs
-
-    step = jax.device_put(jnp.int32(STEPS), jax.NamedSharding(mesh, jax.P()))
-    state = zs.TrainState(step, params, opt_state)
-    master, inner_state = zs.to_optax_state(state, tx)
-    return {"master": master, "opt": inner_state}
+def logical(params, opt_state, tx, mesh, compute=None) -> dict:
+    """``zs.to_optax_state`` (the fp32 masters, the inner state as plain optax holds
+    it) and, given, the compute parameters."""
+    step = jax.device_put(jnp.int32(STEPS), NamedSharding(mesh, P()))
+    master, inner_state = zs.to_optax_state(zs.TrainState(step, params, opt_state), tx)
+    return {"master": master, "opt": inner_state, "params": compute}
 
 
-def make_mesh(n):
-    import jax
-
+def make_mesh(n: int) -> jax.sharding.Mesh:
     return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
 
-def run_step(name, stage, accum, n):
-    import jax.numpy as jnp
-
-    import zeroshard as zs
-
-    params, data = model()
-    mesh = make_mesh(n)
-    tx = zs.sharded(inner(name), axis_name="data", stacked=("blocks",))
+def run_step(name: str, stage: int, accum: int, n: int) -> tuple[dict, list]:
+    """``zs.make_train_step``."""
+    (params, data), mesh = model(), make_mesh(n)
+    tx = optimizer(name, stacked=("blocks",))
     state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16, stage=stage)
-    step = zs.make_train_step(
-        lambda p, b: loss_fn(p, b, stage), tx, mesh, stage=stage, accum_steps=accum
-    )
+    loss = lambda p, b: loss_fn(p, b, stage)
+    step = zs.make_train_step(loss, tx, mesh, stage=stage, accum_steps=accum)
     metrics = []
     for batch in data:
         state, m = step(state, batch)
         metrics.append(m)
-    out = logical(state.params, state.opt_state, tx, mesh)
-    if stage < 3:
-        out["params"] = state.params
-    return out, metrics
+    compute = state.params if stage < 3 else None
+    return logical(state.params, state.opt_state, tx, mesh, compute), metrics
 
 
-def run_dropin(name, how, n=8):
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import zeroshard as zs
-
-    params, data = model()
-    mesh = make_mesh(n)
-    tx = zs.sharded(inner(name), axis_name="data", stacked=("blocks",))
+def run_dropin(name: str, how: str, n: int = 8) -> tuple[dict, list]:
+    """``tx.init``/``tx.update`` in the user's ``jax.jit`` (``how="jit"``: the mean
+    gradient) or ``jax.shard_map`` (``"shard_map"``: each device's own)."""
+    (params, data), mesh = model(), make_mesh(n)
+    tx = optimizer(name, stacked=("blocks",))
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
 
     def step(params, opt_state, batch):
-        if how == "shard_map":
-            local = jax.lax.pcast(params, "data", to="varying")
-            loss, grads = jax.value_and_grad(loss_fn)(local, batch)
-            loss = jax.lax.pmean(loss, "data")
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        local = jax.lax.pcast(params, "data", to="varying") if how == "shard_map" else params
+        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+        loss = jax.lax.pmean(loss, "data") if how == "shard_map" else loss
         updates, opt_state = tx.update(grads, opt_state, params)
         m = {"loss": loss, "grad_norm": opt_state.grad_norm}
         return optax.apply_updates(params, updates), opt_state, m
@@ -167,67 +140,52 @@ def run_dropin(name, how, n=8):
         params = jax.device_put(params, NamedSharding(mesh, P()))
         opt_state = tx.init(params)
         if how == "shard_map":
-            specs = tx.state_specs(params, n)
+            specs = (P(), tx.state_specs(params, n))
             step = jax.shard_map(
-                step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
+                step, mesh=mesh, in_specs=(*specs, P("data")), out_specs=(*specs, P())
             )
         step, metrics = jax.jit(step), []
         for batch in data:
             params, opt_state, m = step(params, opt_state, jax.device_put(batch, P("data")))
             metrics.append(m)
-    out = logical(params, opt_state, tx, mesh)
-    out["params"] = params
-    return out, metrics
+    return logical(params, opt_state, tx, mesh, params), metrics
 
 
-def run_flax(kind, n=8):
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import zeroshard as zs
-    import zeroshard.flax as zf
-
-    _, data = model()
-    mesh, tx = make_mesh(n), zs.sharded(inner("adamw"), axis_name="data")
-    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
-    mse = lambda out, b: jnp.mean((out - b["y"]) ** 2)
+def run_flax(kind: str, n: int = 8) -> tuple[dict, list]:
+    """``zeroshard.flax.nnx_train_step`` (``kind="nnx"``) or ``linen_train_step``."""
+    (_, data), mesh, tx = model(), make_mesh(n), optimizer("adamw")
+    mse = lambda out, b: jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
     metrics = []
     if kind == "nnx":
         rngs = nnx.Rngs(0)
         net = nnx.Sequential(
             nnx.Linear(256, 128, rngs=rngs), jnp.tanh, nnx.Linear(128, 37, rngs=rngs)
         )
-        optimizer = zf.nnx_optimizer(net, tx, mesh, param_dtype=jnp.bfloat16)
-        step = zf.nnx_train_step(
-            lambda m, b: mse(m(b["x"].astype(jnp.bfloat16)).astype(jnp.float32), b), mesh
-        )
+        opt = zf.nnx_optimizer(net, tx, mesh, param_dtype=jnp.bfloat16)
+        step = zf.nnx_train_step(lambda m, b: mse(m(b["x"].astype(jnp.bfloat16)), b), mesh)
         for batch in data:
-            metrics.append(step(net, optimizer, batch))
+            metrics.append(step(net, opt, batch))
         params = nnx.as_pure(nnx.state(net, nnx.Param))
-        out = logical(params, nnx.as_pure(optimizer.opt_state), tx, mesh)
-        out["params"] = nnx.to_pure_dict(nnx.state(net, nnx.Param))
-        return out, metrics
+        compute = nnx.to_pure_dict(nnx.state(net, nnx.Param))
+        return logical(params, nnx.as_pure(opt.opt_state), tx, mesh, compute), metrics
     net = nn.Sequential([nn.Dense(128), jnp.tanh, nn.Dense(37)])
     params = net.init(jax.random.key(0), jnp.ones((1, 256)))["params"]
+    f32 = lambda p: jax.tree.map(lambda x: x.astype(jnp.float32), p)
     loss = lambda p, b: mse(net.apply({"params": f32(p)}, b["x"]), b)
     state = zf.linen_train_state(net.apply, params, tx, mesh, param_dtype=jnp.bfloat16)
     step = zf.linen_train_step(loss, tx, mesh)
     for batch in data:
         state, m = step(state, batch)
         metrics.append(m)
-    out = logical(state.params, state.opt_state, tx, mesh)
-    out["params"] = state.params
-    return out, metrics
+    return logical(state.params, state.opt_state, tx, mesh, state.params), metrics
 
 
-def cases(devices):
-    """``{name: thunk}`` of the matrix, in order."""
+def cases(devices: list[int]) -> dict:
+    """``{name: (function, args)}``: the matrix, in order."""
     out = {
         f"{o}-s{s}-a{a}-n{n}": (run_step, (o, s, a, n))
         for n in devices
-        for o in OPTS
+        for o in INNER
         for s in (1, 2, 3)
         for a in (1, 2)
     }
@@ -239,26 +197,20 @@ def cases(devices):
     return out
 
 
-def flatten(case, tree, metrics):
-    import jax
-
-    arrays = {}
-    for what, sub in tree.items():
-        for path, x in jax.tree_util.tree_leaves_with_path(sub):
-            arrays[f"{case}|{what}{jax.tree_util.keystr(path)}"] = x
+def flatten(case: str, trees: dict, metrics: list) -> dict[str, np.ndarray]:
+    """``{"{case}|{what}{path}": array}``; floats narrower than fp32 widened (exactly)."""
+    arrays = {
+        f"{case}|{what}{jax.tree_util.keystr(path)}": np.asarray(x)
+        for what, tree in trees.items()
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
     for key in ("loss", "grad_norm"):
-        arrays[f"{case}|{key}"] = np.stack([np.asarray(m[key], np.float32) for m in metrics])
-    out = {}
-    for k, x in arrays.items():
-        x = np.asarray(x)
-        out[k] = x.astype(np.float32) if x.dtype.itemsize < 4 and x.dtype.kind not in "iub" else x
-    return out
+        arrays[f"{case}|{key}"] = np.stack([np.asarray(m[key]) for m in metrics])
+    narrow = lambda x: x.dtype.itemsize < 4 and x.dtype.kind not in "iub"
+    return {k: x.astype(np.float32) if narrow(x) else x for k, x in arrays.items()}
 
 
-def record(path, only, devices):
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
+def record(path: str, only: str, devices: list[int]) -> None:
     todo = {k: v for k, v in cases(devices).items() if re.search(only, k)}
     arrays, start = {}, time.perf_counter()
     for i, (case, (fn, args)) in enumerate(todo.items()):
@@ -271,68 +223,65 @@ def record(path, only, devices):
         )
     np.savez(path, **arrays)
     print(
-        f"wrote {len(arrays)} arrays of {len(todo)} cases to {path} with jax {jax.__version__}",
+        f"wrote {len(arrays)} arrays, {len(todo)} cases, jax {jax.__version__}: {path}",
         file=sys.stderr,
     )
 
 
-def same_bits(a, b):
+def difference(leaf: str, a: np.ndarray | None, b: np.ndarray | None) -> tuple[float, str] | None:
+    """``None`` when ``a`` and ``b`` are the same bits, else ``(max abs diff, what)``."""
+    if a is None or b is None:
+        return float("inf"), f"{leaf} missing in {'base' if a is None else 'new'}"
     if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return np.array_equal(
-        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)
+        return float("inf"), f"{leaf}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    bits = lambda x: np.ascontiguousarray(x).view(np.uint8)
+    if np.array_equal(bits(a), bits(b)):
+        return None
+    nan = (
+        " (NaN positions differ)"
+        if a.dtype.kind == "f" and (np.isnan(a) != np.isnan(b)).any()
+        else ""
     )
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    d = float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
+    return d, f"{leaf}{nan}"
 
 
-def compare(base_path, new_path, only=""):
+def compare(base_path: str, new_path: str, only: str = "") -> int:
+    """One markdown line per case; 1 if any array differs in any bit or is missing."""
     base, new = np.load(base_path), np.load(new_path)
-    keys = sorted(k for k in set(base.files) | set(new.files) if re.search(only, k.split("|")[0]))
-    by_case: dict[str, list[str]] = {}
+    keys = sorted(k for k in {*base.files, *new.files} if re.search(only, k.split("|")[0]))
+    get = lambda f, k: f[k] if k in f.files else None
+    by_case: dict[str, list] = {}
     for k in keys:
-        by_case.setdefault(k.split("|")[0], []).append(k)
-    failed = 0
-    for case, ks in by_case.items():
-        problems, worst = [], (0.0, "")
-        for k in ks:
-            if k not in base.files or k not in new.files:
-                problems.append(
-                    f"{k.split('|')[1]} missing in {'base' if k not in base.files else 'new'}"
-                )
-                continue
-            a, b = base[k], new[k]
-            if same_bits(a, b):
-                continue
-            leaf = k.split("|")[1]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                problems.append(f"{leaf}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}")
-                continue
-            d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-            d = float(np.nanmax(d)) if np.isfinite(d).any() else float("nan")
-            problems.append(f"{leaf} (max abs diff {d:.3g})")
-            worst = max(worst, (d, leaf))
-        failed += bool(problems)
-        line = (
-            "equal"
-            if not problems
-            else f"**differs**: {len(problems)} arrays: " + "; ".join(problems[:4])
-        )
-        print(f"- `{case}`: {line}{' ...' if len(problems) > 4 else ''}")
-    print(f"\n{len(by_case) - failed}/{len(by_case)} cases bit-identical.")
+        case, leaf = k.split("|")
+        diff = difference(leaf, get(base, k), get(new, k))
+        by_case.setdefault(case, []).extend([diff] if diff else [])
+    for case, diffs in by_case.items():
+        if not diffs:
+            print(f"- `{case}`: equal")
+            continue
+        worst = max(diffs, key=lambda d: (not np.isnan(d[0]), d[0]))
+        others = "; also " + ", ".join(d[1] for d in diffs if d is not worst) if diffs[1:] else ""
+        print(f"- `{case}`: **differs**: max abs diff {worst[0]:.3g} at {worst[1]}{others}")
+    failed = sum(bool(d) for d in by_case.values())
+    print(f"\n{len(by_case) - failed}/{len(by_case)} cases bit-identical ({len(keys)} arrays).")
     return 1 if failed or not by_case else 0
 
 
-def main():
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="run the matrix and write the arrays to this .npz")
-    parser.add_argument("--against", help="with --out: compare the new file to this one")
+    parser.add_argument("--against", help="with --out: then compare it to this base .npz")
     parser.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="compare two files")
-    parser.add_argument("--only", default="", help="regex: the cases to run (or compare)")
-    parser.add_argument("--devices", default="1,3,8", help="device counts of the matrix")
+    parser.add_argument("--only", default="", help="regex: the cases to run (and compare)")
+    parser.add_argument("--devices", default="1,3,8", help="device counts of the step matrix")
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare, args.only)
     if not args.out:
         parser.error("give --out FILE or --compare BASE NEW")
+    jax.config.update("jax_num_cpu_devices", 8)  # before any array exists
     record(args.out, args.only, [int(n) for n in args.devices.split(",")])
     return compare(args.against, args.out, args.only) if args.against else 0
 
