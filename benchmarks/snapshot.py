@@ -1,32 +1,27 @@
-"""Bit-identity snapshot: every number a fixed set of short runs produces, to compare.
+"""Bit-identity snapshot: every number of a fixed set of short runs, to compare bitwise.
 
-Records, after 3 steps of a small model (bf16 parameters with fp32 masters), for
-each case: the parameters (stages 1 and 2: the bf16 compute copy), the logical state
-of ``zs.to_optax_state`` (the fp32 master weights and the inner optimizer's state as
-plain optax holds it) and every step's loss and grad norm. The cases:
+Each case trains a small model 3 steps (bf16 parameters, fp32 masters) and records
+the parameters (not stage 3's pieces), ``zs.to_optax_state`` (the fp32 masters and the
+inner state as plain optax holds it) and every step's loss and grad norm. Cases:
 
-- ``make_train_step``: sgd / adamw / lamb / adafactor / muon, each after
-  ``optax.clip_by_global_norm(1.0)``, x stages 1-3 x ``accum_steps`` 1, 2 x N devices
-  (default 1, 3, 8): keys ``{opt}-s{stage}-a{accum}-n{N}``;
-- the drop-in (``tx.init`` / ``tx.update`` + ``optax.apply_updates``), adamw and
-  adafactor at N = 8, in the user's ``jax.jit`` and in the user's ``jax.shard_map``:
-  ``dropin-{jit,shard_map}-{opt}-n8``;
-- the Flax steps, stage 1, adamw, N = 8: ``nnx-adamw-n8``, ``linen-adamw-n8``.
+- ``{opt}-s{stage}-a{accum}-n{N}``: ``zs.make_train_step`` with sgd, adamw, lamb,
+  adafactor, muon (each after ``optax.clip_by_global_norm(1.0)``) x stages 1-3 x
+  ``accum_steps`` 1, 2 x N of ``--devices`` (default 1, 3, 8);
+- ``dropin-{jit,shard_map}-{adamw,adafactor}-n8``: ``tx.init``/``tx.update`` +
+  ``optax.apply_updates`` in a user's ``jax.jit``, and in a user's ``jax.shard_map``;
+- ``nnx-adamw-n8``, ``linen-adamw-n8``: the Flax steps (stage 1).
 
-The model crosses the layout thresholds: an embedding-like (256, 128) matrix, a
-(128, 256) one, 2 stacked (128, 128) layers under ``jax.lax.scan`` (``stacked=``; in
-stage 3 each gathered by ``zs.layer``), a (256, 37) head (size not divisible by 3), a
-bias of 37. Seeds are fixed: the same checkout gives the same bits.
-
-Usage (from the repository root; the imported zeroshard is the one on PYTHONPATH)::
+The model: a (256, 128) and a (128, 256) matrix, 2 stacked (128, 128) layers under
+``jax.lax.scan`` (``stacked=``; ``zs.layer`` in stage 3), a (256, 37) head (a size
+prime to 3) and a bias of 37. Seeds are fixed. Usage, from a checkout's root::
 
     PYTHONPATH=$PWD python benchmarks/snapshot.py --out new.npz [--only 'adamw-s3']
-    python benchmarks/snapshot.py --compare base.npz new.npz   # exit 1 if any bit differs
+    python benchmarks/snapshot.py --compare base.npz new.npz  # exit 1 if a bit differs
     PYTHONPATH=$PWD python benchmarks/snapshot.py --out new.npz --against base.npz
 
-Arrays are stored as float32 when their dtype is narrower (exact), keyed
-``{case}|{what}{path}``. A comparison prints one markdown line per case and fails on
-any bitwise difference (NaN positions included) or missing key.
+Keys are ``{case}|{what}{path}``; floats narrower than fp32 are stored as fp32 (exact).
+The comparison prints one markdown line per case and fails on any differing bit (NaN
+positions included), shape, dtype or missing array.
 """
 
 from __future__ import annotations
