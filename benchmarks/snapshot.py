@@ -242,10 +242,13 @@ def difference(leaf: str, a: np.ndarray | None, b: np.ndarray | None) -> tuple[f
     return d, f"{leaf}{nan}"
 
 
-def compare(base_path: str, new_path: str, only: str = "") -> int:
-    """One markdown line per case; 1 if any array differs in any bit or is missing."""
+def compare(base_path: str, new_path: str, only: str = "", ran: bool = False) -> int:
+    """One markdown line per case; 1 if any array differs in any bit or is missing.
+    ``ran``: only the cases ``new`` holds (those a ``--only``/``--devices`` run made)."""
     base, new = np.load(base_path), np.load(new_path)
-    keys = sorted(k for k in {*base.files, *new.files} if re.search(only, k.split("|")[0]))
+    case_of, ran_cases = lambda k: k.split("|")[0], {k.split("|")[0] for k in new.files}
+    wanted = lambda c: re.search(only, c) and (not ran or c in ran_cases)
+    keys = sorted(k for k in {*base.files, *new.files} if wanted(case_of(k)))
     get = lambda f, k: f[k] if k in f.files else None
     by_case: dict[str, list] = {}
     for k in keys:
@@ -278,7 +281,7 @@ def main() -> int:
         parser.error("give --out FILE or --compare BASE NEW")
     jax.config.update("jax_num_cpu_devices", 8)  # before any array exists
     record(args.out, args.only, [int(n) for n in args.devices.split(",")])
-    return compare(args.against, args.out, args.only) if args.against else 0
+    return compare(args.against, args.out, ran=True) if args.against else 0
 
 
 if __name__ == "__main__":
