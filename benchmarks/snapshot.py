@@ -260,8 +260,10 @@ def compare(base_path: str, new_path: str, only: str = "", ran: bool = False) ->
             print(f"- `{case}`: equal")
             continue
         worst = max(diffs, key=lambda d: (not np.isnan(d[0]), d[0]))
-        others = "; also " + ", ".join(d[1] for d in diffs if d is not worst) if diffs[1:] else ""
-        print(f"- `{case}`: **differs**: max abs diff {worst[0]:.3g} at {worst[1]}{others}")
+        others = [d[1] for d in diffs if d is not worst]
+        others = f"; also {', '.join(others[:5])}{' ...' * (len(others) > 5)}" if others else ""
+        head = f"**differs** ({len(diffs)} arrays): max abs diff {worst[0]:.3g} at {worst[1]}"
+        print(f"- `{case}`: {head}{others}")
     failed = sum(bool(d) for d in by_case.values())
     print(f"\n{len(by_case) - failed}/{len(by_case)} cases bit-identical ({len(keys)} arrays).")
     return 1 if failed or not by_case else 0
