@@ -201,7 +201,7 @@ class Plan:
         if not (sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
-        tags = self.analysis.in_tags(len(slots))  # the extra arguments' clean
+        tags = self.analysis.in_tags(len(slots))  # the extra arguments: clean
         args = (grads, state, params, extra_args)
         return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced)
 
