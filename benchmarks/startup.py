@@ -12,9 +12,18 @@ measurement runs in a fresh Python process, so no jax cache from another variant
 - ``breakdown`` (another fresh process per variant): the same work split into the
   plan and guard (``tx.plan``, zeroshard only), the state init, tracing
   (``jitted.trace``), lowering, XLA's compile and the first run of the compiled step,
-  plus the number of instructions of the compiled HLO and some of their kinds.
+  plus the number of instructions of the compiled HLO and some of their kinds, and
+  ``retrace``: the step traced again for a batch of another size (the plan and the
+  inner update's cached trace reused).
+
+``--optimizer lamb`` or ``clip`` (``clip_by_global_norm`` then AdamW) takes the path
+where global sums are inserted into the inner update. ``--trees before=DIR after=DIR``
+compares zeroshard source trees (each ``DIR`` holding a ``zeroshard/`` package, put
+first on ``PYTHONPATH``), interleaved in one run.
 
     .venv/bin/python benchmarks/startup.py --leaves 32 128 512 2048
+    .venv/bin/python benchmarks/startup.py --leaves 32 512 --optimizer lamb \
+        --trees before=/tmp/before after=. --no-replicated --until lower
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("replicated", "zeroshard")
+STAGES = ("plan+guard", "init", "trace", "retrace", "lower", "compile", "first run")
 OPS = ("pad", "concatenate", "slice", "dynamic-slice", "copy", "reduce-scatter", "all-gather")
 
 
@@ -46,6 +55,14 @@ def main() -> None:
     parser.add_argument(
         "--no-breakdown", action="store_true", help="only the end-to-end time to first step"
     )
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    parser.add_argument(
+        "--trees", nargs="+", default=[], metavar="LABEL=DIR", help="zeroshard trees to compare"
+    )
+    parser.add_argument("--no-replicated", action="store_true", help="zeroshard variants only")
+    parser.add_argument(
+        "--until", choices=("lower", "run"), default="run", help="(breakdown) last stage"
+    )
     parser.add_argument("--out", default="benchmarks/results", help="JSON goes here")
     # Internal: run one measurement in this process and print it as JSON.
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "MODE", "LEAVES"))
@@ -58,31 +75,39 @@ def main() -> None:
 
     results = []
     modes = ("total",) if args.no_breakdown else ("total", "breakdown")
+    modes = ("breakdown",) if args.until == "lower" else modes
+    trees = dict(t.split("=", 1) for t in args.trees)
+    variants = [f"zeroshard:{label}" for label in trees] or ["zeroshard"]
+    variants = variants if args.no_replicated else ["replicated", *variants]
     machine = None
     for leaves in args.leaves:
         for mode in modes:
             for _ in range(args.repeats):
-                for variant in VARIANTS:
-                    row = run_child(args, variant, mode, leaves)
+                for variant in variants:
+                    row = run_child(args, variant, mode, leaves, trees)
                     machine = row.pop("machine")
                     results.append(row)
                     print(
                         f"{leaves} leaves, {variant}, {mode}: {row['seconds']:.2f} s",
                         file=sys.stderr,
                     )
-    print_tables(results, machine, args)
+    print_tables(results, machine, args, variants)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "startup.json"), "w") as f:
         json.dump({"machine": machine, "results": results}, f, indent=1)
 
 
-def run_child(args, variant: str, mode: str, leaves: int) -> dict:
+def run_child(args, variant: str, mode: str, leaves: int, trees: dict) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, mode, str(leaves)]
     cmd += ["--devices", str(args.devices), "--width", str(args.width)]
-    cmd += ["--batch", str(args.batch)]
+    cmd += ["--batch", str(args.batch), "--optimizer", args.optimizer, "--until", args.until]
     if args.pack_bytes is not None:
         cmd += ["--pack-bytes", str(args.pack_bytes)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = dict(os.environ)
+    tree = trees.get(variant.partition(":")[2])
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), env.get("PYTHONPATH", "")])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -125,7 +150,8 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             x = jnp.tanh(x @ p[f"layer{i:04d}"]["w"] + p[f"layer{i:04d}"]["b"])
         return jnp.mean((x - b["y"]) ** 2)
 
-    inner = optax.adamw(1e-3)
+    halved = jax.tree.map(lambda x: x[: len(x) // 2], batch)  # to trace the step again
+    inner = OPTIMIZERS[args.optimizer](optax)
     times: dict[str, float] = {}
     profiler = None
     if args.cprofile:
@@ -140,7 +166,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         return t1
 
     t0 = time.perf_counter()
-    if variant == "zeroshard":
+    if variant.startswith("zeroshard"):
         pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
         tx = zs.sharded(inner, axis_name="data", **pack)
         if mode == "breakdown" and hasattr(tx, "plan"):
@@ -154,7 +180,9 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             lap("first step", t0)
         else:
             placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            out, sizes = staged(train_step.jitted, (state, placed, None), lap, t0)
+            half = jax.device_put(halved, NamedSharding(mesh, P("data")))
+            args_ = ((state, placed, None), (state, half, None))
+            out, sizes = staged(train_step.jitted, args_, lap, t0, args.until)
     else:
         replicated = NamedSharding(mesh, P())
 
@@ -169,13 +197,16 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             out = jax.block_until_ready(dp(*state, placed))
             lap("first step", t0)
         else:
-            out, sizes = staged(dp, (*state, placed), lap, t0)
+            half = jax.device_put(halved, NamedSharding(mesh, P("data")))
+            out, sizes = staged(dp, ((*state, placed), (*state, half)), lap, t0, args.until)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.cprofile)
     del out
     row = {
         "variant": variant,
+        "optimizer": args.optimizer,
+        "zeroshard": os.path.dirname(os.path.dirname(os.path.abspath(zs.__file__))),
         "mode": mode,
         "leaves": leaves,
         "params": sum(x.size for x in jax.tree.leaves(params)),
@@ -193,23 +224,29 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     return row
 
 
-def staged(jitted, args: tuple, lap, t0: float) -> tuple[object, dict]:
-    """Traces, lowers, compiles and runs ``jitted(*args)``, timing each stage; returns
-    the output and the size of the program at each stage."""
+def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[object, dict]:
+    """Traces, lowers, compiles and runs ``jitted(*args[0])``, timing each stage (and
+    a second trace, for ``args[1]``); returns the output and the size of the program
+    at each stage (up to lowering, with ``until="lower"``)."""
     import jax
 
-    traced = jitted.trace(*args)
+    traced = jitted.trace(*args[0])
     t0 = lap("trace", t0)
+    jitted.trace(*args[1])
+    t0 = lap("retrace", t0)
     lowered = traced.lower()
     t0 = lap("lower", t0)
+    sizes = {"jaxpr_eqns": count_eqns(traced.jaxpr.jaxpr)}
+    sizes["stablehlo_lines"] = lowered.as_text().count("\n")
+    if until == "lower":
+        return None, {**sizes, "hlo_instructions": 0, "hlo_ops": dict.fromkeys(OPS, 0)}
     compiled = lowered.compile()
     t0 = lap("compile", t0)
-    out = jax.block_until_ready(compiled(*args))
+    out = jax.block_until_ready(compiled(*args[0]))
     lap("first run", t0)
     ops = re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([a-z][\w-]*)\(", compiled.as_text())
     return out, {
-        "jaxpr_eqns": count_eqns(traced.jaxpr.jaxpr),
-        "stablehlo_lines": lowered.as_text().count("\n"),
+        **sizes,
         "hlo_instructions": len(ops),
         "hlo_ops": {op: sum(o == op for o in ops) for op in OPS},
     }
@@ -228,7 +265,7 @@ def count_eqns(jaxpr) -> int:
     return total
 
 
-def print_tables(results: list[dict], machine: str, args) -> None:
+def print_tables(results: list[dict], machine: str, args, variants: list[str]) -> None:
     by = {}
     for r in results:
         by.setdefault((r["leaves"], r["mode"], r["variant"]), []).append(r)
@@ -236,41 +273,47 @@ def print_tables(results: list[dict], machine: str, args) -> None:
     total = lambda rows: statistics.median(r["seconds"] for r in rows)
     leaves_list = sorted({r["leaves"] for r in results})
     print(
-        f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, AdamW\n"
-        f"\n{machine}; one fresh process per measurement, "
+        f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, "
+        f"{args.optimizer}\n\n{machine}; one fresh process per measurement, "
         f"median of {args.repeats}\n"
     )
-    print("| leaves | params | replicated s | zeroshard s | ratio |")
-    print("|---:|---:|---:|---:|---:|")
-    for leaves in leaves_list:
-        a, z = by[leaves, "total", "replicated"], by[leaves, "total", "zeroshard"]
-        print(
-            f"| {leaves} | {a[0]['params']:,} | {total(a):.2f} | {total(z):.2f} | "
-            f"{total(z) / total(a):.2f} |"
-        )
+    if any(r["mode"] == "total" for r in results):
+        print("| leaves | params | " + " | ".join(f"{v} s" for v in variants) + " | ratio |")
+        print("|---:|---:|" + "---:|" * (len(variants) + 1))
+        for leaves in leaves_list:
+            rows = [by[leaves, "total", v] for v in variants]
+            cells = " | ".join(f"{total(r):.2f}" for r in rows)
+            ratio = total(rows[-1]) / total(rows[0])
+            print(f"| {leaves} | {rows[0][0]['params']:,} | {cells} | {ratio:.2f} |")
     if not any(r["mode"] == "breakdown" for r in results):
         return
-    stages = ("plan+guard", "init", "trace", "lower", "compile", "first run")
     print("\n### Breakdown (seconds; HLO: instructions of the compiled step)\n")
     print(
         "| leaves | variant | "
-        + " | ".join(stages)
-        + " | sum | HLO instr | "
+        + " | ".join(STAGES)
+        + " | sum | jaxpr eqns | HLO instr | "
         + " | ".join(OPS)
         + " |"
     )
-    print("|---:|---|" + "---:|" * (len(stages) + 2 + len(OPS)))
+    print("|---:|---|" + "---:|" * (len(STAGES) + 3 + len(OPS)))
     for leaves in leaves_list:
-        for variant in VARIANTS:
+        for variant in variants:
             rows = by[leaves, "breakdown", variant]
             cells = " | ".join(
-                f"{med(rows, s):.2f}" if s in rows[0]["times"] else "-" for s in stages
+                f"{med(rows, s):.2f}" if s in rows[0]["times"] else "-" for s in STAGES
             )
             ops = " | ".join(str(rows[0]["hlo_ops"][op]) for op in OPS)
             print(
                 f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | "
-                f"{rows[0]['hlo_instructions']:,} | {ops} |"
+                f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | {ops} |"
             )
+
+
+OPTIMIZERS = {
+    "adamw": lambda optax: optax.adamw(1e-3),
+    "lamb": lambda optax: optax.lamb(1e-3),
+    "clip": lambda optax: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+}
 
 
 if __name__ == "__main__":

@@ -213,6 +213,24 @@ def test_per_leaf_sums_keep_leaves_sliced(name, n, alias_setup):
     assert max(errors.values()) < RTOL, errors
 
 
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_a_step_traced_again_reuses_the_inner_update(name):
+    """The inner update is traced (and, with global sums: lamb's norms, tagged and
+    evaluated) once per type of its arguments: the step traced again for another batch
+    size reuses it instead of running optax's Python again."""
+    calls, inner = [], getattr(optax, name)(1e-2)
+    counted = lambda *args, **kw: (calls.append(1), inner.update(*args, **kw))[1]
+    tx = zs.sharded(optax.GradientTransformation(inner.init, counted))
+    mesh, rng = make_mesh(8), np.random.default_rng(0)
+    state = zs.init_train_state(awkward_params(rng), tx, mesh)
+    step = zs.make_train_step(awkward_loss, tx, mesh)
+    before = len(calls)  # the plan's analysis traced it already
+    state, _ = step(state, batches(rng, 1, size=24)[0])
+    first = len(calls)
+    step(state, batches(rng, 1, size=16)[0])  # another shape: the step is traced again
+    assert first > before and len(calls) == first
+
+
 def test_the_guard_still_refuses_what_no_placement_makes_exact():
     params = alias_params()
 

@@ -23,6 +23,7 @@ Built once per parameter layout, at trace time, from shapes alone:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.analysis import CLEAN, Analysis, NotElementwiseError, analyze
+from zeroshard.analysis import Analysis, NotElementwiseError, analyze
 from zeroshard.layout import Layout, PyTree
 from zeroshard.sums import run_with_sums
 
@@ -107,6 +108,11 @@ class Plan:
       layout: the parameters' layout over ``num_shards`` devices, with placements.
       master_dtypes: per bucket, the dtype of the master weights kept in the state,
         or ``None`` where the parameters themselves are precise enough.
+      branches: per branch, the owned leaves its devices hold and how many units of
+        each (:meth:`zeroshard.layout.Layout.profile`).
+      branch_of: per device, its branch.
+      state_treedef: the inner state's tree structure.
+      analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
       state_slots: per leaf of the inner state, the index of the sliced parameter
         whose pieces it is shaped like, or ``None`` (replicated or owned).
       state_sources: per leaf of the inner state, for an owned one the device that
@@ -114,24 +120,21 @@ class Plan:
       state_layers: per leaf of the inner state, for one held layer by layer (its
         first axis the layers of a layer-owned leaf, each on that layer's owner) the
         leaf, else ``None``.
-      branches: per branch, the owned leaves its devices hold and how many units of
-        each (:meth:`zeroshard.layout.Layout.profile`).
-      branch_of: per device, its branch.
       storage: where owned state and owned master weights live.
-      state_treedef: the inner state's tree structure.
-      analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
+      updates: per inner optimizer and axis, :meth:`update` jitted (its traces cached).
     """
 
     layout: Layout
     master_dtypes: tuple[Any, ...]
-    state_slots: tuple[int | None, ...]
-    state_sources: tuple[int | None, ...]
-    state_layers: tuple[int | None, ...]
     branches: tuple[tuple[tuple[int, int], ...], ...]
     branch_of: tuple[int, ...]
-    storage: Storage
     state_treedef: Any
     analysis: Analysis
+    state_slots: tuple[int | None, ...] = ()
+    state_sources: tuple[int | None, ...] = ()
+    state_layers: tuple[int | None, ...] = ()
+    storage: Storage = Storage((), (), ())
+    updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -176,23 +179,31 @@ class Plan:
         **extra_args: Any,
     ) -> tuple[PyTree, PyTree]:
         """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
-        the analysis found them (:func:`zeroshard.sums.run_with_sums`)."""
-        slots = self.layout.slots
-        partial = lambda leaves: len(leaves) > 1 or any(not slots[i].owned for i in leaves)
-        if not (any(map(partial, self.analysis.sums)) or self.analysis.layer_sums):
-            return inner.update(grads, state, params, **extra_args)
-        fn = lambda g, s, p, e: inner.update(g, s, p, **e)
-        tags = self.analysis.in_tags(len(self.layout.slots))
-        tags += [(CLEAN, frozenset())] * len(jax.tree.leaves(extra_args))
-        names = [s.path for s in self.layout.slots]
-        sums = self.analysis.layer_sums
-        sliced = {
+        the analysis found them (:func:`zeroshard.sums.run_with_sums`). Traced, tagged
+        and evaluated once per ``inner``, axis and type of the arguments: a later trace
+        of a step reuses it (``jax.jit``'s cache, inlined into the step)."""
+        args = (grads, state, params, extra_args)
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(extra_args)):
+            return self._update(inner, axis_name, *args)  # e.g. a function: traced as it is
+        key = (id(inner), axis_name)
+        if self.updates.get(key, (None,))[0] is not inner:
+            run = functools.partial(self._update, inner, axis_name)
+            self.updates[key] = (inner, jax.jit(run, inline=True))
+        return self.updates[key][1](*args)
+
+    def _update(self, inner, axis_name, grads, state, params, extra_args):
+        slots, sums = self.layout.slots, self.analysis.layer_sums
+        sliced = {  # the leaves whose sums are partial here
             i: s
-            for i, s in enumerate(self.layout.slots)
+            for i, s in enumerate(slots)
             if not s.owned or (i in sums and s.placement == "layer-owned")
         }
+        if not (sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
+            return inner.update(grads, state, params, **extra_args)
+        fn = lambda g, s, p, e: inner.update(g, s, p, **e)
+        tags = self.analysis.in_tags(len(slots))  # the extra arguments: clean
         args = (grads, state, params, extra_args)
-        return run_with_sums(fn, args, tags, axis_name, names, sliced)
+        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced)
 
     def local_wholes(self, branch: int, wholes: list, axis_name: str) -> list:
         """What this device, on ``branch``, holds of the full owned leaves ``wholes``:
@@ -292,18 +303,7 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     profiles = [layout.profile(d) for d in range(layout.num_shards)]
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
-    plan = Plan(
-        layout,
-        master_dtypes,
-        (),
-        (),
-        (),
-        branches,
-        branch_of,
-        Storage((), (), ()),
-        state_treedef,
-        analysis,
-    )
+    plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
     return _with_state(plan, inner, full_state)
 
 
@@ -327,17 +327,9 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
             sources.append(None if layered else _source(layout, plan, views, k, leaf, f, path))
             continue
         sources.append(None)
-        p, q = views[0][k], longer[k]
-        if p.shape != q.shape:
-            slots.append(_sliced_slot(layout, leaf, f, p, path))
-        elif f.shape == p.shape:
-            slots.append(None)
-        else:
-            raise ValueError(
-                f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} has shape "
-                f"{tuple(f.shape)} for the full parameters but {tuple(p.shape)} for a slice: "
-                "it is neither per-element nor independent of the parameters."
-            )
+        p, per_element = views[0][k], views[0][k].shape != longer[k].shape
+        replicated = not per_element and f.shape == p.shape
+        slots.append(None if replicated else _sliced_slot(layout, leaf, f, p, path, per_element))
     storage = []
     for b, owned in enumerate(plan.branches):
         values = [
@@ -351,13 +343,8 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
             if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
-    return dataclasses.replace(
-        plan,
-        state_slots=tuple(slots),
-        state_sources=tuple(sources),
-        state_layers=tuple(layers),
-        storage=Storage.build(storage),
-    )
+    kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
+    return dataclasses.replace(plan, storage=Storage.build(storage), **kinds)
 
 
 def _check_structure(treedef: Any, state: PyTree) -> None:
@@ -439,9 +426,10 @@ def _source(layout, plan, views, k, leaf, full, path) -> int:
     )
 
 
-def _sliced_slot(layout, leaf, full, piece, path) -> int:
-    """The sliced parameter whose pieces a per-element state leaf is shaped like."""
-    for i in [leaf] * (leaf is not None) + list(range(len(layout.slots))):
+def _sliced_slot(layout, leaf, full, piece, path, per_element: bool) -> int:
+    """The sliced parameter whose pieces a per-element state leaf is shaped like (none
+    for a leaf that is not per-element: refused)."""
+    for i in ([leaf] * (leaf is not None) + list(range(len(layout.slots)))) * per_element:
         s = layout.slots[i]
         if not s.owned and (s.shape, s.piece_shape) == (tuple(full.shape), tuple(piece.shape)):
             return i

@@ -22,7 +22,7 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from zeroshard.jaxprs import ELEMENTWISE, PASS_THROUGH, called_jaxpr, open_jaxpr, scan_counts
+from zeroshard.analysis.jaxprs import KEEPS_SHAPE, called_jaxpr, open_jaxpr, scan_counts
 
 MIXED = None
 """The position of a leaf's layer axis in a value that mixes its layers."""
@@ -30,7 +30,6 @@ MIXED = None
 Axes = dict[int, int | None]
 """Per candidate leaf a value derives from, where its layer axis is (or ``MIXED``)."""
 
-_KEEPS_SHAPE = ELEMENTWISE | PASS_THROUGH
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
 )
@@ -105,7 +104,7 @@ def _eqn(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     rule = _RULES.get(name)
-    if name in _KEEPS_SHAPE:
+    if name in KEEPS_SHAPE:
         rule = _keeps_shape
     elif name in _REDUCTIONS:
         rule = _reduction
@@ -143,11 +142,8 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums
 
 def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     n_consts, n_carry = scan_counts(eqn)
-    consts, carry, xs = (
-        ins[:n_consts],
-        ins[n_consts : n_consts + n_carry],
-        ins[n_consts + n_carry :],
-    )
+    consts, carry = ins[:n_consts], ins[n_consts : n_consts + n_carry]
+    xs = ins[n_consts + n_carry :]
     # A slice per iteration: the layer axis one lower, unless it is the scanned axis.
     xs = [{i: MIXED if p in (0, MIXED) else p - 1 for i, p in a.items()} for a in xs]
     outs = _loop(eqn.params["jaxpr"], consts, carry, xs, sums)
@@ -254,21 +250,9 @@ def _dot_general(eqn, where, shapes, out):
 
 
 _RULES = {
-    "reshape": _reshape,
-    "squeeze": _reshape,
-    "expand_dims": _reshape,
-    "broadcast_in_dim": _broadcast,
-    "transpose": _transpose,
-    "dot_general": _dot_general,
-    "concatenate": _whole_axis,
-    "pad": _whole_axis,
-    "slice": _whole_axis,
-    "dynamic_slice": _whole_axis,
-    "cumsum": _along("axis"),
-    "cumprod": _along("axis"),
-    "cummax": _along("axis"),
-    "cummin": _along("axis"),
-    "cumlogsumexp": _along("axis"),
-    "sort": _along("dimension"),
-    "rev": _along("dimensions"),
+    **dict.fromkeys(["reshape", "squeeze", "expand_dims"], _reshape),
+    **dict.fromkeys(["concatenate", "pad", "slice", "dynamic_slice"], _whole_axis),
+    **dict.fromkeys(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], _along("axis")),
+    **{"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_general": _dot_general},
+    **{"sort": _along("dimension"), "rev": _along("dimensions")},
 }

@@ -1,6 +1,6 @@
 """Jaxprs: reading traced computations, the same way on every supported jax version.
 
-:mod:`zeroshard.analysis` and :mod:`zeroshard.layers` read the traced inner update
+The analysis (:mod:`zeroshard.analysis`) and :mod:`zeroshard.sums` read the traced inner update
 equation by equation; these are the primitives they treat alike and the helpers that
 find the jaxprs an equation calls.
 """
@@ -24,6 +24,9 @@ ELEMENTWISE = frozenset(
 PASS_THROUGH = frozenset(
     ["sharding_constraint", "pvary", "pcast", "optimization_barrier", "reshard", "mesh_cast"]
 )
+KEEPS_SHAPE = ELEMENTWISE | PASS_THROUGH
+# Reshapes that keep the elements' order.
+RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 
 
 def open_jaxpr(x: Any) -> Any:
@@ -51,3 +54,17 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
     return len(list(consts)), len(list(carry))
+
+
+def primitives(jaxpr: Any) -> list[str]:
+    """The computation's primitives in order, recursively, less pure reshapes."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in RESHAPING:
+            names.append(eqn.primitive.name)
+        for p in eqn.params.values():
+            for s in p if isinstance(p, tuple) else (p,):
+                sub = open_jaxpr(s)
+                if sub is not None:
+                    names += primitives(sub)
+    return names

@@ -1,0 +1,234 @@
+"""Leaves: what the traced inner update needs, leaf by leaf (see :mod:`zeroshard.analysis`).
+
+The update is traced on the full leaves and tagged (:mod:`zeroshard.analysis.tags`);
+traced again on this device's slices, a leaf whose operations differ (its update
+depends on its shape) is owned too; a stacked leaf that needs whole tensors is owned
+layer by layer where its update keeps the layers apart (:mod:`zeroshard.analysis.layers`)
+and does on one layer what it does on all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.analysis.jaxprs import open_jaxpr, primitives
+from zeroshard.analysis.layers import independent_layers
+from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
+from zeroshard.layout import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What the traced inner update needs, per leaf.
+
+    Attributes:
+      whole: the leaves whose update needs the whole tensor (to be owned).
+      matrix: of those, the leaves whose whole-tensor work is matrix products (their
+        cost grows as ``m * n * min(m, n)``, as Newton-Schulz does).
+      state_leaves: per leaf of the inner state, the parameter leaf it derives from
+        in the update, or ``None`` (counts, hyperparameters, leaves never updated).
+      state_tags: the inner state's tags, as the update reads them.
+      sums: the leaves of each partial sum that meets a non-linear operation (a
+        norm, an RMS: one leaf; a global norm: several): where such a sum is partial
+        (a leaf in it is sliced, or it spans leaves), the update runs with
+        :func:`zeroshard.sums.run_with_sums`.
+      layered: of the leaves in ``whole``, the stacked ones whose update treats each
+        layer on its own (see :mod:`zeroshard.analysis.layers`): they can be owned layer by layer.
+      layer_sums: of those, the leaves whose layers meet through total sums: owned
+        layer by layer, those sums are summed over the devices, so every device must
+        hold some of its layers.
+      reads: the leaves whose weights the update reads (weight decay, trust ratios):
+        the others' need not reach their owners.
+    """
+
+    whole: frozenset[int]
+    matrix: frozenset[int]
+    state_leaves: tuple[int | None, ...]
+    state_tags: tuple[Tag, ...] = ()
+    sums: frozenset[frozenset[int]] = frozenset()
+    layered: frozenset[int] = frozenset()
+    layer_sums: frozenset[int] = frozenset()
+    reads: frozenset[int] = frozenset()
+
+    def in_tags(self, num_params: int) -> list[Tag]:
+        """Tags of the update's inputs: gradients, state, parameters (extra arguments
+        are clean)."""
+        params = [(ELEM, frozenset([i])) for i in range(num_params)]
+        return params + list(self.state_tags) + params
+
+
+def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
+    """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
+    ``extra`` plus a float32 scalar for each keyword argument the update requires that
+    ``extra`` lacks (e.g. the ``value=`` of ``optax.polyak_sgd``)."""
+    extra = dict(extra)
+    fn = lambda u, s, p, e: inner.update(u, s, p, **e)
+    while True:
+        try:
+            jaxpr = jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])
+            return jaxpr(params, state, params, extra), extra
+        except TypeError as e:
+            missing = re.search(r"required keyword-only argument: '(\w+)'", str(e))
+            if missing is None or missing.group(1) in extra:
+                raise
+            extra[missing.group(1)] = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def analyze(
+    inner: Any,
+    full_params: PyTree,
+    full_state: PyTree,
+    piece_params: PyTree,
+    piece_state: PyTree,
+    axis_name: str,
+    num_shards: int,
+    stacked: tuple[int, ...] = (),
+    extra_args: dict[str, Any] | None = None,
+) -> Analysis:
+    """Finds the leaves whose inner update needs the whole tensor (or whole layers).
+
+    Args:
+      inner: the optax transformation to run on this device's part of the parameters.
+      full_params: ``ShapeDtypeStruct`` tree of the full parameters (master dtype).
+      full_state: ``jax.eval_shape(inner.init, full_params)``.
+      piece_params: the same tree with this device's slices.
+      piece_state: ``jax.eval_shape(inner.init, piece_params)``.
+      axis_name: the sharded mesh axis.
+      num_shards: its size.
+      stacked: per leaf, its number of leading layer axes (none if empty).
+      extra_args: ``ShapeDtypeStruct``s of the inner update's extra arguments (those
+        it requires and is not given are traced as float32 scalars).
+
+    Raises:
+      NotElementwiseError: where the update mixes several leaves without a psum over
+        ``axis_name`` (no placement makes that exact).
+    """
+    path_leaves = jax.tree_util.tree_flatten_with_path(full_params)[0]
+    names = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+    n_params, n_state = len(names), len(jax.tree.leaves(full_state))
+    fix = (
+        "zeroshard runs an update exactly when it treats leaves separately or combines them "
+        "through sums (as a global norm does); non-finite steps are skipped by zs.sharded "
+        "itself (skip_nonfinite=True), with no optax.apply_if_finite."
+    )
+    params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
+    full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
+    extra_in = [CLEAN_TAG] * len(jax.tree.leaves(extra))
+
+    def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[Tagger, list[Tag]]:
+        tagger = Tagger(axis_name, names)
+        return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
+
+    try:
+        # A second pass gives the state the tags the first pass computed for it.
+        state_in = tag(full, [CLEAN_TAG] * n_state)[1][n_params:]
+        tagger, outs = tag(full, state_in)
+    except NotElementwiseError as e:
+        raise NotElementwiseError(
+            f"zs.sharded cannot run this inner optimizer exactly on any placement of the "
+            f"parameters over {num_shards} devices: {e}. {fix}"
+        ) from None
+    state_leaves = _state_leaves(outs, names, full_state, fix)
+    whole = set(tagger.whole)
+    try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
+        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
+        sliced = tag(pieces, state_in)[0]
+        whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
+    except NotElementwiseError:
+        whole = set(range(n_params))
+    candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
+    layered, layer_sums = _layered((full_params, full_state), full, state_leaves, candidates)
+    if layered:  # does the update do on one layer what it does on all of them?
+        params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
+        one = layered and _trace(inner, params, state, axis_name, num_shards, extra)[0]
+        if one and primitives(open_jaxpr(one)) != primitives(open_jaxpr(full)):
+            layered = set()
+    return Analysis(
+        frozenset(whole),
+        frozenset(tagger.matrix),
+        state_leaves,
+        tuple(state_in),
+        frozenset(tagger.sums),
+        frozenset(layered),
+        frozenset(layer_sums & layered),
+        _reads(full, n_params, n_state),
+    )
+
+
+def _reads(closed: Any, n_params: int, n_state: int) -> frozenset[int]:
+    """The parameter leaves whose weights (inputs after the gradients and the state)
+    the traced update uses at all."""
+    jaxpr = open_jaxpr(closed)
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    weights = jaxpr.invars[n_params + n_state : 2 * n_params + n_state]
+    return frozenset(i for i, v in enumerate(weights) if id(v) in used)
+
+
+def _layered(full, closed, state_leaves, candidates) -> tuple[set[int], set[int]]:
+    """The candidate leaves whose traced update (``closed``, on the ``full`` parameters
+    and state) is independent layer by layer, and whose state keeps the layers first."""
+    params, state = (jax.tree.leaves(x) for x in full)
+    layers = {i: params[i].shape[0] for i in candidates}
+    state_axes = [
+        {j: 0 if s.shape[:1] == (layers[j],) else None} if j in layers else {}
+        for s, j in zip(state, state_leaves, strict=True)
+    ]
+    param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
+    extra = len(open_jaxpr(closed).invars) - 2 * len(params) - len(state)
+    in_axes = param_axes + state_axes + param_axes + [{}] * extra
+    return independent_layers(closed, in_axes, len(params)) if layers else (set(), set())
+
+
+def _some_layers(inner, full_params, full_state, state_leaves, layered):
+    """The parameters with one layer of each ``layered`` leaf, and their state; drops
+    from ``layered`` a leaf whose state on one layer is not one layer of its state."""
+    one = lambda i, x: jax.ShapeDtypeStruct((1, *x.shape[1:]) if i in layered else x.shape, x.dtype)
+    leaves, treedef = jax.tree.flatten(full_params)
+    params = treedef.unflatten(one(i, x) for i, x in enumerate(leaves))
+    state = jax.eval_shape(inner.init, params)
+    if jax.tree.structure(state) != jax.tree.structure(full_state):
+        layered.clear()
+        return params, state
+    pairs = zip(jax.tree.leaves(full_state), jax.tree.leaves(state), strict=True)
+    for j, (full, x) in zip(state_leaves, pairs, strict=True):
+        if j in layered and tuple(x.shape) != (1, *full.shape[1:]):
+            layered.discard(j)
+    return params, state
+
+
+def _state_leaves(
+    outs: list[Tag], names: list[str], full_state: PyTree, fix: str
+) -> tuple[int | None, ...]:
+    """Checks the tags of the update's outputs (each parameter's update from itself
+    alone, each state leaf from at most one parameter, no sum left partial) and
+    returns, per state leaf, the parameter it derives from (or ``None``).
+
+    Raises:
+      NotElementwiseError: naming the first output that breaks one of these.
+    """
+    n_params = len(names)
+    for i, (kind, leaves) in enumerate(outs[:n_params]):
+        if kind == PARTIAL or not leaves <= {i}:
+            why = (
+                "a sum over this device's slice that is never summed across the axis"
+                if kind == PARTIAL
+                else "other parameters: " + ", ".join(names[j] for j in sorted(leaves - {i}))
+            )
+            raise NotElementwiseError(
+                f"zs.sharded: the update of {names[i]} depends on {why}. {fix}"
+            )
+    state_leaves = []
+    state_paths = jax.tree_util.tree_flatten_with_path(full_state)[0]
+    for (path, _), (kind, leaves) in zip(state_paths, outs[n_params:], strict=True):
+        if kind == PARTIAL or len(leaves) > 1:
+            raise NotElementwiseError(
+                f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} depends on several "
+                f"parameters, or on a sum that is never summed across the axis. {fix}"
+            )
+        state_leaves.append(min(leaves, default=None))
+    return tuple(state_leaves)
