@@ -260,17 +260,16 @@ class NNXTrainStep:
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
             self._compiled[key] = self._build(graphdef, param_specs)
-        on = lambda mesh: lambda spec: NamedSharding(mesh, spec)
         auto = self._auto_mesh
-        state = jax.device_put(state, jax.tree.map(on(auto), specs))
+        state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(auto, s), specs))
         n = self.num_shards
         batch = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
         batch = jax.device_put(batch, NamedSharding(auto, P(self.axis_name)))
         with jax.set_mesh(auto):
             state, metrics = self._compiled[key](state, batch)
-        state = jax.device_put(state, jax.tree.map(on(self.mesh), specs))
+        state, metrics = plain_outputs((state, metrics), self.mesh)
         nnx.update((model, optimizer), state)
-        return metrics  # on the Auto twin: usable outside a mesh context
+        return metrics
 
 
 def _across_devices(x: jax.Array) -> jax.Array:
