@@ -63,6 +63,15 @@ def mean_state(tree: PyTree, axes: Axes) -> PyTree:
         return jax.tree.map(mean, tree)
 
 
+def across_devices(x: jax.Array) -> jax.Array:
+    """One value from a leaf stacked over devices (a leading axis, e.g. under ``vmap``):
+    the mean of floating-point state (e.g. BatchNorm statistics), the first device's
+    otherwise (counts, keys)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.mean(x, axis=0).astype(x.dtype)
+    return x[0]
+
+
 def is_per_example(x: Any, rows: int) -> bool:
     """Whether an aux leaf has one entry per example of a ``rows``-row local batch."""
     return jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows
