@@ -217,11 +217,7 @@ class NNXTrainStep:
                 has_aux=self.has_aux,
                 **self._options,
             )
-            # The model once per device under vmap, outside the shard_map (its own
-            # sharding calls refuse a manual axis), where micro-batches and pieces allow.
-            step.per_device_loss = (
-                self._options["accum_steps"] == 1 and self._options["stage"] < 3 and len(axes) == 1
-            )
+            step.per_device_loss = True  # where it can: the model's sharding calls work
             self._compiled[key] = step
         on = lambda mesh: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
         state = jax.device_put(state, on(self._auto_mesh))

@@ -139,11 +139,11 @@ class TrainStep:
     gives the ``jax.stages.Lowered`` program (for HLO inspection) and ``jitted`` the
     underlying ``jax.jit`` function.
 
-    ``per_device_loss`` (set before the first call; without accumulation, stages 1
-    and 2, one batch axis): the loss and its gradients are computed before the
-    ``shard_map``, once per device under ``jax.vmap`` over the batch axis, so that a
-    model's own sharding calls (``out_sharding=``, ``auto_axes``), which a manual
-    axis refuses, work; the update flow is the same.
+    ``per_device_loss`` (set before the first call): where the step has no
+    micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
+    computed before the ``shard_map``, once per device under ``jax.vmap`` over the
+    batch axis, so that a model's own sharding calls (``out_sharding=``,
+    ``auto_axes``), which a manual axis refuses, work; the update flow is the same.
     """
 
     per_device_loss = False
@@ -178,7 +178,7 @@ class TrainStep:
         plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
         value_and_grad = jax.value_and_grad(self._scaled_loss(scale), has_aux=True)
-        if self.per_device_loss:  # computed before the shard_map: this device's part
+        if self._loss_per_device():  # computed before the shard_map: this device's part
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
@@ -194,7 +194,7 @@ class TrainStep:
         params, opt_state = update(self.opt, plan, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
-        if not self.per_device_loss:  # (averaged already)
+        if not self._loss_per_device():  # (averaged already)
             model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
@@ -209,6 +209,11 @@ class TrainStep:
             return loss, rest
 
         return loss_fn
+
+    def _loss_per_device(self) -> bool:
+        """Whether the loss runs before the ``shard_map`` (see ``per_device_loss``)."""
+        one_axis = len(self.opt.config.batch_axes) == 1
+        return self.per_device_loss and self.accum_steps == 1 and self.stage < 3 and one_axis
 
     def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
@@ -302,7 +307,7 @@ class TrainStep:
             )
         specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
         batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
-        if self.per_device_loss:
+        if self._loss_per_device():
             computed, model_state = self._per_device(state, batch, key)
             batch = (batch, (computed, model_state))
             per_device = jax.tree.map(lambda _: P(self.batch_axes), computed)
