@@ -94,6 +94,9 @@ SLOW = [
     r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
     r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",
     r"test_dropin.py::test_the_linen_mnist_example\[adamw\]",
+    # The Flax steps' options: a replica axis (hierarchical sharding: test_meshes.py; the
+    # adapters' path with a manual data axis: stage2-accum2).
+    r"test_flax.py::test_flax_steps_match_make_train_step\[replica_axis\]",
     # Flax's drop-in run eagerly, outside any jit (test_dropin.py runs it under jit).
     r"test_flax.py::test_updates_outside_the_steps_take_the_mean_gradient",
     # Two processes: the hierarchical mesh (in one process in test_meshes.py) and a NaN

@@ -8,6 +8,8 @@ else. Then the parameters match per leaf, the optimizer state is 1/N per device,
 the parameters come back whole on every device.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from test_flax_programs import CNN, LinenCNN, MiniGPT, gpt_loss, mnist_like, token_batches
 
 import zeroshard as zs
+import zeroshard.flax as zf
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.05, momentum=0.9),
@@ -98,7 +101,9 @@ def test_a_pure_optax_loop(name, axis_type, rng):
 # 2. The Flax NNX MNIST tutorial, its metrics and its eval step.
 
 
-def nnx_tutorial(make_optimizer, mesh, batches):
+def nnx_tutorial(make_optimizer, mesh, batches, swapped=False):
+    """The tutorial's loop; ``swapped``: its train step is zeroshard's NNX step, and the
+    metrics are updated from what that returns (the eval step stays as written)."""
     model = CNN(rngs=nnx.Rngs(0))
     nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
     optimizer = make_optimizer(model)
@@ -123,8 +128,17 @@ def nnx_tutorial(make_optimizer, mesh, batches):
         loss, logits = loss_fn(model, batch)
         metrics.update(loss=loss, logits=logits, labels=batch["label"])
 
+    if swapped:
+        step = zf.nnx_train_step(loss_fn, mesh, has_aux=True)
+
+        def train_step(model, optimizer, metrics, batch):
+            out = step(model, optimizer, batch)
+            metrics.update(loss=out["loss"], logits=out["aux"], labels=batch["label"])
+
     history = []
-    place = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    place = (
+        (lambda b: b) if swapped else lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    )
     for batch in batches[:-1]:
         model.train()
         train_step(model, optimizer, metrics, place(batch))
@@ -167,9 +181,22 @@ def test_the_nnx_mnist_tutorial(name, rng):
     assert_one_nth(nnx.as_pure(opt.opt_state), nnx.as_pure(ref_opt.opt_state))
 
 
+def test_the_nnx_mnist_tutorial_with_zeroshards_step(rng):
+    """The train step swapped for zf.nnx_train_step on jax.make_mesh's default
+    (Explicit) mesh; the metrics and the eval step as the tutorial writes them."""
+    mesh, batches = make_mesh(8), mnist_like(rng, steps=3)
+    make = lambda model: zf.nnx_optimizer(model, zs.sharded(optax.sgd(0.05, momentum=0.9)), mesh)
+    model, _, history = nnx_tutorial(make, mesh, batches, swapped=True)
+    assert len(history) == 4
+    for entry in history:
+        assert 0 <= entry["accuracy"] <= 1 and np.isfinite(entry["loss"])
+    assert_whole_everywhere(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
 def test_the_annotated_minigpt(rng):
     """The miniGPT example's sharding annotations over a "model" axis, on its own
-    (data, model) mesh with the default (Explicit) axis types, under jax.set_mesh."""
+    (data, model) mesh with the default (Explicit) axis types, under jax.set_mesh: in
+    its own nnx.jit step, and with zeroshard's NNX step and the metrics it returns."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     batches, trained, states = token_batches(rng), [], []
     for make in (
@@ -191,11 +218,25 @@ def test_the_annotated_minigpt(rng):
         assert model.output_layer.kernel[...].sharding.spec == P(None, "model")  # honoured
         trained.append(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         states.append(nnx.as_pure(optimizer.opt_state))
+    with jax.set_mesh(mesh):  # the example's loop with zeroshard's step, metrics as written
+        model = MiniGPT(rngs=nnx.Rngs(0))
+        model.eval()
+        optimizer = zf.nnx_optimizer(model, zs.sharded(optax.sgd(0.1, momentum=0.9)), mesh)
+        step = zf.nnx_train_step(gpt_loss, mesh, has_aux=True)
+        metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+        for batch in batches:
+            out = step(model, optimizer, jax.device_put(batch, P("data")))
+            metrics.update(loss=out["loss"], logits=out["aux"], labels=batch[1])
+        assert np.isfinite(float(metrics.compute()["loss"]))
+        metrics.reset()
+        assert model(batches[0][0][:1]).shape == (1, 8, 64)  # as its text generation calls it
+    trained.append(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     for tree in trained:  # attention's key bias has a zero gradient: rounding only
         for block in range(2):
             bias = tree["transformer_blocks"]["layers"][block]["mha"]["key"].pop("bias")
             assert np.abs(np.asarray(bias)).max() < 1e-8
     assert_leaves_close(trained[1], trained[0])
+    assert_leaves_close(trained[2], trained[0])
     assert_one_nth(states[1], states[0], n=4)  # 1/N over the data axis
 
 
@@ -281,32 +322,50 @@ def test_no_mesh_known_is_a_clear_error():
         tx.init({"w": jnp.ones(4)})
 
 
-# What zeroshard's own steps return behaves like a plain jit's outputs.
+# What zeroshard's own steps return is typed as a plain jit's outputs.
 
 
-def test_what_the_steps_return_works_outside_a_mesh_context():
-    """On an Explicit mesh (jax.make_mesh's default), the metrics of make_train_step
-    and of the Flax steps feed nnx metrics whose reset() and ordinary single-device
-    arithmetic run outside any mesh context."""
-    import zeroshard.flax as zf
-
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+@pytest.mark.parametrize("context", ["none", "auto", "explicit"])
+def test_what_the_steps_return_is_typed_as_a_plain_jit_output(context):
+    """Outside any mesh context (an Explicit mesh: the outputs feed nnx metrics whose
+    reset() and single-device arithmetic run) and inside jax.set_mesh on an Auto and
+    on an Explicit mesh: the metrics of make_train_step and of the Flax steps, and the
+    NNX model's variables, work in ordinary arithmetic and in an nnx.jit eval step."""
+    axis_type = AxisType.Auto if context == "auto" else AxisType.Explicit
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     batch = {"x": jnp.ones((8, 2)), "y": jnp.ones((8, 1))}
     loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    nnx_loss = lambda m, b: (jnp.mean((m(b["x"]) - b["y"]) ** 2), m(b["x"]))
     tx = zs.sharded(optax.sgd(0.1))
-    state = zs.init_train_state({"w": jnp.zeros((2, 1))}, tx, mesh)
-    _, from_step = zs.make_train_step(loss, tx, mesh)(state, batch)
-    linen = zf.linen_train_state(lambda v, x: x, {"w": jnp.zeros((2, 1))}, tx, mesh)
-    _, from_linen = zf.linen_train_step(loss, tx, mesh)(linen, batch)
-    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    optimizer = zf.nnx_optimizer(model, tx, mesh)
-    nnx_loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
-    from_nnx = zf.nnx_train_step(nnx_loss, mesh)(model, optimizer, batch)
-    for metrics in (from_step, from_linen, from_nnx):
-        average = nnx.metrics.Average()
-        average.update(values=metrics["loss"])
-        assert float(average.compute()) == pytest.approx(float(metrics["loss"]))
-        average.reset()
-        average.update(values=jnp.float32(2.0))
-        assert float(average.compute()) == 2.0
-        assert float(metrics["grad_norm"] + jnp.zeros(())) == float(metrics["grad_norm"])
+
+    @nnx.jit
+    def eval_step(model, metrics, batch):  # as the NNX MNIST tutorial writes it
+        loss, out = nnx_loss(model, batch)
+        metrics.update(loss=loss, values=out)
+
+    with contextlib.nullcontext() if context == "none" else jax.set_mesh(mesh):
+        state = zs.init_train_state({"w": jnp.zeros((2, 1))}, tx, mesh)
+        state, from_step = zs.make_train_step(loss, tx, mesh)(state, batch)
+        linen = zf.linen_train_state(lambda v, x: x, {"w": jnp.zeros((2, 1))}, tx, mesh)
+        linen, from_linen = zf.linen_train_step(loss, tx, mesh)(linen, batch)
+        model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        optimizer = zf.nnx_optimizer(model, tx, mesh)
+        from_nnx = zf.nnx_train_step(nnx_loss, mesh, has_aux=True)(model, optimizer, batch)
+        for metrics in (from_step, from_linen, from_nnx):
+            assert float(metrics["loss"] * 2.0) == pytest.approx(2 * float(metrics["loss"]))
+            assert float(jnp.sum(metrics["grad_norm"]) + jnp.zeros(())) >= 0
+            average = nnx.metrics.Average()
+            average.update(values=metrics["loss"])
+            assert float(average.compute()) == pytest.approx(float(metrics["loss"]))
+            average.reset()
+            average.update(values=jnp.float32(2.0))
+            assert float(average.compute()) == 2.0
+        assert float(jnp.sum(from_nnx["aux"] * 2.0)) == pytest.approx(
+            2 * float(jnp.sum(from_nnx["aux"]))
+        )
+        assert float(jnp.sum(state.params["w"] * 2.0) + jnp.sum(linen.params["w"] * 2.0)) != 0
+        metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), out=nnx.metrics.Average())
+        metrics.update(loss=from_nnx["loss"], values=from_nnx["aux"])
+        eval_step(model, metrics, batch)  # the model's variables typed as the metrics are
+        assert np.isfinite(float(metrics.compute()["loss"]))
+        assert float(jnp.sum(model.kernel[...] * 2.0)) != 0

@@ -144,16 +144,65 @@ def test_nnx_step_rejects_an_indivisible_batch(rng):
         zf.nnx_train_step(nnx_loss, mesh, axis_name="model")
 
 
-def test_flax_steps_refuse_a_replica_axis_and_loss_scaling():
-    mesh = jax.make_mesh((2, 4), ("replica", "data"))
-    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
-    with pytest.raises(ValueError, match=r"replica_axis=\.\.\.\); use zs.make_train_step"):
-        zf.nnx_optimizer(NNXModel(nnx.Rngs(0)), tx, mesh)
-    with pytest.raises(ValueError, match="use zs.make_train_step"):
-        zf.linen_train_step(lambda p, b: 0.0, tx, mesh)
-    tx = zs.sharded(optax.sgd(0.1), loss_scale=zs.DynamicLossScale())
-    with pytest.raises(ValueError, match=r"loss_scale=\.\.\.\); use zs.make_train_step"):
-        zf.nnx_optimizer(NNXModel(nnx.Rngs(0)), tx, make_mesh(8))
+FEATURES = {  # the optimizer's options, the step's, the mesh
+    "stage2-accum2": ({}, {"stage": 2, "accum_steps": 2}, (8,)),
+    "loss_scale": ({"loss_scale": zs.DynamicLossScale(2.0**10)}, {}, (8,)),
+    "replica_axis": ({"replica_axis": "replica"}, {"accum_steps": 2}, (2, 4)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_flax_steps_match_make_train_step(feature, rng):
+    """Each Flax step is make_train_step on the model's parameters: the same weights,
+    optimizer state and metrics, with stage 2, accumulation, loss scaling or a
+    replica axis (hierarchical sharding)."""
+    tx_options, step_options, shape = FEATURES[feature]
+    names = ("data",) if len(shape) == 1 else ("replica", "data")
+    mesh = jax.make_mesh(shape, names)
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="data", **tx_options)
+    data = batches(rng, 2)
+    nnx_model, linen = NNXModel(nnx.Rngs(0)), LinenModel()
+    graphdef, nnx_params, rest = nnx.split(nnx_model, nnx.Param, ...)
+    nnx_params = nnx.to_pure_dict(nnx_params)
+    linen_params = linen.init(jax.random.key(0), jnp.ones((1, 7)))["params"]
+    linen_loss = lambda p, b: jnp.mean((linen.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    merged_loss = lambda p, b: nnx_loss(nnx.merge(graphdef, nnx.State(p), rest), b)
+
+    def functional(loss, params):
+        state = zs.init_train_state(params, tx, mesh, stage=step_options.get("stage", 1))
+        step = zs.make_train_step(loss, tx, mesh, **step_options)
+        for batch in data:
+            state, metrics = step(state, batch)
+        return state, metrics
+
+    optimizer = zf.nnx_optimizer(nnx_model, tx, mesh)
+    nnx_step = zf.nnx_train_step(nnx_loss, mesh, **step_options)
+    linen_state = zf.linen_train_state(linen.apply, linen_params, tx, mesh)
+    linen_step = zf.linen_train_step(linen_loss, tx, mesh, **step_options)
+    for batch in data:
+        nnx_metrics = nnx_step(nnx_model, optimizer, batch)
+        linen_state, linen_metrics = linen_step(linen_state, batch)
+    for (state, metrics), params, opt_state, got in (
+        (
+            functional(merged_loss, nnx_params),
+            nnx.to_pure_dict(nnx.state(nnx_model, nnx.Param)),
+            nnx.as_pure(optimizer.opt_state),
+            nnx_metrics,
+        ),
+        (
+            functional(linen_loss, linen_params),
+            linen_state.params,
+            linen_state.opt_state,
+            linen_metrics,
+        ),
+    ):
+        assert_trees_close(params, state.params, 1e-6)
+        assert_trees_close(opt_state, state.opt_state, 1e-6)
+        assert sorted(got) == sorted(metrics)
+        assert_trees_close(got, metrics, 1e-6)
+    assert int(optimizer.step[...]) == int(linen_state.step) == len(data)
+    if "loss_scale" in tx_options:
+        assert float(nnx_metrics["loss_scale"]) == float(linen_metrics["loss_scale"]) == 2.0**10
 
 
 # Stage 3: Flax layers that gather their own weights.
@@ -178,6 +227,7 @@ def check_stage3(params, plain_loss, stage3_loss, data, layers):
     kinds = [c.kind for c in zs.lowered_collectives(step.lower(state, data[0]).as_text())]
     assert kinds.count("reduce-scatter") == layers
     assert layers < kinds.count("all-gather") <= 2 * layers
+    return state
 
 
 class LinenStack(nn.Module):
@@ -203,6 +253,14 @@ def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng):
         return jnp.mean((x - b["y"]) ** 2)
 
     check_stage3(params, plain_loss, stage3_loss, data, layers=3)
+    mesh, tx = make_mesh(8), zs.sharded(optax.adamw(1e-2), axis_name="data")
+    state = zf.linen_train_state(plain.apply, params, tx, mesh, stage=3)
+    step = zf.linen_train_step(stage3_loss, tx, mesh, stage=3)
+    for batch in data:
+        state, _ = step(state, batch)
+    functional = zs.TrainState(state.step, state.params, state.opt_state)
+    expected = reference_run(plain_loss, optax.adamw(1e-2), params, data)
+    assert_trees_close(zs.to_optax_state(functional, tx)[0], expected, 1e-5)
 
 
 class NNXStack(nnx.Module):
@@ -231,7 +289,18 @@ def test_nnx_stage3_gathers_per_layer_and_matches_plain_optax(rng):
             x = jnp.tanh(zf.nnx_layer(layer)(p["layers"][i], x))
         return jnp.mean((zf.nnx_layer(model.norm)(p["norm"], x) - b["y"]) ** 2)
 
-    check_stage3(params, plain_loss, stage3_loss, data, layers=4)
+    state = check_stage3(params, plain_loss, stage3_loss, data, layers=4)
+    # The NNX step at stage 3: the model's parameters are pieces its layers gather.
+    mesh, tx = make_mesh(8), zs.sharded(optax.adamw(1e-2), axis_name="data")
+    optimizer = zf.nnx_optimizer(model, tx, mesh, stage=3)
+    step = zf.nnx_train_step(
+        lambda m, b: stage3_loss(nnx.to_pure_dict(nnx.state(m, nnx.Param)), b), mesh, stage=3
+    )
+    for batch in data:
+        step(model, optimizer, batch)
+    pieces = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for got, want in zip(jax.tree.leaves(pieces), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(got, want)  # make_train_step's, bit for bit
 
 
 def test_updates_outside_the_steps_take_the_mean_gradient(rng):

@@ -1,12 +1,12 @@
-"""Flax integration: zeroshard steps for NNX models and Linen's ``TrainState``.
+"""Flax integration: zeroshard's step for NNX models and Linen's ``TrainState``.
 
 The optimizer from :func:`zeroshard.sharded` is an ordinary optax transformation, so
 it is the ``tx`` of ``flax.nnx.Optimizer`` and of
 ``flax.training.train_state.TrainState``. What these helpers add is the placement
-and the step: parameters replicated in the compute dtype, optimizer state and master
-weights sharded over the data axis, and a jitted ``shard_map`` step whose
-``out_specs`` keep the parameters replicated (they never drift to the optimizer
-state's sharding, as they do under plain ``jax.jit`` with sharding annotations).
+(parameters replicated in the compute dtype, optimizer state and master weights
+sharded over the data axis) and adapters that hand :func:`zeroshard.make_train_step`
+the model's parameters and a loss: stages, accumulation, loss scaling, a replica axis
+and the metrics are that step's.
 
 NNX::
 
@@ -26,9 +26,10 @@ model's ``nnx.Rngs``; Linen: the step's ``key``), ``BatchNorm`` normalises with
 global-batch statistics and its running statistics stay identical on every device,
 and aux with a leading batch dimension (logits) comes back as the global array.
 
-Stage 3 (weights as 1/N pieces, gathered layer by layer) works on the functional
-:class:`zeroshard.TrainState` from ``zs.init_train_state(params, tx, mesh, stage=3)``;
-these helpers make Flax layers gather their own weights:
+Stage 3 (weights as 1/N pieces, gathered layer by layer) works on the state from
+``zs.init_train_state(params, tx, mesh, stage=3)`` or
+``zs.flax.linen_train_state(..., stage=3)``; these helpers make Flax layers gather
+their own weights:
 
 - Linen: call a layer as ``zs.flax.linen_layer(nn.Dense(256))(params["Dense_0"], x)``;
 - NNX: call a layer as ``zs.flax.nnx_layer(model.layer)(params["layer"], x)``;
@@ -54,34 +55,12 @@ from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checks import check_batch, check_mesh, check_other_axes
+from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.stage3 import layer
-from zeroshard.step_io import (
-    auto_twin,
-    call_loss,
-    device_key,
-    local_rows,
-    mean_state,
-    plain_outputs,
-    stacked_aux,
-    step_metrics,
-    update_metrics,
-)
-
-
-def _check_flax_setup(tx: Any, mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
-    """The data-parallel axis (default: the optimizer's), after checking the setup."""
-    config = sharding_of(tx).config
-    axis_name = check_mesh(config, mesh, axis_name)
-    for option, value in (("replica_axis", config.replica_axis), ("loss_scale", config.loss_scale)):
-        if value is not None:
-            raise ValueError(
-                f"the Flax steps do not support zs.sharded(..., {option}=...); use "
-                "zs.make_train_step with the params from nnx.split / the Linen variables."
-            )
-    return axis_name
+from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
+from zeroshard.step_io import auto_twin, output_mesh, plain_outputs
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -116,6 +95,7 @@ def nnx_optimizer(
     axis_name: str | None = None,
     wrt: Any = nnx.Param,
     param_dtype: Any = None,
+    stage: int = 1,
 ) -> nnx.Optimizer:
     """Places ``model`` on ``mesh`` and builds its sharded ``nnx.Optimizer``.
 
@@ -135,17 +115,25 @@ def nnx_optimizer(
       wrt: which variables the optimizer updates.
       param_dtype: compute dtype of the model's parameters (e.g. ``jnp.bfloat16``);
         the master weights start from their values as given. ``None`` keeps them.
+      stage: the ZeRO stage the step will run (3: the model's parameters become
+        :class:`zeroshard.Shard` pieces, which its layers gather with
+        :func:`nnx_layer`).
 
     Returns:
       An ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
     """
-    axis_name = _check_flax_setup(tx, mesh, axis_name)
+    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
-    replicated = NamedSharding(mesh, P())
-    params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
-    opt_state = tx.sharding.init_global(params, mesh, jax.device_put(master, replicated))
+    if stage == 3:  # the weights as pieces, from the same master weights
+        pieces = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=3)
+        nnx.update(model, pieces.params)
+        opt_state = pieces.opt_state
+    else:
+        replicated = NamedSharding(mesh, P())
+        params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
+        opt_state = tx.sharding.init_global(params, mesh, jax.device_put(master, replicated))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(to_opt_state(opt_state))
@@ -179,153 +167,129 @@ def _sync_nnx_batch_norm(model: nnx.Module, axis_name: str) -> None:
 class NNXTrainStep:
     """``metrics = train_step(model, optimizer, batch)``; see :func:`nnx_train_step`."""
 
-    def __init__(self, loss_fn, mesh, axis_name: str, has_aux: bool, donate: bool, sync: bool):
+    def __init__(self, loss_fn, mesh, axis_name, has_aux: bool, sync: bool, options: dict):
         self.loss_fn, self.mesh, self.axis_name, self.has_aux = loss_fn, mesh, axis_name, has_aux
-        self.num_shards = mesh.shape[axis_name]
-        self._donate, self._sync = donate, sync
+        self._sync, self._options = sync, options
         # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
-        # no copies): the model's own sharding calls work there, under vmap over devices.
+        # no copies): the model's own sharding calls work there.
         self._auto_mesh = auto_twin(mesh)
-        self._compiled: dict[Any, Callable] = {}
+        self._compiled: dict[Any, TrainStep] = {}
 
-    def _gradients(self, model_def, wrt, params, rest, batch):
-        """Each device's loss, aux, model state and local gradients: the model runs on
-        one device's rows under ``vmap`` over the data axis, in the mesh's own sharding
-        (so annotations and ``out_sharding=`` calls inside the model work)."""
-        axis = self.axis_name
+    def _loss(self, graphdef: Any, wrt: Any, axes: Any) -> Callable[..., Any]:
+        """The model's loss as :func:`zeroshard.make_train_step` takes it: of the
+        ``wrt`` parameters, with the model's other variables as its model state."""
 
-        def device_loss(params, rest, rows):
-            model = nnx.merge(model_def, params, rest)
+        def loss(params, batch, model_state):
+            model = nnx.merge(graphdef, params, model_state)
             if self._sync:
-                _sync_nnx_batch_norm(model, axis)
-            with _per_device_rngs(model, axis):
-                out = self.loss_fn(model, rows)
+                _sync_nnx_batch_norm(model, axes)
+            with _per_device_rngs(model, axes):
+                out = self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
-            return loss, (aux, nnx.as_pure(nnx.state(model, nnx.Not(wrt))))
+            rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
+            return loss, (rest, aux) if self.has_aux else rest
 
-        grad_fn = jax.value_and_grad(device_loss, has_aux=True)
-        vmapped = jax.vmap(grad_fn, in_axes=(None, None, 0), axis_name=axis, spmd_axis_name=axis)
-        return vmapped(params, rest, batch)
-
-    def _build(self, graphdef: Any, param_specs: PyTree) -> Callable:
-        axis, mesh = self.axis_name, self._auto_mesh
-
-        def step(state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
-            model, optimizer = nnx.merge(graphdef, state)
-            model_def, params, rest = nnx.split(model, optimizer.wrt, ...)
-            params, rest = nnx.as_pure(params), nnx.as_pure(rest)
-            (loss, (aux, rests)), grads = self._gradients(
-                model_def, optimizer.wrt, params, rest, batch
-            )
-            nnx.update(model, jax.tree.map(_across_devices, rests))
-            # The update: manual over every mesh axis, the state replicated over all but
-            # the data axis; then the parameters return to their own shardings.
-            tx, old_state = optimizer.tx, nnx.as_pure(optimizer.opt_state)
-            specs = tx.state_specs(params, self.num_shards)
-            update = jax.shard_map(
-                lambda g, s, p: tx.sharding.apply(jax.tree.map(lambda x: x[0], g), s, p),
-                mesh=mesh,
-                in_specs=(P(axis), specs, P()),
-                out_specs=(P(), specs),
-                axis_names=set(mesh.axis_names),
-            )
-            constrain = lambda x, spec: jax.lax.with_sharding_constraint(
-                x, NamedSharding(mesh, spec)
-            )
-            grads = jax.tree.map(lambda g: constrain(g, P(axis)), grads)
-            params = jax.tree.map(lambda p: constrain(p, P()), params)
-            new, opt_state = update(grads, old_state, params)
-            nnx.update(model, jax.tree.map(constrain, new, param_specs))
-            nnx.update(optimizer.opt_state, nnx.state(opt_state))
-            optimizer.step[...] += 1
-            rows = jax.tree.leaves(batch)[0].shape[1]
-            metrics = {"loss": jnp.mean(loss.astype(jnp.float32)), "grad_norm": opt_state.grad_norm}
-            if aux is not None:
-                metrics["aux"] = jax.tree.map(lambda x: stacked_aux(x, rows), aux)
-            metrics.update(update_metrics(tx.config, old_state, opt_state))
-            return nnx.state((model, optimizer)), metrics
-
-        return jax.jit(step, donate_argnums=(0,) if self._donate else ())
+        return loss
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> dict:
-        if not isinstance(getattr(optimizer, "tx", None), ShardedTransformation):
+        tx = getattr(optimizer, "tx", None)
+        if not isinstance(tx, ShardedTransformation):
             raise TypeError(
                 "nnx_train_step needs the optimizer from zeroshard.flax.nnx_optimizer(model, "
                 "zs.sharded(inner), mesh), not a plain nnx.Optimizer."
             )
-        check_batch(batch, self.num_shards, self.axis_name)
-        graphdef, state = nnx.split((model, optimizer))
+        graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+        state = TrainState(
+            optimizer.step[...],
+            nnx.as_pure(params),
+            nnx.as_pure(optimizer.opt_state),
+            nnx.as_pure(rest),
+        )
         specs = jax.tree.map(_spec, state)
-        param_specs = jax.tree.map(_spec, nnx.as_pure(nnx.state(model, optimizer.wrt)))
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
-            self._compiled[key] = self._build(graphdef, param_specs)
-        on = lambda mesh: lambda spec: NamedSharding(mesh, spec)
-        auto = self._auto_mesh
-        state = jax.device_put(state, jax.tree.map(on(auto), specs))
-        n = self.num_shards
-        batch = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
-        batch = jax.device_put(batch, NamedSharding(auto, P(self.axis_name)))
-        with jax.set_mesh(auto):
+            axes = tx.config.batch_axes
+            loss = self._loss(graphdef, optimizer.wrt, axes if len(axes) > 1 else axes[0])
+            step = make_train_step(
+                loss,
+                tx,
+                self._auto_mesh,
+                axis_name=self.axis_name,
+                has_aux=self.has_aux,
+                **self._options,
+            )
+            step.per_device_loss = True  # where it can: the model's sharding calls work
+            self._compiled[key] = step
+        on = lambda mesh: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+        state = jax.device_put(state, on(self._auto_mesh))
+        with jax.set_mesh(self._auto_mesh):
             state, metrics = self._compiled[key](state, batch)
-        state = jax.device_put(state, jax.tree.map(on(self.mesh), specs))
-        nnx.update((model, optimizer), state)
-        return metrics  # on the Auto twin: usable outside a mesh context
-
-
-def _across_devices(x: jax.Array) -> jax.Array:
-    """One device's value from a ``vmap`` over devices: the mean of floating-point
-    state (e.g. BatchNorm statistics), the first device's otherwise (counts, keys)."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.mean(x, axis=0).astype(x.dtype)
-    return x[0]
+        # Back to the layouts the model's variables had, typed as a plain jit's outputs.
+        state = jax.device_put(state, on(output_mesh(self.mesh)))
+        nnx.update(model, state.params, state.model_state)
+        nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+        optimizer.step.set_raw_value(state.step)
+        return plain_outputs(metrics, self.mesh)
 
 
 def nnx_train_step(
     loss_fn: Callable[[nnx.Module, PyTree], Any],
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str = "data",
+    axis_name: str | None = None,
     has_aux: bool = False,
     donate: bool = True,
     sync_batch_stats: bool = True,
+    stage: int = 1,
+    accum_steps: int = 1,
 ) -> NNXTrainStep:
-    """A jitted ZeRO-1 step for an NNX model and its :func:`nnx_optimizer`.
+    """A jitted ZeRO step for an NNX model and its :func:`nnx_optimizer`.
+
+    An adapter: the step is :func:`zeroshard.make_train_step`'s for the model's
+    ``wrt`` parameters and a loss that runs ``loss_fn`` on the model, with the model's
+    other variables (BatchNorm statistics, ``nnx.Rngs`` counts) as its model state. So
+    stages 2 and 3, accumulation, loss scaling (``zs.sharded(..., loss_scale=...)``)
+    and a replica axis work as they do there.
 
     The model runs as written: ``nnx.Dropout`` draws from the model's ``nnx.Rngs``,
     folded with the device index so the masks differ across devices (the same seed
     gives the same run); ``nnx.BatchNorm`` (and any other non-``wrt`` variable) is
     updated in the step and averaged over the devices, so it stays identical on all.
-
-    The forward and backward pass run once per device under ``jax.vmap`` over
-    ``axis_name``, on a twin of ``mesh`` whose axes are all ``Auto``: sharding
-    annotations and ``out_sharding=`` calls in the model work, and parameters keep
-    their layout over the mesh's other axes (tensor parallelism). The update runs in
-    a ``shard_map`` manual over every mesh axis: reduce-scatter of the local
-    gradients over ``axis_name``, the sharded update, all-gather of the new weights.
+    The step runs on a twin of ``mesh`` whose axes are all ``Auto``, and parameters
+    keep their layout over the mesh's other axes (tensor parallelism). Without
+    micro-batches, below stage 3 and without a replica axis, the model runs once per
+    device under ``jax.vmap`` before the step's ``shard_map``, so its own sharding
+    calls (``out_sharding=``) work; otherwise it runs inside the ``shard_map``, whose
+    manual data axis such calls refuse.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, aux)``), the mean
         loss over the batch it is given.
       mesh: the device mesh.
-      axis_name: the axis the batch's leading dimension is split over.
+      axis_name: the axis the optimizer state is sharded over (default: the
+        optimizer's); the batch's leading dimension is split over it.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``. Aux leaves with a leading
         batch dimension come back as the global per-example arrays (e.g. logits for
         ``nnx.metrics.Accuracy``); other aux is averaged over the devices.
       donate: donate the model's and optimizer's buffers to their updated values.
       sync_batch_stats: normalise with global-batch statistics (every
-        ``nnx.BatchNorm`` without an ``axis_name`` gets ``axis_name``), as one device
+        ``nnx.BatchNorm`` without an ``axis_name`` gets the batch axes), as one device
         would on the whole batch; ``False`` normalises with each device's own rows
         (the running statistics are averaged either way).
+      stage: 1, 2 or 3 (see :func:`zeroshard.make_train_step`); for 3, the optimizer
+        from ``nnx_optimizer(..., stage=3)``, and ``loss_fn`` gathers each layer's
+        weights with :func:`nnx_layer`.
+      accum_steps: micro-batches per step (see :func:`zeroshard.make_train_step`).
 
     Returns:
-      ``train_step(model, optimizer, batch) -> metrics`` (global mean ``"loss"``,
-      ``"grad_norm"``, ``"skipped"`` and ``"aux"``, as :func:`zeroshard.make_train_step`
-      reports them), updating ``model`` and ``optimizer`` in place.
+      ``train_step(model, optimizer, batch) -> metrics`` (as
+      :func:`zeroshard.make_train_step` reports them), updating ``model`` and
+      ``optimizer`` in place.
     """
-    if axis_name not in mesh.axis_names:
+    if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}).")
-    return NNXTrainStep(loss_fn, mesh, axis_name, has_aux, donate, sync_batch_stats)
+    options = {"donate": donate, "stage": stage, "accum_steps": accum_steps}
+    return NNXTrainStep(loss_fn, mesh, axis_name, has_aux, sync_batch_stats, options)
 
 
 # Linen (flax.training.train_state.TrainState).
@@ -347,6 +311,7 @@ def linen_train_state(
     axis_name: str | None = None,
     param_dtype: Any = None,
     model_state: PyTree = None,
+    stage: int = 1,
 ) -> LinenTrainState:
     """``flax.training.train_state.TrainState.create`` for a sharded optimizer.
 
@@ -359,47 +324,27 @@ def linen_train_state(
       param_dtype: compute dtype of the replicated parameters (``None``: as given).
       model_state: the model's other collections, e.g. ``{"batch_stats":
         variables["batch_stats"]}`` for BatchNorm; see :func:`linen_train_step`.
+      stage: the ZeRO stage the state is for (3: the params are
+        :class:`zeroshard.Shard` pieces; see :func:`linen_layer`).
 
     Returns:
-      A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated,
-      ``opt_state`` 1/N per device.
+      A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated (pieces
+      in stage 3), ``opt_state`` 1/N per device.
     """
-    axis_name = _check_flax_setup(tx, mesh, axis_name)
-    check_other_axes(mesh, (axis_name,))
-
-    def local(master: PyTree, model_state: PyTree) -> LinenTrainState:
-        cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
-        params = jax.tree.map(cast, master)
-        return LinenTrainState(
-            step=jnp.zeros((), jnp.int32),
-            apply_fn=apply_fn,
-            params=params,
-            tx=tx,
-            opt_state=tx.sharding.init_local(params, master),
-            model_state=jax.tree.map(lambda x: jnp.array(x, copy=True), model_state),
-        )
-
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype or x.dtype), params)
-    specs = _linen_specs(tx, apply_fn, compute, mesh.shape[axis_name])
-    init = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P()), out_specs=specs, axis_names={axis_name}
+    state = init_train_state(
+        params,
+        tx,
+        mesh,
+        axis_name=axis_name,
+        param_dtype=param_dtype,
+        stage=stage,
+        model_state=model_state,
     )
-    return jax.jit(init)(*jax.device_put((params, model_state), NamedSharding(mesh, P())))
-
-
-def _linen_specs(tx, apply_fn, params, num_shards) -> LinenTrainState:
-    return LinenTrainState(
-        step=P(),
-        apply_fn=apply_fn,
-        params=P(),
-        tx=tx,
-        opt_state=tx.state_specs(params, num_shards),
-        model_state=P(),
-    )
+    return LinenTrainState(apply_fn=apply_fn, tx=tx, **state._asdict())
 
 
 @contextlib.contextmanager
-def _synced_linen_batch_norm(axis_name: str) -> Iterator[None]:
+def _synced_linen_batch_norm(axis_name: Any) -> Iterator[None]:
     """Inside: every ``nn.BatchNorm`` without an ``axis_name`` normalises with
     global-batch statistics, as if built with ``axis_name``."""
 
@@ -426,15 +371,16 @@ def linen_train_step(
     has_aux: bool = False,
     donate: bool = True,
     sync_batch_stats: bool = True,
-) -> Callable[..., tuple[LinenTrainState, dict]]:
-    """A jitted ZeRO-1 step for a Flax ``TrainState`` from :func:`linen_train_state`.
+    stage: int = 1,
+    accum_steps: int = 1,
+) -> Callable[..., tuple[Any, dict]]:
+    """A jitted ZeRO step for a Flax ``TrainState`` from :func:`linen_train_state`.
 
-    Each device differentiates ``loss_fn`` on its share of the batch; then
-    ``state.apply_gradients`` runs the sharded optimizer (reduce-scatter, update of
-    this device's slice, all-gather). ``train_step(state, batch, key)`` passes
-    ``key=`` (folded with the device index: a distinct dropout stream per device) and,
-    when the state has a ``model_state``, ``model_state=`` to the loss, as
-    :func:`zeroshard.make_train_step` does::
+    An adapter: the step is :func:`zeroshard.make_train_step`'s for ``loss_fn``, on the
+    state's ``params``, ``opt_state`` and ``model_state``; stages 1-3, accumulation,
+    loss scaling and a replica axis work as they do there. ``train_step(state, batch,
+    key)`` passes ``key=`` (folded with the device index: a distinct dropout stream per
+    device) and, when the state has a ``model_state``, ``model_state=`` to the loss::
 
         def loss_fn(params, batch, key, model_state):
             logits, updates = model.apply({"params": params, **model_state}, batch["x"],
@@ -447,7 +393,8 @@ def linen_train_step(
         a model state.
       tx: the state's optimizer, from :func:`zeroshard.sharded`.
       mesh: the device mesh.
-      axis_name: the axis the batch's leading dimension is split over.
+      axis_name: the axis the optimizer state is sharded over (default: the
+        optimizer's); the batch's leading dimension is split over it.
       has_aux: whether ``loss_fn`` returns aux; per-example aux (a leading batch
         dimension) comes back as the global per-example array, other aux averaged.
       donate: donate the input state's buffers.
@@ -455,60 +402,43 @@ def linen_train_step(
         with global-batch statistics, as one device would on the whole batch;
         ``False``: with each device's own rows (the collections returned are averaged
         over the devices either way).
+      stage: 1, 2 or 3 (the state from ``linen_train_state(..., stage=3)``).
+      accum_steps: micro-batches per step.
 
     Returns:
       ``train_step(state, batch, key=None) -> (state, metrics)``; ``metrics`` as
-      :func:`zeroshard.make_train_step` reports them (``"loss"``, ``"grad_norm"``,
-      ``"skipped"``, and ``"aux"``).
+      :func:`zeroshard.make_train_step` reports them. ``train_step.jitted`` is the
+      underlying ``jax.jit`` function.
     """
-    axis_name = _check_flax_setup(tx, mesh, axis_name)
-    check_other_axes(mesh, (axis_name,))
-    num_shards = mesh.shape[axis_name]
+    axes = sharding_of(tx).config.batch_axes
 
-    def local(state, batch, key):
-        local_params = jax.lax.pcast(state.params, axis_name, to="varying")
+    def synced_loss(*args: Any, **kwargs: Any) -> Any:
+        with _synced_linen_batch_norm(axes if len(axes) > 1 else axes[0]):
+            return loss_fn(*args, **kwargs)
+
+    step = make_train_step(
+        synced_loss if sync_batch_stats else loss_fn,
+        tx,
+        mesh,
+        axis_name=axis_name,
+        has_aux=has_aux,
+        donate=donate,
+        stage=stage,
+        accum_steps=accum_steps,
+    )
+
+    def train_step(state: Any, batch: PyTree, key: jax.Array | None = None) -> tuple[Any, dict]:
         model_state = getattr(state, "model_state", None)
-        key = device_key(key, axis_name)
-        loss = lambda p: call_loss(loss_fn, has_aux, p, batch, key, model_state)
-        synced = _synced_linen_batch_norm if sync_batch_stats else contextlib.nullcontext
-        with synced(axis_name):
-            (loss, (aux, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(local_params)
-        before = state.opt_state
-        state = state.apply_gradients(grads=grads)
-        if model_state is not None:
-            state = state.replace(model_state=mean_state(model_state, axis_name))
-        grad_norm = state.opt_state.grad_norm
-        metrics = step_metrics(loss, aux, grad_norm, axis_name, local_rows(batch))
-        metrics.update(update_metrics(sharding_of(tx).config, before, state.opt_state))
-        return state, metrics
-
-    def global_step(state, batch, key):
-        check_batch(batch, num_shards, axis_name)
-        if not isinstance(state, LinenTrainState):
-            state = LinenTrainState(**{f: getattr(state, f) for f in _FIELDS}, model_state=None)
-        specs = _linen_specs(tx, state.apply_fn, state.params, num_shards)
-        step = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(specs, P(axis_name), P()),
-            out_specs=(specs, P()),
-            axis_names={axis_name},
+        new, metrics = step(
+            TrainState(state.step, state.params, state.opt_state, model_state), batch, key
         )
-        return step(state, batch, key)
+        fields = new._asdict()
+        if not hasattr(state, "model_state"):  # a plain flax TrainState
+            del fields["model_state"]
+        return state.replace(**fields), metrics
 
-    jitted = jax.jit(global_step, donate_argnums=(0,) if donate else ())
-    batch_sharding = NamedSharding(mesh, P(axis_name))
-
-    def train_step(state, batch, key=None):
-        check_batch(batch, num_shards, axis_name)
-        state, metrics = jitted(state, jax.device_put(batch, batch_sharding), key)
-        return state, plain_outputs(metrics, mesh)
-
-    train_step.jitted = jitted
+    train_step.jitted = step.jitted
     return train_step
-
-
-_FIELDS = ("step", "apply_fn", "params", "tx", "opt_state")
 
 
 # Stage 3: per-layer gathering.

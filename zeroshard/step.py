@@ -20,9 +20,11 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.checks import check_batch, check_mesh, check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
+from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.step_io import (
+    across_devices,
     call_loss,
     device_key,
     local_rows,
@@ -136,7 +138,15 @@ class TrainStep:
     Call it as ``state, metrics = train_step(state, batch)``; ``lower(state, batch)``
     gives the ``jax.stages.Lowered`` program (for HLO inspection) and ``jitted`` the
     underlying ``jax.jit`` function.
+
+    ``per_device_loss`` (set before the first call): where the step has no
+    micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
+    computed before the ``shard_map``, once per device under ``jax.vmap`` over the
+    batch axis, so that a model's own sharding calls (``out_sharding=``,
+    ``auto_axes``), which a manual axis refuses, work; the update flow is the same.
     """
+
+    per_device_loss = False
 
     def __init__(
         self,
@@ -167,14 +177,11 @@ class TrainStep:
         update flow of :mod:`zeroshard.update`."""
         plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
-
-        def loss_fn(params, batch, key, model_state):
-            loss, rest = call_loss(self.loss_fn, self.has_aux, params, batch, key, model_state)
-            if scale is not None:  # dynamic loss scaling: differentiate the scaled loss
-                loss = loss.astype(jnp.float32) * scale.scale
-            return loss, rest
-
-        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+        value_and_grad = jax.value_and_grad(self._scaled_loss(scale), has_aux=True)
+        if self._loss_per_device():  # computed before the shard_map: this device's part
+            batch, ((loss, aux, grads), model_state) = batch
+            first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+            value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
         args = (self._varying(plan, state.params), batch, device_key(key, self.batch_axes))
         if self.accum_steps > 1:
             out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
@@ -187,8 +194,41 @@ class TrainStep:
         params, opt_state = update(self.opt, plan, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
-        model_state = mean_state(model_state, self.batch_axes)
+        if not self._loss_per_device():  # (averaged already)
+            model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
+    def _scaled_loss(self, scale: Any) -> Callable[..., Any]:
+        """The user's loss in the step's convention; times the loss scale, if any
+        (dynamic loss scaling differentiates the scaled loss)."""
+
+        def loss_fn(params, batch, key, model_state):
+            loss, rest = call_loss(self.loss_fn, self.has_aux, params, batch, key, model_state)
+            if scale is not None:
+                loss = loss.astype(jnp.float32) * scale.scale
+            return loss, rest
+
+        return loss_fn
+
+    def _loss_per_device(self) -> bool:
+        """Whether the loss runs before the ``shard_map`` (see ``per_device_loss``)."""
+        one_axis = len(self.opt.config.batch_axes) == 1
+        return self.per_device_loss and self.accum_steps == 1 and self.stage < 3 and one_axis
+
+    def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
+        """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
+        (see ``per_device_loss``), with a leading axis over devices, and the new model
+        state: floating-point leaves averaged over the devices, others the first's."""
+        axis, n = self.axis_name, self.batch_parts
+        rows = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        grad_fn = jax.value_and_grad(self._scaled_loss(state.opt_state.loss_scale), has_aux=True)
+        device = lambda r: grad_fn(state.params, r, device_key(key, axis), state.model_state)
+        (loss, (aux, model_state)), grads = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)(
+            rows
+        )
+        with scope(MODEL_STATE):
+            model_state = jax.tree.map(across_devices, model_state)
+        return (loss, aux, grads), model_state
 
     def _varying(self, plan: Plan, params: PyTree) -> PyTree:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
@@ -267,6 +307,11 @@ class TrainStep:
             )
         specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
         batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
+        if self._loss_per_device():
+            computed, model_state = self._per_device(state, batch, key)
+            batch = (batch, (computed, model_state))
+            per_device = jax.tree.map(lambda _: P(self.batch_axes), computed)
+            batch_specs = (batch_specs, (per_device, P()))
         step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,

@@ -12,9 +12,10 @@ make what crosses the step's boundary mean what it means on one device:
   axes, so it is identical on every device;
 - the metrics report what the sharded update did: the gradient norm, whether the
   step was skipped (a non-finite gradient) and the loss scale it used;
-- what a step returns is typed as a plain ``jax.jit``'s outputs are: not with the
-  mesh's Explicit axis types, so it mixes with single-device code outside any mesh
-  context (``nnx.MultiMetric.reset()``, an eval step).
+- what a step returns is typed as a plain ``jax.jit``'s outputs are inside
+  ``jax.set_mesh`` (on the context mesh's axis types), and outside any mesh context on
+  the mesh's Auto twin, so it mixes with single-device code there
+  (``nnx.MultiMetric.reset()``, an eval step).
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ def mean_state(tree: PyTree, axes: Axes) -> PyTree:
 
     with scope(MODEL_STATE):
         return jax.tree.map(mean, tree)
+
+
+def across_devices(x: jax.Array) -> jax.Array:
+    """One value from a leaf stacked over devices (a leading axis, e.g. under ``vmap``):
+    the mean of floating-point state (e.g. BatchNorm statistics), the first device's
+    otherwise (counts, keys)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.mean(x, axis=0).astype(x.dtype)
+    return x[0]
 
 
 def is_per_example(x: Any, rows: int) -> bool:
@@ -162,11 +172,26 @@ def auto_twin(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
+def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The twin of ``mesh`` a step's outputs are typed on here: inside ``jax.set_mesh``,
+    with the context mesh's axis types (as a plain ``jax.jit``'s outputs are typed
+    there); outside any mesh context, all ``Auto`` (an Explicit type there makes
+    single-device code, e.g. ``nnx.MultiMetric.reset()``, raise)."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or tuple(context.axis_names) != tuple(mesh.axis_names):
+        return auto_twin(mesh)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=context.axis_types)
+
+
 def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
-    """A step's outputs (``tree``, laid out on ``mesh``) on the Auto twin of ``mesh``:
-    the same devices and layouts, without Explicit axis types in their type, which
-    would make ordinary single-device code outside a mesh context raise."""
-    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
-        return tree
-    twin = auto_twin(mesh)
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(twin, x.sharding.spec)), tree)
+    """A step's outputs (``tree``, laid out on ``mesh``) typed on :func:`output_mesh`:
+    the same devices and layouts, no copies."""
+    target = output_mesh(mesh)
+
+    def retype(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh == target:
+            return x
+        return jax.device_put(x, NamedSharding(target, sharding.spec))
+
+    return jax.tree.map(retype, tree)
