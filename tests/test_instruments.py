@@ -11,6 +11,8 @@ from helpers import awkward_loss, awkward_params, batches, make_mesh
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+from zeroshard.scopes import scopes_of
+from zeroshard.update import Route
 
 
 def mlp_params(rng, dtype=jnp.float32):
@@ -150,3 +152,28 @@ def test_state_bytes_of_abstract_and_live_arrays_agree(rng):
         live = tx.init(params)
     assert zs.state_bytes_per_device(abstract) == zs.state_bytes_per_device(live)
     assert np.all(np.asarray(live.grad_norm) == 0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_arrival_and_departure_bytes_are_the_compiled_programs(stage, rng):
+    """Each arrival's and departure's byte count is what its collectives return in the
+    compiled step (fp32, which the CPU's HLO prints as it is), owned leaves included."""
+    n = 4
+    params, mesh = mlp_params(rng), make_mesh(n)
+    tx = zs.sharded(optax.contrib.muon(1e-3), axis_name="data", pack_bytes=0)
+    loss = mlp_loss if stage < 3 else lambda p, b: mlp_loss(zs.gather(p), b)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    step = zs.make_train_step(loss, tx, mesh, stage=stage)
+    batch = {"x": jnp.ones((8, 7)), "y": jnp.ones((8, 5))}
+    found = zs.collectives(step.lower(state, batch).compile().as_text())
+    by_scope = lambda *names: sum(
+        c.result_bytes for c in found if set(scopes_of(c.op_name)) & set(names)
+    )
+    plan, (arrival, departure) = tx.plan(params, n), Route.of(tx.config, stage)
+    assert plan.layout.has_owned and arrival.nbytes(plan) > 0 and departure.nbytes(plan) > 0
+    if stage == 1:
+        assert by_scope("reduce_scatter") == arrival.nbytes(plan)
+        assert by_scope("all_gather") == departure.nbytes(plan)
+    else:
+        assert by_scope("to_owners") == arrival.nbytes(plan)  # muon reads no weights here
+        assert by_scope("from_owners") == departure.nbytes(plan)

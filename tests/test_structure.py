@@ -1,5 +1,6 @@
-"""The shape of the package: no function over 60 code lines, no class over 200, and no
-module-private name (a leading underscore) imported by another module.
+"""The shape of the package: no function over 60 code lines, no class over 200, no
+module-private name (a leading underscore) imported by another module, and no import cycle
+between its modules.
 
 Code lines leave out blank lines, comments and docstrings. Run it alone to see the
 counts: ``python tests/test_structure.py [PACKAGE_DIR]`` prints every module's code lines and the
@@ -9,6 +10,7 @@ longest functions.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import sys
 import tokenize
@@ -61,6 +63,57 @@ def test_no_long_function_or_class_and_no_private_import():
     long_functions = [f for f in functions if f[1] > MAX_FUNCTION]
     long_classes = [c for c in classes if c[1] > MAX_CLASS]
     assert (long_functions, long_classes, private) == ([], [], [])
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Per module, the package's modules its module-level imports name (those under
+    ``if TYPE_CHECKING:`` and in ``try`` blocks too; imports inside functions run late
+    and are left out, as is the package's ``__init__``, which imports everything)."""
+    names = {
+        ".".join(p.relative_to(package.parent).with_suffix("").parts): p
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+
+    def imported(statements: list) -> set[str]:
+        out: set[str] = set()
+        for st in statements:
+            if isinstance(st, ast.Import):
+                out.update(a.name for a in st.names)
+            elif isinstance(st, ast.ImportFrom) and st.module:
+                out.update({st.module} | {f"{st.module}.{a.name}" for a in st.names})
+            elif isinstance(st, ast.If | ast.Try):
+                out |= imported(st.body + st.orelse)
+        return out
+
+    return {
+        name: imported(ast.parse(path.read_text()).body) & set(names) - {name}
+        for name, path in names.items()
+    }
+
+
+def cycle_from(graph: dict[str, set[str]], start: str, path: tuple = (), done=None) -> tuple:
+    """A cycle of imports reachable from ``start`` (the modules in order), or ``()``;
+    ``done`` collects the modules from which none is reachable."""
+    done = set() if done is None else done
+    if start in path:
+        return (*path[path.index(start) :], start)
+    for nxt in sorted(graph[start] - done):
+        found = cycle_from(graph, nxt, (*path, start), done)
+        if found:
+            return found
+    done.add(start)
+    return ()
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert [c for c in map(functools.partial(cycle_from, graph), graph) if c] == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycle_from(graph, "d") == ("a", "b", "c", "a")
 
 
 if __name__ == "__main__":

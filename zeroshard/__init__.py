@@ -4,8 +4,9 @@ The optimizer: :mod:`~zeroshard.config` (its options), :mod:`~zeroshard.sharded`
 optax wrapper and its state), :mod:`~zeroshard.update` (the one update flow). The data
 flow of one step, module by module: :mod:`~zeroshard.layout` (each leaf's placement and
 geometry), :mod:`~zeroshard.placement` (choosing placements from
-:mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.collectives`
-(reduce-scatter, all-gather), :mod:`~zeroshard.branches` (per-owner work),
+:mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.arrival` and
+:mod:`~zeroshard.departure` (how gradients arrive and weights leave: reduce-scatter,
+all-gather, stage-3 pieces), :mod:`~zeroshard.branches` (per-owner work),
 :mod:`~zeroshard.stage3` (weights as pieces), :mod:`~zeroshard.step` (the jitted
 step). Around the loop: :mod:`~zeroshard.checkpointing` (its manager, metadata record
 and integrity checks) with :mod:`~zeroshard.logical`, :mod:`~zeroshard.preemption`,

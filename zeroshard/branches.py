@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
+from zeroshard.rows import pack, unpack
 
 
 def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
@@ -74,13 +75,10 @@ def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
     flat = {k: jax.random.key_data(leaves[k]) if k in keys else leaves[k] for k in replicated}
     for dtype in dict.fromkeys(x.dtype for x in flat.values()):  # the same order everywhere
         group = [k for k in replicated if flat[k].dtype == dtype]
-        row = jnp.concatenate([jnp.ravel(flat[k]) for k in group])
+        row = pack([flat[k] for k in group], dtype)
         row = jax.lax.all_gather(row, axis_name, to="invarying")[0]
-        start = 0
-        for k in group:
-            x = row[start : start + flat[k].size].reshape(flat[k].shape)
+        for k, x in zip(group, unpack(row, [flat[k].shape for k in group]), strict=True):
             leaves[k] = jax.random.wrap_key_data(x, impl=keys[k]) if k in keys else x
-            start += flat[k].size
     return plan.state_treedef.unflatten(leaves)
 
 

@@ -1,47 +1,21 @@
-"""Checks: the validators every entry point runs at trace time, with the fix in the message.
+"""Checks: the validators every step runs at trace time, with the fix in the message.
 
-The mesh has the optimizer's axes and they are named consistently; the stage is one of
-1, 2, 3; the batch splits evenly over the devices (and micro-batches); this jax can
-lower the step on the mesh's axis types; and the sharding axis is bound where an
-update runs.
+The stage is one of 1, 2, 3; the batch splits evenly over the devices (and
+micro-batches); this jax can lower the step on the mesh's axis types. (The mesh's own
+checks are in :mod:`zeroshard.mesh`.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.config import ShardConfig
 from zeroshard.layout import PyTree
-
-
-def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
-    """The data-parallel axis: ``axis_name``, or the optimizer's when ``None`` (so it is
-    said once, in ``zs.sharded``). Refuses a mesh without the optimizer's axes, or an
-    ``axis_name`` that is not the optimizer's, naming the fix."""
-    axis_name = config.axis_name if axis_name is None else axis_name
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"mesh has no axis {axis_name!r} (its axes: {tuple(mesh.axis_names)}); pass "
-            f"axis_name= one of them, or build the mesh with jax.make_mesh((n,), "
-            f"({axis_name!r},))."
-        )
-    if config.axis_name != axis_name:
-        raise ValueError(
-            f"the optimizer was built with axis_name={config.axis_name!r} but the step uses "
-            f"axis_name={axis_name!r}; use the same axis for both."
-        )
-    if config.replica_axis is not None and config.replica_axis not in mesh.axis_names:
-        raise ValueError(
-            f"the optimizer replicates over replica_axis={config.replica_axis!r}, but the mesh "
-            f"has no such axis (its axes: {tuple(mesh.axis_names)})."
-        )
-    return axis_name
+from zeroshard.mesh import check_mesh  # noqa: F401  (re-exported: zeroshard.flax imports it here)
 
 
 def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
@@ -105,39 +79,3 @@ def check_batch(
                 f"(global batch) dimension must be divisible by {what}. Use a global "
                 f"batch size that is a multiple of {parts}."
             )
-
-
-def bound_axis_size(axis_name: str) -> int | None:
-    """Size of ``axis_name`` if it is bound here (inside ``shard_map``), else ``None``."""
-    try:
-        return jax.lax.axis_size(axis_name)
-    except NameError:
-        return None
-
-
-def find_mesh(config: ShardConfig, tree: PyTree = None) -> Any:
-    """The mesh an update outside ``shard_map`` runs on: ``config.mesh``, else the mesh
-    set with ``jax.set_mesh``, else the mesh the arrays of ``tree`` are laid out on.
-
-    Raises:
-      ValueError: if none of them has ``config.axis_name``, naming the fixes.
-    """
-    axis = config.axis_name
-    if config.mesh is not None:
-        return config.mesh
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and axis in context.axis_names:
-        return context
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding):  # a tracer: its type's sharding
-            sharding = getattr(jax.typeof(leaf), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and not mesh.empty and axis in mesh.axis_names:
-            return mesh
-    raise ValueError(
-        f"zeroshard: no mesh with axis {axis!r} is known here. Build the optimizer with "
-        f"zs.sharded(inner, axis_name={axis!r}, mesh=mesh), or call under "
-        "`with jax.set_mesh(mesh):`; inside jax.shard_map over the axis, the local "
-        f"update runs. (Mesh set now: {tuple(context.axis_names) or 'none'}.)"
-    )

@@ -82,7 +82,7 @@ class ShardConfig:
         if self.loss_scale is not None:
             _check_loss_scale(self.loss_scale, self.skip_nonfinite)
         if self.mesh is not None:
-            _check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
+            check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
         normal = {
             "master_dtype": _dtype(self.master_dtype),
             "reduce_dtype": _dtype(self.reduce_dtype),
@@ -140,12 +140,14 @@ def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:
         )
 
 
-def _check_mesh_axes(mesh: Any, axis_name: str, replica_axis: str | None) -> None:
+def check_mesh_axes(mesh: Any, axis_name: str, replica_axis: str | None) -> None:
+    """Refuses, naming the fix, a mesh that lacks one of the optimizer's axes."""
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    for axis in (axis_name, replica_axis):
+    for name, axis in (("axis_name", axis_name), ("replica_axis", replica_axis)):
         if axis is not None and axis not in mesh.axis_names:
             raise ValueError(
-                f"mesh has no axis {axis!r} (its axes: {tuple(mesh.axis_names)}): pass the "
-                "mesh the batch is split over, or name its axis with axis_name=."
+                f"mesh has no axis {axis!r} (its axes: {tuple(mesh.axis_names)}): the "
+                f"optimizer's {name}={axis!r} names no such axis. Pass the mesh the batch is "
+                f"split over, or name one of its axes with {name}=."
             )

@@ -55,8 +55,8 @@ from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
+from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.stage3 import layer
 from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step

@@ -59,6 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.rows import pack
+
 PyTree = Any
 
 Stacked = Collection[str] | Callable[[str, Any], int] | None
@@ -76,7 +78,6 @@ class Slot:
       shape: the leaf's full shape.
       dtype: the leaf's dtype.
       bucket: index of the dtype bucket holding the leaf.
-      offset: first column of the leaf's piece in the bucket row.
       num_shards: the number of devices the leaf is cut over.
       stacked: the number of leading layer axes: its pieces are cut layer by layer
         (for an owned leaf, the stage-3 pieces of its weights).
@@ -90,7 +91,6 @@ class Slot:
     shape: tuple[int, ...]
     dtype: np.dtype
     bucket: int
-    offset: int
     num_shards: int
     stacked: int = 0
     owners: tuple[int, ...] = ()
@@ -187,7 +187,7 @@ class Slot:
     @classmethod
     def of(cls, shape: tuple[int, ...], dtype: Any, num_shards: int, stacked: int = 0) -> Slot:
         """The geometry of a sliced (or stacked) leaf alone, outside any layout."""
-        return cls("", tuple(shape), np.dtype(dtype), 0, 0, num_shards, stacked)
+        return cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked)
 
     def spec(self, axis_name: str) -> P:
         """``PartitionSpec`` of the leaf's global array of pieces (``P()``: owned leaves
@@ -413,7 +413,6 @@ class Layout:
                     tuple(leaf.shape),
                     dtype,
                     dtypes.index(dtype),
-                    0,
                     num_shards,
                     dims[i],
                     units,
@@ -508,34 +507,14 @@ class Layout:
         leaves = self.treedef.flatten_up_to(tree)
         return [s.cut(leaf, index) for leaf, s in zip(leaves, self.slots, strict=True)]
 
-    def row(self, tree: PyTree, index: jax.Array | int, bucket: int) -> jax.Array:
-        """Device ``index``'s row of bucket ``bucket``'s sliced leaves, cut from full leaves."""
-        return self.rows(self.pieces(tree, index))[bucket]
-
-    def rows(self, pieces: Sequence[jax.Array | None]) -> tuple[jax.Array, ...]:
-        """Pieces, one per leaf in leaf order -> one row of sliced pieces per bucket."""
-        return tuple(
-            jnp.concatenate(
-                [jnp.zeros((0,), b.dtype)]
-                + [jnp.ravel(pieces[i]) for i in b.slots if not self.slots[i].owned]
-            )
-            for b in self.buckets
-        )
-
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
     def owned_row(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
         """``device``'s row of bucket ``bucket`` in ``dtype``: its units of the owned
         leaves (``local[i]``: what :meth:`Slot.local` gives for ``device``) raveled end
         to end and zero-padded to ``owned_width``."""
-        b = self.buckets[bucket]
-        own = [
-            jnp.ravel(local[i]).astype(dtype)
-            for i in self.owned_by(device)
-            if self.slots[i].bucket == bucket
-        ]
-        row = jnp.concatenate([jnp.zeros((0,), dtype), *own])
-        return jnp.pad(row, (0, b.owned_width - row.shape[0]))
+        own = [local[i] for i in self.owned_by(device) if self.slots[i].bucket == bucket]
+        return pack(own, dtype, self.buckets[bucket].owned_width)
 
     def owned_blocks(self, leaves: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
         """Every device's owned row of ``bucket`` from the full ``leaves``:
@@ -569,8 +548,8 @@ class Layout:
 
 
 def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list[Bucket]:
-    """The buckets of ``slots`` (one per dtype), each slot given its offset: in the
-    sliced row, or per unit in its owner's owned row (updated in place)."""
+    """The buckets of ``slots`` (one per dtype), each owned slot given its units'
+    offsets in their owners' owned rows (updated in place)."""
     buckets = []
     for b, dtype in enumerate(dtypes):
         members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
@@ -579,7 +558,7 @@ def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list
         for i in members:
             s = slots[i]
             if not s.owned:
-                slots[i], row = dataclasses.replace(s, offset=row), row + s.piece_size
+                row += s.piece_size
                 continue
             unit_offsets = []
             for d in s.owners:

@@ -36,18 +36,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.checks import check_mesh
 from zeroshard.layout import Layout, PyTree, logical_block, logical_gather, logical_spec
 from zeroshard.loss_scale import LossScaleState
+from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
 from zeroshard.placement import Key, Plan
-from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
-from zeroshard.stage3 import full_structs, is_shard, to_shards
+from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.stage3 import full_structs, stage_of, to_shards
+from zeroshard.state import ShardedState
 from zeroshard.step import TrainState, state_specs
-from zeroshard.update import master_pieces, own_pieces
+from zeroshard.update import Route, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
 
@@ -94,10 +94,10 @@ def _store_full(plan: Plan, rows, key: Key, full: jax.Array, axis_name: str) -> 
     return rows
 
 
-def _owned_weights(x: Any, slot: Any, axis_name: str) -> jax.Array:
+def _owned_weights(x: Any, slot: Any, axis_name: str, stage: int) -> jax.Array:
     """This device's block of an owned leaf's logical weights: cut from the full leaf,
     or from its stage-3 piece as a sliced leaf's is."""
-    if is_shard(x):
+    if stage == 3:
         return slot.to_logical(x.piece.reshape(-1), axis_name)
     return logical_block(x.astype(slot.dtype), axis_name)
 
@@ -133,17 +133,6 @@ def logical_structs(plan: Plan, tx: ShardedTransformation) -> tuple[PyTree, PyTr
 
 def _specs(structs: PyTree, num_shards: int, axis_name: str) -> PyTree:
     return jax.tree.map(lambda x: logical_spec(x.shape, num_shards, axis_name), structs)
-
-
-def mesh_of(state: TrainState) -> jax.sharding.Mesh:
-    """The mesh a :class:`zeroshard.TrainState` is laid out on."""
-    sharding = getattr(state.step, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        raise TypeError(
-            "expected a zs.TrainState laid out on a mesh (from zs.init_train_state or a "
-            f"train step); its step has sharding {sharding!r}."
-        )
-    return sharding.mesh
 
 
 def _check_tree(tree: PyTree, expected: PyTree, what: str) -> None:
@@ -182,7 +171,7 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     mesh = mesh_of(state)
-    stage = 3 if any(map(is_shard, jax.tree.leaves(state.params, is_leaf=is_shard))) else 1
+    stage = stage_of(state.params)
     layout = tx.plan(full_structs(state.params), mesh.shape[tx.axis_name]).layout
     return _to_optax_converter(tx, mesh, stage, layout)(state.params, state.opt_state)
 
@@ -196,15 +185,16 @@ def _to_optax_converter(
     num_shards, axis = layout.num_shards, tx.axis_name
     plan = tx.plan(layout.full_structs(), num_shards)
     params_structs, opt_structs = logical_structs(plan, tx)
+    departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
-        pieces = master_pieces(plan, opt_state, own_pieces(plan, params, axis))
+        pieces = master_pieces(plan, opt_state, departure.own_pieces(plan, params))
         master = [
             s.to_logical(p, axis)
             if not s.owned
             else logical_block(_owned_full(plan, opt_state.owned, ("master", i), axis), axis)
             if plan.master_dtypes[s.bucket] is not None
-            else _owned_weights(x, s, axis)
+            else _owned_weights(x, s, axis, stage)
             for i, (p, s, x) in enumerate(
                 zip(pieces, layout.slots, layout.treedef.flatten_up_to(params), strict=True)
             )
@@ -292,16 +282,8 @@ def from_optax_state(
     if tx.config.loss_scale is not None and loss_scale is None:
         loss_scale = tx.config.loss_scale.init()
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
-    placed = jax.device_put(
-        (params, opt_state, *counters, loss_scale, model_state),
-        jax.tree.map(
-            lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
-        ),
-    )
-    convert = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
-    )
-    return jax.jit(convert)(*placed)
+    args = (params, opt_state, *counters, loss_scale, model_state)
+    return run_on_mesh(local, mesh, axis_name, (in_specs, out_specs), *args)
 
 
 def _from_logical_local(

@@ -33,6 +33,7 @@ import numpy as np
 
 from zeroshard.analysis import Analysis, NotElementwiseError, analyze
 from zeroshard.layout import Layout, PyTree
+from zeroshard.rows import pack, unpack
 from zeroshard.sums import run_with_sums
 
 Key = tuple[str, int]
@@ -85,19 +86,15 @@ class Storage:
         return next(e[1:] for e in self.entries[branch] if e[0] == key)
 
     def unpack(self, rows: tuple[jax.Array, ...], branch: int) -> dict[Key, jax.Array]:
-        return {
-            key: rows[r][o : o + math.prod(shape)].reshape(shape)
-            for key, r, o, shape in self.entries[branch]
-        }
+        """The values ``branch`` stores, from its rows (the inverse of :meth:`pack`)."""
+        return {key: unpack(rows[r], [shape], o)[0] for key, r, o, shape in self.entries[branch]}
 
     def pack(self, values: dict[Key, jax.Array], branch: int) -> tuple[jax.Array, ...]:
+        """``branch``'s rows: per dtype its values end to end, padded to the widest."""
         parts: list[list[jax.Array]] = [[] for _ in self.dtypes]
         for key, r, _, _ in self.entries[branch]:
-            parts[r].append(jnp.ravel(values[key]).astype(self.dtypes[r]))
-        return tuple(
-            jnp.pad(jnp.concatenate([jnp.zeros((0,), d), *p]), (0, w - sum(x.size for x in p)))
-            for d, w, p in zip(self.dtypes, self.widths, parts, strict=True)
-        )
+            parts[r].append(values[key])
+        return tuple(pack(p, d, w) for d, w, p in zip(self.dtypes, self.widths, parts, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)

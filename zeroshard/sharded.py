@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,48 +23,19 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.arrival import CutMean
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.checks import bound_axis_size, find_mesh
 from zeroshard.config import Placement, ShardConfig
+from zeroshard.departure import AllGather
 from zeroshard.layout import Layout, PyTree, Stacked
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.mesh import bound_axis_size, find_mesh
 from zeroshard.placement import Plan, make_plan
-from zeroshard.stage3 import full_structs
-from zeroshard.update import arrive, arrive_mean, update
+from zeroshard.stage3 import full_structs, stage_of
+from zeroshard.state import ShardedState
+from zeroshard.update import Route, update
 
 logger = logging.getLogger(__name__)
-
-
-class ShardedState(NamedTuple):
-    """State of :func:`sharded`; every array is this device's part or a scalar.
-
-    Attributes:
-      inner_state: the inner optimizer's state for this device's pieces, with
-        ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
-      master: this device's pieces of the master weights: a tree like the parameters,
-        shaped like the inner state's pieces, with ``None`` at leaves already in the
-        master dtype (their piece is the master) and at owned leaves (their master is
-        in ``owned``); ``None`` when no leaf keeps a master.
-      grad_norm: global L2 norm of the mean gradient at the last update, before any
-        clipping (``nan`` or ``inf`` when that gradient was not finite).
-      skipped: number of updates skipped because the mean gradient was not finite
-        (int32; see ``skip_nonfinite`` in :func:`sharded`). A step of
-        :func:`zeroshard.make_train_step` reports whether it was skipped as
-        ``metrics["skipped"]`` (0 or 1).
-      loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
-        A step of :func:`zeroshard.make_train_step` reports the scale it used as
-        ``metrics["loss_scale"]``.
-      owned: per dtype, this device's row of the inner state and master weights of
-        the leaves it owns (see :class:`zeroshard.placement.Storage`); ``()`` when no
-        leaf is owned.
-    """
-
-    inner_state: optax.OptState
-    master: PyTree
-    grad_norm: jax.Array
-    skipped: jax.Array
-    loss_scale: LossScaleState | None = None
-    owned: tuple[jax.Array, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -104,7 +75,7 @@ class Sharded:
 
     def init(self, params: PyTree) -> ShardedState:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
-        global state, 1/N per device, on the mesh of :func:`zeroshard.checks.find_mesh`
+        global state, 1/N per device, on the mesh of :func:`zeroshard.mesh.find_mesh`
         (eagerly, or inside the user's ``jax.jit``)."""
         params = _values(params)
         if bound_axis_size(self.config.axis_name) is not None:
@@ -169,7 +140,9 @@ class Sharded:
         local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
         the new state out."""
         plan = self.checked_plan(state, params)
-        return update(self, plan, arrive(self, plan, grads), state, params, **extra_args)
+        route = Route.of(self.config, stage_of(params))
+        parts = route.arrival.bring(plan, grads)
+        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -177,15 +150,15 @@ class Sharded:
         """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
         ``grads`` is the mean gradient, already reduced by the program that computed
         it; each device cuts its part out, updates it, and the new parameters are
-        all-gathered whole (see :func:`zeroshard.update.arrive_mean`)."""
-        axis = self.config.axis_name
+        all-gathered whole (see :class:`zeroshard.arrival.CutMean`)."""
+        axis, route = self.config.axis_name, Route(CutMean(self.config), AllGather(self.config))
         mesh = find_mesh(self.config, state)
         specs = self.state_specs(params, mesh.shape[axis])
 
         def local(grads, state, params, extra_args):
             plan = self.checked_plan(state, params)
-            parts = arrive_mean(self, plan, grads)
-            return update(self, plan, parts, state, params, averaged=True, **extra_args)
+            parts = route.arrival.bring(plan, grads)
+            return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to

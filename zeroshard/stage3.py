@@ -37,6 +37,7 @@ import numpy as np
 
 from zeroshard.collectives import is_identity
 from zeroshard.layout import Layout, PyTree, Slot
+from zeroshard.rows import pack, spans
 from zeroshard.scopes import GATHER, scope
 
 
@@ -120,6 +121,12 @@ def is_shard(x: Any) -> bool:
     return isinstance(x, Shard)
 
 
+def stage_of(params: PyTree) -> int:
+    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Shard`
+    pieces, else 1 (stages 1 and 2 hold the same whole parameters)."""
+    return 3 if any(map(is_shard, jax.tree.leaves(params, is_leaf=is_shard))) else 1
+
+
 def full_structs(params: PyTree) -> PyTree:
     """``ShapeDtypeStruct`` of the full parameters (``Shard`` leaves or arrays)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)
@@ -181,11 +188,9 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
             for i, piece in zip(group, pieces, strict=True):
                 out[i] = slots[i].uncut(piece)
             continue
-        rows = jax.lax.all_gather(jnp.concatenate(pieces), axis_name)  # (N, sum of pieces)
-        offset = 0
-        for i, piece in zip(group, pieces, strict=True):
-            out[i] = slots[i].uncut(rows[:, offset : offset + piece.size])
-            offset += piece.size
+        rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
+        for i, (start, stop) in zip(group, spans([p.size for p in pieces]), strict=True):
+            out[i] = slots[i].uncut(rows[:, start:stop])
     return treedef.unflatten(out)
 
 
@@ -289,17 +294,12 @@ def owner_blocks(layout: Layout, pieces: Sequence[Any], bucket: int, dtype: Any)
     b = layout.buckets[bucket]
     rows = []
     for d in range(layout.num_shards):
-        parts = [jnp.zeros((0,), dtype)]
+        parts = []
         for i in (i for i in b.slots if d in layout.slots[i].owners):
             s = layout.slots[i]
-            piece = pieces[i].astype(dtype)
-            parts += (
-                [piece.reshape(s.layers, s.width)[u] for u in s.units_of(d)]
-                if (s.layered)
-                else [piece]
-            )
-        row = jnp.concatenate(parts)
-        rows.append(jnp.pad(row, (0, b.owned_chunk - row.shape[0])))
+            layers = pieces[i].reshape(s.layers, s.width) if s.layered else None
+            parts += [layers[u] for u in s.units_of(d)] if s.layered else [pieces[i]]
+        rows.append(pack(parts, dtype, b.owned_chunk))
     return jnp.stack(rows)
 
 
@@ -318,14 +318,12 @@ def piece_blocks(
 ) -> jax.Array:
     """``device``'s units (``local[i]``, as :meth:`zeroshard.layout.Slot.local` gives them) -> every
     device's pieces of them: ``(num_shards, owned_chunk)``, row ``d`` for device ``d``."""
-    b = layout.buckets[bucket]
-    parts = [jnp.zeros((layout.num_shards, 0), dtype)]
-    for i in (i for i in b.slots if device in layout.slots[i].owners):
+    parts = []
+    for i in (i for i in layout.buckets[bucket].slots if device in layout.slots[i].owners):
         s = layout.slots[i]
         units = list(local[i]) if s.layered else [local[i]]
         parts += [s.unit_geometry().blocks(u.astype(dtype)) for u in units]
-    blocks = jnp.concatenate(parts, axis=1)
-    return jnp.pad(blocks, ((0, 0), (0, b.owned_chunk - blocks.shape[1])))
+    return pack(parts, dtype, layout.buckets[bucket].owned_chunk, lead=(layout.num_shards,))
 
 
 def piece_from_owners(layout: Layout, received: jax.Array, i: int) -> jax.Array:

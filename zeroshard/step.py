@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.checks import check_batch, check_mesh, check_other_axes, check_stage
+from zeroshard.checks import check_batch, check_other_axes, check_stage
 from zeroshard.layout import PyTree
-from zeroshard.placement import Plan
+from zeroshard.mesh import check_mesh, run_on_mesh
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
@@ -34,7 +34,7 @@ from zeroshard.step_io import (
     step_metrics,
     update_metrics,
 )
-from zeroshard.update import arrive, arrive_pieces, update
+from zeroshard.update import Route, update
 
 
 class TrainState(NamedTuple):
@@ -120,16 +120,12 @@ def init_train_state(
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
-    params, model_state = jax.device_put((params, model_state), NamedSharding(mesh, P()))
     compute = jax.eval_shape(
         lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params
     )
     specs = state_specs(tx, compute, num_shards, stage)
     # The same out_specs as the step's, so the first step sees the shardings it returns.
-    init = jax.shard_map(
-        local_init, mesh=mesh, in_specs=(P(), P()), out_specs=specs, axis_names={axis_name}
-    )
-    return jax.jit(init)(params, model_state)
+    return run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
 
 
 class TrainStep:
@@ -161,6 +157,7 @@ class TrainStep:
     ):
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.opt = sharding_of(tx)
+        self.route = Route.of(self.opt.config, stage)
         self.axis_name, self.has_aux = axis_name, has_aux
         self.stage, self.accum_steps = stage, accum_steps
         self.num_shards = mesh.shape[axis_name]
@@ -182,16 +179,17 @@ class TrainStep:
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        args = (self._varying(plan, state.params), batch, device_key(key, self.batch_axes))
+        args = (self._varying(state.params), batch, device_key(key, self.batch_axes))
         if self.accum_steps > 1:
             out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
         else:
             out, grads = value_and_grad(*args, state.model_state)
-            parts = arrive(self.opt, plan, grads)
+            parts = self.route.arrival.bring(plan, grads)
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
-        params, opt_state = update(self.opt, plan, parts, state.opt_state, state.params)
+        opt = (self.opt.inner, self.opt.config, plan, self.route)
+        params, opt_state = update(*opt, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
         if not self._loss_per_device():  # (averaged already)
@@ -230,7 +228,7 @@ class TrainStep:
             model_state = jax.tree.map(across_devices, model_state)
         return (loss, aux, grads), model_state
 
-    def _varying(self, plan: Plan, params: PyTree) -> PyTree:
+    def _varying(self, params: PyTree) -> PyTree:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
@@ -239,11 +237,7 @@ class TrainStep:
         config = self.opt.config
         if self.stage < 3:
             return cast(params, config.batch_axes)
-        replica = () if config.replica_axis is None else (config.replica_axis,)
-        return plan.layout.treedef.unflatten(
-            cast(x, replica) if is_shard(x) else cast(x, config.batch_axes)
-            for x in plan.layout.treedef.flatten_up_to(params)
-        )
+        return cast(params, () if config.replica_axis is None else (config.replica_axis,))
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
         """Loss, aux, model state and gradient parts over ``accum_steps`` micro-batches
@@ -276,7 +270,7 @@ class TrainStep:
             mb_key = None if key is None else jax.random.fold_in(key, i)
             (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
             if self.stage == 2:
-                grads = arrive(self.opt, plan, grads)
+                grads = self.route.arrival.bring(plan, grads)
             elif self.stage == 3:
                 n = layout.num_shards
                 grads = [g.piece.reshape(-1) / n for g in layout.treedef.flatten_up_to(grads)]
@@ -290,8 +284,8 @@ class TrainStep:
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         acc = jax.tree.map(lambda a: a / k, acc)
         if self.stage == 1:
-            return out, arrive(self.opt, plan, acc)
-        return out, arrive_pieces(self.opt, plan, acc) if self.stage == 3 else acc
+            return out, self.route.arrival.bring(plan, acc)
+        return out, self.route.arrival.to_owners(plan, acc) if self.stage == 3 else acc
 
     def _global_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None

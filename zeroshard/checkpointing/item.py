@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.checkpointing.metadata import check_format, check_matches, saved_loss_scale
-from zeroshard.checks import check_mesh
 from zeroshard.layout import PyTree
 from zeroshard.logical import from_optax_state, logical_spec, logical_structs, to_optax_state
+from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.step import TrainState
 

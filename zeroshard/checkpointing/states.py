@@ -28,9 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.logical import mesh_of
-from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
-from zeroshard.stage3 import is_shard
+from zeroshard.mesh import find_mesh, mesh_of
+from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.stage3 import stage_of
+from zeroshard.state import ShardedState
 from zeroshard.step import TrainState
 
 KINDS = (
@@ -99,29 +100,6 @@ def state_tx(state: Any, tx: ShardedTransformation | None) -> ShardedTransformat
     return tx
 
 
-def find_state_mesh(
-    tx: ShardedTransformation, tree: PyTree, mesh: jax.sharding.Mesh | None = None
-) -> jax.sharding.Mesh:
-    """``mesh``, else the optimizer's ``mesh=``, else the mesh of the arrays of ``tree``
-    that has the optimizer's axis.
-
-    Raises:
-      ValueError: if none is known, with the fix.
-    """
-    if mesh is not None:
-        return mesh
-    if tx.config.mesh is not None:
-        return tx.config.mesh
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and tx.axis_name in sharding.mesh.axis_names:
-            return sharding.mesh
-    raise ValueError(
-        f"no mesh with axis {tx.axis_name!r} is known for this state: pass mesh=..., or build "
-        "the optimizer with zs.sharded(inner, mesh=mesh)."
-    )
-
-
 def _sharded_state(opt_state: Any, where: str) -> ShardedState:
     if not isinstance(opt_state, ShardedState):
         raise TypeError(
@@ -153,14 +131,14 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
         return Parts(state, {}, tx)
     if kind == "linen":
         opt_state = _sharded_state(state.opt_state, "the TrainState's opt_state")
-        mesh = find_state_mesh(tx, opt_state)
+        mesh = find_mesh(tx.config, opt_state, context=False)
         core = TrainState(_on_mesh(state.step, mesh), state.params, opt_state)
         return Parts(core, stored(_linen_extra(state)), tx)
     from flax import nnx
 
     model, optimizer = state
     opt_state = _sharded_state(nnx.as_pure(optimizer.opt_state), "the optimizer's opt_state")
-    mesh = find_state_mesh(tx, opt_state)
+    mesh = find_mesh(tx.config, opt_state, context=False)
     params = nnx.as_pure(nnx.state(model, optimizer.wrt))
     rest = stored(nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt))))
     core = TrainState(_on_mesh(optimizer.step[...], mesh), params, opt_state)
@@ -190,17 +168,16 @@ def target_parts(
     kind, tx = kind_of(target), state_tx(target, tx)
     if kind == "zeroshard":
         tree = (target.step, target.opt_state)
-        mesh = find_state_mesh(tx, tree, mesh)
-        stage = 3 if any(map(is_shard, jax.tree.leaves(target.params, is_leaf=is_shard))) else 1
-        return Parts(target, {}, tx), mesh, stage
+        mesh = find_mesh(tx.config, tree, mesh, context=False)
+        return Parts(target, {}, tx), mesh, stage_of(target.params)
     if kind == "linen":
-        mesh = find_state_mesh(tx, target.opt_state, mesh)
+        mesh = find_mesh(tx.config, target.opt_state, mesh, context=False)
         core = TrainState(target.step, target.params, target.opt_state)
         return Parts(core, _structs(_linen_extra(target), mesh), tx), mesh, 1
     from flax import nnx
 
     model, optimizer = target
-    mesh = find_state_mesh(tx, nnx.as_pure(optimizer.opt_state), mesh)
+    mesh = find_mesh(tx.config, nnx.as_pure(optimizer.opt_state), mesh, context=False)
     params = nnx.as_pure(nnx.state(model, optimizer.wrt))
     rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
     extra = {"model": rest} if _has_leaves(rest) else {}

@@ -1,0 +1,248 @@
+"""Arrival: how this device's part of the mean gradient arrives, one class per kind.
+
+An arrival turns what the backward pass produced into :data:`GradParts`, this
+device's part of the mean gradient over the sharding axis: a 1-D piece of every sliced
+leaf and, per bucket, what it gets of the owned leaves it updates. Each kind owns its
+collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
+(:meth:`Arrival.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+
+- :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
+  ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
+- :class:`Pieces`: stage 3, the gradient of each :class:`zeroshard.Shard` piece,
+  summed over the devices by the transpose of its gather; the owned leaves' pieces go
+  to their owners;
+- :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
+  where ``jax.grad`` reduced it); each device cuts its part out.
+
+A new kind of arrival (a quantized reduce-scatter over ``all_to_all``, a sum in a
+fixed order) is one more subclass of :class:`Arrival` defining :meth:`Arrival.bring`
+and :meth:`Arrival.nbytes` (and :meth:`Arrival.owned` if its owned part is not one
+row per bucket); :func:`zeroshard.update.update` takes any of them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.collectives import is_identity
+from zeroshard.config import ShardConfig
+from zeroshard.layout import Layout, PyTree
+from zeroshard.placement import Plan
+from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
+from zeroshard.stage3 import full_structs, to_owners, units_from_pieces
+
+GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
+"""This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
+owned leaves), and per bucket its part of the owned leaves (``None`` if it has none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """How gradients arrive: the base of every kind (see the module's description).
+
+    Attributes:
+      config: the sharded optimizer's options (axis, ``reduce_dtype``,
+        ``pack_bytes``, replica axis).
+    """
+
+    config: ShardConfig
+
+    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
+        """This device's part of the mean gradient over the sharding axis, from
+        ``grads`` as this kind receives them (inside ``shard_map``)."""
+        raise NotImplementedError
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        """``parts`` averaged over the replica axis, if any (once per step, after any
+        accumulation)."""
+        if self.config.replica_axis is None:
+            return parts
+        with scope(REPLICA_MEAN):
+            return jax.lax.pmean(parts, self.config.replica_axis)
+
+    def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
+        """``device``'s units of owned leaf ``i`` from the owned part of its bucket
+        (here: ``device``'s row of the bucket, as :meth:`zeroshard.layout.Layout.owned_row`
+        packs it)."""
+        return layout.owned_local(part, i, device)
+
+    def nbytes(self, plan: Plan) -> int:
+        """Bytes per device the arrival's collectives return, summed (what
+        :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
+        program, where the backend keeps the dtype)."""
+        raise NotImplementedError
+
+    def dtype(self, bucket: Any) -> Any:
+        """The dtype a bucket's gradients travel in."""
+        return self.config.reduce_dtype or bucket.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatter(Arrival):
+    """Local full gradients, reduce-scattered: one ``psum_scatter`` per leaf of at
+    least ``pack_bytes`` (no copy into a packed buffer, and it can start as soon as
+    backward has produced the leaf), one per packed group of smaller leaves of one
+    dtype, and one per bucket with owned leaves (an ``(N, owned_width)`` matrix whose
+    row ``d`` holds the leaves device ``d`` owns). Scope ``zeroshard/reduce_scatter``."""
+
+    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
+        layout = plan.layout
+        layout.check_matches(grads, "gradients")
+        leaves = layout.treedef.flatten_up_to(grads)
+        check_local(leaves, layout, self.config.axis_name)
+        with scope(REDUCE_SCATTER):
+            return self.scatter_sliced(layout, leaves), self.scatter_owned(layout, leaves)
+
+    def scatter_sliced(self, layout: Layout, leaves: list) -> list[jax.Array | None]:
+        """This device's piece of each sliced leaf's mean gradient."""
+        axis, n = self.config.axis_name, layout.num_shards
+        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
+        if is_identity(leaves, axis):  # one device: each piece is the whole leaf
+            return [
+                None if s.owned else s.cut(cast(x), 0)
+                for x, s in zip(leaves, layout.slots, strict=True)
+            ]
+        pieces: list[jax.Array | None] = [None] * len(leaves)
+        for group in layout.groups(self.config.pack_bytes):
+            blocks = [layout.slots[i].blocks(cast(leaves[i])) for i in group]
+            matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+            row = jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+            for i, start, stop in layout.columns(group):
+                pieces[i] = row[start:stop]
+        return pieces
+
+    def scatter_owned(self, layout: Layout, leaves: list) -> tuple[jax.Array | None, ...]:
+        """Per bucket, this device's row of the mean gradient of the leaves it owns."""
+        axis, n = self.config.axis_name, layout.num_shards
+        one = is_identity(leaves, axis)  # one device: its row holds every owned leaf
+        rows = []
+        for b, bucket in enumerate(layout.buckets):
+            if not bucket.owned_width:
+                rows.append(None)
+                continue
+            blocks = layout.owned_blocks(leaves, b, self.dtype(bucket))
+            rows.append(blocks[0] if one else jax.lax.psum_scatter(blocks, axis, tiled=True)[0] / n)
+        return tuple(rows)
+
+    def nbytes(self, plan: Plan) -> int:
+        layout = plan.layout
+        if layout.num_shards == 1:
+            return 0
+        size = lambda i: jnp.dtype(self.dtype(layout.buckets[layout.slots[i].bucket])).itemsize
+        sliced = sum(
+            layout.slots[i].piece_size * size(i)
+            for group in layout.groups(self.config.pack_bytes)
+            for i in group
+        )
+        return sliced + sum(
+            b.owned_width * jnp.dtype(self.dtype(b)).itemsize for b in layout.buckets
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces(Arrival):
+    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece arrives summed over
+    the devices (the transpose of its gather, in the loss function) and is divided
+    by their number (scope ``zeroshard/reduce_scatter``); the owned leaves' pieces
+    then go to their owners, one ``all_to_all`` per bucket with owned leaves (scope
+    ``zeroshard/to_owners``). The owned part of a bucket is what every device holds
+    of the units this device owns: ``(num_shards, owned_chunk)``."""
+
+    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
+        return self.to_owners(plan, self.pieces(plan.layout, grads))
+
+    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+        """This device's 1-D piece of every leaf's mean gradient, from the gradients of
+        the ``Shard`` pieces (what a step accumulates over micro-batches)."""
+        layout.check_matches(full_structs(grads), "gradients")
+        with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
+            return [
+                g.piece.reshape(-1) / layout.num_shards for g in layout.treedef.flatten_up_to(grads)
+            ]
+
+    def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
+        """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
+        every device holds of the units it owns."""
+        layout, config = plan.layout, self.config
+        with scope(TO_OWNERS):
+            owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
+        return [None if s.owned else p for p, s in zip(pieces, layout.slots, strict=True)], owned
+
+    def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
+        return units_from_pieces(layout, part, i, device)
+
+    def nbytes(self, plan: Plan) -> int:
+        layout = plan.layout
+        if layout.num_shards == 1:
+            return 0
+        return sum(
+            layout.num_shards * b.owned_chunk * jnp.dtype(self.dtype(b)).itemsize
+            for b in layout.buckets
+            if b.owned_width
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CutMean(Arrival):
+    """The mean gradient itself (invariant over the axis: reduced already, as
+    ``jax.grad`` in a ``jax.jit`` over a sharded batch reduces it): each device cuts
+    its pieces, and its owned row, out of it, with no collective (scope
+    ``zeroshard/cut``). It is averaged over every batch axis already, the replica
+    axis included."""
+
+    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
+        layout = plan.layout
+        layout.check_matches(grads, "gradients")
+        index = jax.lax.axis_index(self.config.axis_name)
+        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
+        with scope(CUT):
+            leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
+            pieces = [
+                None if s.owned else s.cut(g, index)
+                for g, s in zip(leaves, layout.slots, strict=True)
+            ]
+            rows = tuple(
+                layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
+                if bucket.owned_width
+                else None
+                for b, bucket in enumerate(layout.buckets)
+            )
+        return pieces, rows
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        return parts
+
+    def nbytes(self, plan: Plan) -> int:
+        return 0
+
+
+def check_local(leaves: list, layout: Layout, axis_name: str) -> None:
+    """Refuses gradients typed invariant over ``axis_name`` where types are checked
+    (``shard_map``'s default ``check_vma=True``): such a gradient was all-reduced
+    already (the gradient of a replicated input is), so reduce-scattering it again
+    would make it ``num_shards`` times too large, silently.
+
+    Raises:
+      ValueError: naming the first such leaf and the fix (``jax.lax.pcast``).
+    """
+    if jax.lax.axis_size(axis_name) == 1:
+        return
+    index = jax.lax.axis_index(axis_name)
+    if axis_name not in jax.typeof(index).manual_axis_type.varying:
+        return  # check_vma=False: no types to read
+    for g, s in zip(leaves, layout.slots, strict=True):
+        if axis_name not in jax.typeof(g).manual_axis_type.varying:
+            raise ValueError(
+                f"zs.sharded(...).update got a gradient for {s.path} that is the same on "
+                f"every device of {axis_name!r} (typed invariant): it was reduced already, "
+                "since inside jax.shard_map the gradient of a replicated input is summed over "
+                "the devices. Reduce-scattering it again would make it "
+                f"{layout.num_shards} times too large. Differentiate with respect to "
+                f"jax.lax.pcast(params, {axis_name!r}, to='varying') to get each device's "
+                "local gradient; or call tx.update outside shard_map, in a jax.jit, with the "
+                "mean gradient."
+            )

@@ -1,0 +1,245 @@
+"""Departure: how the new weights leave the update, and how the weights are held.
+
+A departure knows the form the parameters are held in between steps, so it reads the
+current weights in that form (this device's pieces of the sliced leaves, the owned
+leaves' weights for their owners) and sends the new ones back in it. Each kind owns
+its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
+(:meth:`Departure.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+
+- :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
+  the new pieces and owned rows are all-gathered;
+- :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Shard` pieces: the
+  sliced leaves' new pieces stay where they are; the owners' new units of owned
+  leaves go back to every device's pieces (one ``all_to_all`` per bucket).
+
+A new kind (a quantized all-gather, say) is one more subclass of :class:`Departure`;
+:func:`zeroshard.update.update` takes any of them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard.branches import owned_wholes
+from zeroshard.collectives import is_identity
+from zeroshard.config import ShardConfig
+from zeroshard.layout import Layout, PyTree
+from zeroshard.placement import Plan
+from zeroshard.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
+from zeroshard.stage3 import (
+    exchange,
+    owner_blocks,
+    piece_blocks,
+    piece_from_owners,
+    to_shards,
+    units_from_pieces,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Departure:
+    """How weights are held and leave: the base of every kind (see the module's
+    description).
+
+    Attributes:
+      config: the sharded optimizer's options (axis, ``pack_bytes``).
+    """
+
+    config: ShardConfig
+
+    def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
+        """This device's 1-D piece of every sliced leaf of ``params``; ``None`` for
+        owned leaves."""
+        raise NotImplementedError
+
+    def owned_weights(self, plan: Plan, params: PyTree) -> Any:
+        """The current weights of the owned leaves, as :meth:`local` reads them."""
+        raise NotImplementedError
+
+    def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
+        """Per leaf, what ``device`` (on ``branch``) holds of the owned leaves it
+        updates, from :meth:`owned_weights` (``None`` where it holds nothing, or
+        where the update reads no weights)."""
+        raise NotImplementedError
+
+    def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
+        """``device``'s new owned leaves of ``bucket`` (``new[i]``: its units of leaf
+        ``i``) packed for :meth:`send`."""
+        raise NotImplementedError
+
+    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
+        """The new parameters, laid out as ``params``, from this device's new pieces of
+        the sliced leaves and its :meth:`row` per bucket."""
+        raise NotImplementedError
+
+    def nbytes(self, plan: Plan) -> int:
+        """Bytes per device the departure's collectives return, summed (as
+        :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
+        device."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGather(Departure):
+    """Whole, replicated parameters: one ``all_gather`` per leaf of at least
+    ``pack_bytes`` (its result is the leaf itself: a reshape, plus a slice where the
+    leaf was padded), one per packed group of smaller leaves, and one per bucket with
+    owned leaves (each owned leaf taken from its owner's row), in the parameters'
+    dtypes. Scope ``zeroshard/all_gather``."""
+
+    def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
+        return plan.layout.pieces(params, jax.lax.axis_index(self.config.axis_name))
+
+    def owned_weights(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
+        with scope(UPDATE):
+            return owned_wholes(plan, params)
+
+    def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
+        return plan.local_wholes(branch, weights, self.config.axis_name)
+
+    def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
+        return layout.owned_row(new, device, bucket, dtype)
+
+    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
+        with scope(ALL_GATHER):
+            return self.gather(plan.layout, new, rows)
+
+    def gather(
+        self, layout: Layout, pieces: Sequence[jax.Array | None], rows: Sequence[jax.Array | None]
+    ) -> PyTree:
+        """The full parameter tree, invariant over the axis (usable with ``P()``), from
+        this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
+        and its row of owned leaves per bucket (``None`` where it owns nothing)."""
+        axis = self.config.axis_name
+        leaves: list[jax.Array | None] = [None] * len(layout.slots)
+        groups = layout.groups(self.config.pack_bytes)
+        if is_identity([p for p in pieces if p is not None], axis):  # one device
+            leaves = [
+                None if s.owned else s.uncut(p.astype(s.dtype))
+                for p, s in zip(pieces, layout.slots, strict=True)
+            ]
+            groups = ()
+        for group in groups:
+            own = [pieces[i].astype(layout.slots[i].dtype) for i in group]
+            row = own[0] if len(own) == 1 else jnp.concatenate(own)
+            full = jax.lax.all_gather(row, axis, tiled=False, to="invarying")  # (N, row)
+            for i, start, stop in layout.columns(group):
+                leaves[i] = layout.slots[i].uncut(full[:, start:stop])
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            row = row.astype(layout.buckets[b].dtype)
+            every = (
+                row[None]
+                if is_identity(row, axis)
+                else jax.lax.all_gather(row, axis, to="invarying")
+            )
+            for i, s in enumerate(layout.slots):
+                if s.owned and s.bucket == b:
+                    leaves[i] = layout.owned_full(every, i)
+        return layout.treedef.unflatten(leaves)
+
+    def nbytes(self, plan: Plan) -> int:
+        layout, n = plan.layout, plan.layout.num_shards
+        sliced = sum(
+            n * layout.slots[i].piece_size * layout.slots[i].dtype.itemsize
+            for group in layout.groups(self.config.pack_bytes)
+            for i in group
+        )
+        return sliced + sum(n * b.owned_width * b.dtype.itemsize for b in layout.buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToPieces(Departure):
+    """Stage-3 parameters, :class:`zeroshard.Shard` pieces: the owned leaves' weights
+    go to their owners first where the update reads them and no master holds them
+    (scope ``zeroshard/to_owners``), and the owners' new units go back to every
+    device's pieces (scope ``zeroshard/from_owners``), one ``all_to_all`` per bucket
+    each way."""
+
+    def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
+        return [
+            None if s.owned else x.piece.reshape(-1)
+            for x, s in zip(
+                plan.layout.treedef.flatten_up_to(params), plan.layout.slots, strict=True
+            )
+        ]
+
+    def owned_weights(self, plan: Plan, params: PyTree) -> tuple[jax.Array | None, ...]:
+        """Per bucket what each device holds of this device's units (``(num_shards,
+        owned_chunk)``), where the bucket keeps no master and the update reads them
+        (Muon without weight decay does not); else ``None``."""
+        layout, dtypes = plan.layout, plan.inner_dtypes
+        read = self.read_buckets(plan)
+        leaves = layout.treedef.flatten_up_to(params)
+        with scope(TO_OWNERS):
+            pieces = [
+                x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
+                for x, s in zip(leaves, layout.slots, strict=True)
+            ]
+            blocks = [
+                owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
+                for b in range(len(layout.buckets))
+            ]
+            return exchange(blocks, self.config.axis_name)
+
+    def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
+        owned = dict(plan.branches[branch])
+        return [
+            units_from_pieces(plan.layout, weights[s.bucket], i, device)
+            if i in owned and weights[s.bucket] is not None and not unread(plan, i)
+            else None
+            for i, s in enumerate(plan.layout.slots)
+        ]
+
+    def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
+        return piece_blocks(layout, new, device, bucket, dtype)
+
+    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
+        layout = plan.layout
+        leaves = layout.treedef.flatten_up_to(params)
+        with scope(FROM_OWNERS):
+            back = exchange(rows, self.config.axis_name)  # the owners' units -> pieces
+            new = [
+                _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x)
+                if s.owned
+                else p
+                for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
+            ]
+            return to_shards(layout, new)
+
+    def read_buckets(self, plan: Plan) -> set[int]:
+        """The buckets with owned leaves whose update reads weights no master holds."""
+        return {
+            s.bucket
+            for i, s in enumerate(plan.layout.slots)
+            if s.owned and plan.master_dtypes[s.bucket] is None and not unread(plan, i)
+        }
+
+    def nbytes(self, plan: Plan) -> int:
+        layout, n = plan.layout, plan.layout.num_shards
+        width = lambda b: (
+            n * layout.buckets[b].owned_chunk * jnp.dtype(plan.inner_dtypes[b]).itemsize
+        )
+        back = sum(width(b) for b, bucket in enumerate(layout.buckets) if bucket.owned_width)
+        return back + sum(width(b) for b in self.read_buckets(plan))
+
+
+def unread(plan: Plan, i: int) -> bool:
+    """Whether owned leaf ``i``'s stage-3 weights stay with their pieces: no master holds
+    them and the update does not read them, so its owners get zeros for them, and
+    what they send back is the update (zeros plus the update), which each device adds
+    to its piece: the same sum as the owner's would be."""
+    return plan.master_dtypes[plan.layout.slots[i].bucket] is None and i not in plan.analysis.reads
+
+
+def _new_piece(plan: Plan, i: int, received: jax.Array, old: Any) -> jax.Array:
+    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent."""
+    if not unread(plan, i):
+        return received
+    return old.piece.reshape(-1) + received.astype(old.dtype)

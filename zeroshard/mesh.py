@@ -1,0 +1,109 @@
+"""Mesh: which mesh a state or an update is on, whether it has the optimizer's axes,
+and running a per-device function on it.
+
+The data-parallel axis is said once, in :func:`zeroshard.sharded` (``axis_name``): the
+entry points that take ``axis_name=`` again accept only the optimizer's
+(:func:`check_mesh`). The mesh is the one given, else the optimizer's ``mesh=``, else
+the one set with ``jax.set_mesh``, else the one the arrays are laid out on
+(:func:`find_mesh`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.config import ShardConfig, check_mesh_axes
+from zeroshard.layout import PyTree
+
+
+def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+    """The data-parallel axis: the optimizer's (said once, in ``zs.sharded``);
+    ``axis_name``, the keyword the public entry points still accept, may only repeat
+    it. Refuses a mesh without the optimizer's axes, naming the fix."""
+    axis_name = config.axis_name if axis_name is None else axis_name
+    if config.axis_name != axis_name:
+        raise ValueError(
+            f"the optimizer was built with axis_name={config.axis_name!r} but the step uses "
+            f"axis_name={axis_name!r}; use the same axis for both."
+        )
+    check_mesh_axes(mesh, axis_name, config.replica_axis)
+    return axis_name
+
+
+def find_mesh(
+    config: ShardConfig, tree: PyTree = None, mesh: Any = None, *, context: bool = True
+) -> Any:
+    """``mesh``, else ``config.mesh``, else (with ``context``) the mesh set with
+    ``jax.set_mesh``, else the mesh the arrays of ``tree`` are laid out on: the first
+    with ``config.axis_name``.
+
+    Raises:
+      ValueError: if none is known, naming the fixes.
+    """
+    axis = config.axis_name
+    if mesh is not None or config.mesh is not None:
+        return config.mesh if mesh is None else mesh
+    current = jax.sharding.get_abstract_mesh()
+    if context and not current.empty and axis in current.axis_names:
+        return current
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):  # a tracer: its type's sharding
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+        found = getattr(sharding, "mesh", None)
+        if found is not None and not found.empty and axis in found.axis_names:
+            return found
+    if not context:
+        raise ValueError(
+            f"no mesh with axis {axis!r} is known for this state: pass mesh=..., or build "
+            "the optimizer with zs.sharded(inner, mesh=mesh)."
+        )
+    raise ValueError(
+        f"zeroshard: no mesh with axis {axis!r} is known here. Build the optimizer with "
+        f"zs.sharded(inner, axis_name={axis!r}, mesh=mesh), or call under "
+        "`with jax.set_mesh(mesh):`; inside jax.shard_map over the axis, the local "
+        f"update runs. (Mesh set now: {tuple(current.axis_names) or 'none'}.)"
+    )
+
+
+def mesh_of(state: Any) -> jax.sharding.Mesh:
+    """The mesh a :class:`zeroshard.TrainState` is laid out on."""
+    sharding = getattr(state.step, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            "expected a zs.TrainState laid out on a mesh (from zs.init_train_state or a "
+            f"train step); its step has sharding {sharding!r}."
+        )
+    return sharding.mesh
+
+
+def bound_axis_size(axis_name: str) -> int | None:
+    """Size of ``axis_name`` if it is bound here (inside ``shard_map``), else ``None``."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+
+
+def run_on_mesh(
+    local: Callable[..., Any], mesh: Any, axis_name: str, specs: tuple[Any, Any], *args: Any
+) -> Any:
+    """``local`` on every device of ``mesh`` (a jitted ``shard_map``, manual over
+    ``axis_name``; ``specs``: its ``(in_specs, out_specs)``), on ``args`` placed as the
+    ``in_specs`` say: how a state is first laid out, each device building its part."""
+    in_specs, out_specs = specs
+    named = lambda spec: NamedSharding(mesh, spec)
+    placed = jax.device_put(args, jax.tree.map(named, in_specs, is_leaf=_is_spec))
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
+    )
+    return jax.jit(run)(*placed)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)

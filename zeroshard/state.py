@@ -1,0 +1,43 @@
+"""State: :class:`ShardedState`, what :func:`zeroshard.sharded` keeps per device."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import optax
+
+from zeroshard.layout import PyTree
+from zeroshard.loss_scale import LossScaleState
+
+
+class ShardedState(NamedTuple):
+    """State of :func:`sharded`; every array is this device's part or a scalar.
+
+    Attributes:
+      inner_state: the inner optimizer's state for this device's pieces, with
+        ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
+      master: this device's pieces of the master weights: a tree like the parameters,
+        shaped like the inner state's pieces, with ``None`` at leaves already in the
+        master dtype (their piece is the master) and at owned leaves (their master is
+        in ``owned``); ``None`` when no leaf keeps a master.
+      grad_norm: global L2 norm of the mean gradient at the last update, before any
+        clipping (``nan`` or ``inf`` when that gradient was not finite).
+      skipped: number of updates skipped because the mean gradient was not finite
+        (int32; see ``skip_nonfinite`` in :func:`sharded`). A step of
+        :func:`zeroshard.make_train_step` reports whether it was skipped as
+        ``metrics["skipped"]`` (0 or 1).
+      loss_scale: the dynamic loss scale's state, or ``None`` without loss scaling.
+        A step of :func:`zeroshard.make_train_step` reports the scale it used as
+        ``metrics["loss_scale"]``.
+      owned: per dtype, this device's row of the inner state and master weights of
+        the leaves it owns (see :class:`zeroshard.placement.Storage`); ``()`` when no
+        leaf is owned.
+    """
+
+    inner_state: optax.OptState
+    master: PyTree
+    grad_norm: jax.Array
+    skipped: jax.Array
+    loss_scale: LossScaleState | None = None
+    owned: tuple[jax.Array, ...] = ()
