@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh  # noqa: F401  (re-exported: zeroshard.flax imports it here)
 
 
 def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
