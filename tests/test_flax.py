@@ -348,3 +348,28 @@ def test_nnx_bf16_compute_keeps_an_fp32_master(rng):
         jax.tree.map(lambda x: x.astype(jnp.bfloat16), expected),
         2**-7,
     )
+
+
+class NNXBatchNormModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(7, 5, rngs=rngs)
+        self.norm = nnx.BatchNorm(5, momentum=0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.l1(x))
+
+
+def test_nnx_running_statistics_without_sync_are_the_mean_over_devices(rng):
+    """With ``sync_batch_stats=False`` each device normalises with its own rows; the
+    running statistics that come back are the mean of the devices' own (not one's)."""
+    batch, mesh = batches(rng, 1, size=32)[0], make_mesh(8)
+    model, reference = NNXBatchNormModel(nnx.Rngs(0)), NNXBatchNormModel(nnx.Rngs(0))
+    optimizer = zf.nnx_optimizer(model, zs.sharded(optax.sgd(0.1)), mesh)
+    zf.nnx_train_step(nnx_loss, mesh, sync_batch_stats=False)(model, optimizer, batch)
+    per_device = []
+    for rows in np.split(np.asarray(batch["x"]), 8):
+        device = nnx.clone(reference)
+        device(jnp.asarray(rows))  # train mode: updates its running statistics
+        per_device.append(nnx.to_pure_dict(nnx.state(device, nnx.BatchStat)))
+    expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *per_device)
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), expected, 1e-6)
