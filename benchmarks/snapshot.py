@@ -92,7 +92,10 @@ def loss_fn(params: dict, batch: dict, stage: int = 1) -> jax.Array:
 def logical(params, opt_state, tx, mesh, compute=None) -> dict:
     """``zs.to_optax_state`` (the fp32 masters, the inner state as plain optax holds
     it) and, given, the compute parameters."""
-    step = jax.device_put(jnp.int32(STEPS), NamedSharding(mesh, P()))
+    # On the mesh the state's arrays are typed on (a Flax step returns them on the
+    # mesh's Auto twin outside a mesh context).
+    on = jax.tree.leaves(opt_state)[0].sharding.mesh
+    step = jax.device_put(jnp.int32(STEPS), NamedSharding(on, P()))
     master, inner_state = zs.to_optax_state(zs.TrainState(step, params, opt_state), tx)
     return {"master": master, "opt": inner_state, "params": compute}
 
