@@ -23,7 +23,7 @@ first on ``PYTHONPATH``), interleaved in one run.
 
     .venv/bin/python benchmarks/startup.py --leaves 32 128 512 2048
     .venv/bin/python benchmarks/startup.py --leaves 32 512 --optimizer lamb \
-        --trees before=/tmp/before after=. --no-replicated --until lower
+        --trees before=../zs-before after=. --no-replicated --until lower
 """
 
 from __future__ import annotations
