@@ -272,8 +272,7 @@ class TrainStep:
             if self.stage == 2:
                 grads = self.route.arrival.bring(plan, grads)
             elif self.stage == 3:
-                n = layout.num_shards
-                grads = [g.piece.reshape(-1) / n for g in layout.treedef.flatten_up_to(grads)]
+                grads = self.route.arrival.pieces(layout, grads)
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             return (model_state, acc), (loss, aux)
 
