@@ -80,7 +80,7 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     when ``params`` and ``optimizer`` name functions (``module:function``)."""
     import jax
 
-    from zeroshard.memory import placement_table, plan_table
+    from zeroshard.memory import param_count, placement_table, plan_table
 
     try:
         tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
@@ -88,10 +88,9 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
-    count = tree if isinstance(tree, float) else sum(x.size for x in jax.tree.leaves(tree))
     print(
-        f"{count:,.0f} parameters on {devices} devices, {param_dtype} params and grads, "
-        f"{optimizer}, fp32 master where the params are narrower (per device):\n"
+        f"{param_count(tree):,.0f} parameters on {devices} devices, {param_dtype} params and "
+        f"grads, {optimizer}, fp32 master where the params are narrower (per device):\n"
     )
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
     if not isinstance(tree, float) and hasattr(tx, "init"):
