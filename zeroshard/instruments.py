@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
 
 import jax
 import numpy as np
@@ -163,15 +162,14 @@ def summarize(found: list[Collective], per_axis: bool = False) -> dict[str, dict
       >>> summarize([Collective("all-reduce", "f32", 400, 4)])
       {'all-reduce': {'count': 1, 'bytes': 400, 'ring_bytes': 600.0}}
     """
-    out: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "bytes": 0, "ring_bytes": 0}
-    )
+    out: dict[str, dict[str, float]] = {}
     for c in found:
         key = f"{c.kind} over {'+'.join(c.axes) or '?'}" if per_axis else c.kind
-        out[key]["count"] += 1
-        out[key]["bytes"] += c.result_bytes
-        out[key]["ring_bytes"] += c.ring_bytes
-    return dict(out)
+        row = out.setdefault(key, {"count": 0, "bytes": 0, "ring_bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c.result_bytes
+        row["ring_bytes"] += c.ring_bytes
+    return out
 
 
 def lowered_collectives(stablehlo_text: str) -> list[Collective]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from types import FrameType
 
 import jax
 
@@ -95,10 +94,7 @@ class PreemptionGuard:
         """Whether processes agree through jax's preemption sync manager."""
         if not self.distributed:
             for sig in signals:
-                self._previous[sig] = signal.signal(sig, self._handler)
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self._event.set()
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: self._event.set())
 
     @property
     def requested(self) -> bool:
