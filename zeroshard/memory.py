@@ -142,9 +142,7 @@ def estimate_memory(
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
-    shard = lambda bytes_per_param, from_stage: (
-        psi * bytes_per_param / (n if stage >= from_stage else 1)
-    )
+    shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
         if stage:
             return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
@@ -175,14 +173,9 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimiz
     )
     used = shared + master + sum(plan.owned_bytes()) / n
     costs = plan.owned_costs()
-    return MemoryEstimate(
-        0.0,
-        0.0,
-        shared + rows,
-        master,
-        (shared + rows + master) / used if used else 1.0,
-        max(costs) / (sum(costs) / n) if sum(costs) else 1.0,
-    )
+    imbalance = (shared + rows + master) / used if used else 1.0
+    update_imbalance = max(costs) / (sum(costs) / n) if sum(costs) else 1.0
+    return MemoryEstimate(0.0, 0.0, shared + rows, master, imbalance, update_imbalance)
 
 
 def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtype: Any) -> str:
