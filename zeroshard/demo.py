@@ -57,8 +57,8 @@ def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
     end = "\n" if step == total or not sys.stdout.isatty() else "\r"
     if end == "\n" and step % max(total // 10, 1) and step != total:
         return  # not a terminal: print every tenth of the run
-    print(f"  [{bar}] {step:4d}/{total}  loss {loss:.4f}  {tokens_per_s:8,.0f} tok/s", end=end)
-    sys.stdout.flush()
+    line = f"  [{bar}] {step:4d}/{total}  loss {loss:.4f}  {tokens_per_s:8,.0f} tok/s"
+    print(line, end=end, flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.devices
     text, vocab, tokens = corpus()
     batch_at = batches(tokens, args.batch, args.context)
-    graphdef, params = transformer(args, len(vocab))
-    loss_fn = lm_loss(graphdef)
+    graphdef, params, loss_fn = transformer(args, len(vocab))
     # optax.clip_by_global_norm as it is: inside zs.sharded its global norm is summed
     # across devices (the replicated baseline runs the same optimizer).
     inner = optax.chain(
@@ -106,8 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt.close()
 
     replicated, base_mem = replicated_optax(params, inner, loss_fn, mesh, batch_at)
-    table = memory_table(replicated, state, loss_fn, batch_at)
-    state_ratio = report_memory(n, table, base_mem, ours_mem)
+    table, state_ratio = report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at)
     print_sample(graphdef, state.params, tokens, vocab, args.context, args.steps)
 
     if args.plot:
@@ -176,13 +174,9 @@ class TransformerLM(nnx.Module):
 
 
 def transformer(args: argparse.Namespace, vocab_size: int):
-    """The model: ``(graphdef, params)``, the parameters as a dict of fp32 arrays."""
+    """The model: ``(graphdef, params, loss_fn)``, the parameters as a dict of fp32
+    arrays and ``loss_fn(params, batch)`` the model's next-token cross-entropy."""
     graphdef, params = nnx.split(TransformerLM(args, vocab_size, nnx.Rngs(0)), nnx.Param)
-    return graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
-
-
-def lm_loss(graphdef):
-    """``loss_fn(params, batch)``: next-token cross-entropy of the model."""
 
     def loss_fn(p: dict, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, nnx.State(p))
@@ -190,7 +184,8 @@ def lm_loss(graphdef):
         logits = model(ids[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
-    return loss_fn
+    fp32 = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
+    return graphdef, fp32, loss_fn
 
 
 def train(args, mesh, state, train_step, batch_at, ckpt, save_at):
@@ -214,11 +209,10 @@ def train(args, mesh, state, train_step, batch_at, ckpt, save_at):
     for step in range(first + 1, args.steps + 1):
         state, metrics = train_step(state, batch_at(step - 1))
         losses.append(float(metrics["loss"]))
-        if int(state.step) == save_at:
+        if step == save_at:
             ckpt.save(state)  # async: the next step donates the state right away
         if guard.should_stop(step):
-            ckpt.wait_until_finished()
-            if step not in ckpt.all_steps():
+            if step != save_at:  # else saved just above
                 ckpt.save(state)
             ckpt.close()  # waits until the step is committed on disk
             print(f"Preempted: saved step {step} in {ckpt.directory}; run the same command")
@@ -276,8 +270,14 @@ def replicated_optax(params, inner, loss_fn, mesh, batch_at):
     return state, baseline.lower(*state, batch).compile().memory_analysis()
 
 
-def memory_table(replicated, state, loss_fn, batch_at) -> dict[str, tuple[int, int]]:
-    """Bytes per device by component: ``{name: (replicated optax, zeroshard)}``."""
+def report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at):
+    """Prints bytes per device by component, replicated optax vs zeroshard: of live
+    arrays, and of XLA's memory analysis of both compiled steps.
+
+    Returns:
+      ``(table, state_ratio)``: ``{name: (replicated optax, zeroshard)}`` of the arrays,
+      and optimizer state + master per device as a fraction of replicated.
+    """
     rep_params, rep_master, rep_moments = replicated
     grads = jax.eval_shape(jax.grad(loss_fn), state.params, batch_at(0))  # bf16, full size
     rows = {
@@ -286,12 +286,8 @@ def memory_table(replicated, state, loss_fn, batch_at) -> dict[str, tuple[int, i
         "AdamW moments (fp32)": (rep_moments, state.opt_state.inner_state),
         "master weights (fp32)": (rep_master, state.opt_state.master),
     }
-    return {k: tuple(map(zs.state_bytes_per_device, pair)) for k, pair in rows.items()}
-
-
-def report_memory(n: int, table, base_mem, ours_mem) -> float:
-    """Prints the memory table; returns optimizer state + master per device as a
-    fraction of replicated."""
+    table = {k: tuple(map(zs.state_bytes_per_device, pair)) for k, pair in rows.items()}
+    n = jax.device_count()
     print(f"\nPer-device memory on {n} devices (bytes):\n")
     print("| component | replicated optax | zeroshard | ratio |")
     print("|---|---:|---:|---:|")
@@ -310,7 +306,7 @@ def report_memory(n: int, table, base_mem, ours_mem) -> float:
         f"\nOptimizer state + master per device: {state_ratio:.4f} of replicated "
         f"(1/{n} = {1 / n:.4f}; the difference is padding and replicated scalars)."
     )
-    return state_ratio
+    return table, state_ratio
 
 
 def print_sample(graphdef, params, tokens, vocab, context: int, steps: int) -> None:

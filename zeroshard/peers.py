@@ -111,14 +111,7 @@ class PeerWatchdog:
             self._watched += 1
 
     def _fail(self, reason: str) -> None:
-        latest = _latest_step(self.checkpoint_dir)
-        where = (
-            "no checkpoint directory was given"
-            if self.checkpoint_dir is None
-            else f"no finalised step in {self.checkpoint_dir}"
-            if latest is None
-            else f"from step {latest} in {self.checkpoint_dir}"
-        )
+        where = _restart_point(self.checkpoint_dir)
         logger.critical(
             f"zeroshard: process {jax.process_index()} of {jax.process_count()} stops: a peer "
             f"process was lost. {reason}. Another process died or hangs, and the run cannot "
@@ -130,9 +123,13 @@ class PeerWatchdog:
         os._exit(EXIT_CODE)
 
 
-def _latest_step(directory: str | None) -> int | None:
-    """The newest finalised step in ``directory`` (orbax names them by number)."""
-    if directory is None or not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if re.fullmatch(r"\d+", name)]
-    return max(steps, default=None)
+def _restart_point(directory: str | None) -> str:
+    """Where a resumed run restarts: the newest finalised step in ``directory`` (orbax
+    names them by number)."""
+    if directory is None:
+        return "no checkpoint directory was given"
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [int(name) for name in names if re.fullmatch(r"\d+", name)]
+    if not steps:
+        return f"no finalised step in {directory}"
+    return f"from step {max(steps)} in {directory}"
