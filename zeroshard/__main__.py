@@ -54,14 +54,12 @@ def _describe(manager, meta: dict) -> None:
         print(f"  {key}: {meta[key]}")
     print(
         f"  saved on {meta['num_shards']} devices along axis {meta['axis_name']!r} "
-        f"(mesh {meta['mesh_shape']}); restores on any device count"
-    )
-    print(
+        f"(mesh {meta['mesh_shape']}); restores on any device count\n"
         f"  master dtype: {meta['master_dtype']}; {count:,} parameters "
-        f"in {len(meta['params'])} leaves"
+        f"in {len(meta['params'])} leaves\n"
+        f"  param tree: {meta['param_tree']}\n"
+        "  parameters (shape, compute dtype -> saved master dtype):"
     )
-    print(f"  param tree: {meta['param_tree']}")
-    print("  parameters (shape, compute dtype -> saved master dtype):")
     for path, leaf in meta["params"].items():
         print(f"    {path}: {leaf['shape']} {meta['param_dtypes'][path]} -> {leaf['dtype']}")
     print(f"  optimizer state ({len(meta['opt_state'])} leaves):")

@@ -332,11 +332,10 @@ def plot(path, losses, resumed, save_at, m, table, n) -> None:
     left.plot(resumed_at, resumed, "--", label=f"resumed from step {save_at} on {m} devices")
     left.set(xlabel="step", ylabel="loss", title="training loss", yscale="log")
     left.legend()
-    names = list(table)
+    x = np.arange(len(table))
     for k, (label, shift) in enumerate([("replicated optax", -0.2), ("zeroshard", 0.2)]):
-        sizes = [table[name][k] / 1e6 for name in names]
-        right.bar([i + shift for i in range(len(names))], sizes, 0.4, label=label)
-    right.set_xticks(range(len(names)), [name.split(" (")[0] for name in names])
+        right.bar(x + shift, [sizes[k] / 1e6 for sizes in table.values()], 0.4, label=label)
+    right.set_xticks(x, [name.split(" (")[0] for name in table])
     right.set(ylabel="MB per device", title=f"memory per device, {n} devices")
     right.legend()
     fig.tight_layout()

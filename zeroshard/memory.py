@@ -103,8 +103,7 @@ def _optimizer_bytes(optimizer: Any) -> float:
         return 4.0 * optimizer
     probe = {"p": jax.ShapeDtypeStruct((4096,), jnp.float32)}
     state = jax.eval_shape(_inner(optimizer).init, probe)
-    per_element = [x for x in jax.tree.leaves(state) if x.shape == (4096,)]
-    return sum(jnp.dtype(x.dtype).itemsize for x in per_element)
+    return sum(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state) if x.shape == (4096,))
 
 
 def estimate_memory(

@@ -88,8 +88,7 @@ def scopes_of(op_name: str) -> tuple[str, ...]:
 def _merged(op_name: str, start: int) -> list[str]:
     """The names merged in a ``(a:b;c)`` group of ``op_name`` opening before ``start``."""
     parts, depth, begin = [], 0, start
-    for k in range(start, len(op_name)):
-        c = op_name[k]
+    for k, c in enumerate(op_name[start:], start):
         if c == "(":
             depth += 1
         elif c == ")" and depth:
