@@ -54,14 +54,12 @@ def _describe(manager, meta: dict) -> None:
         print(f"  {key}: {meta[key]}")
     print(
         f"  saved on {meta['num_shards']} devices along axis {meta['axis_name']!r} "
-        f"(mesh {meta['mesh_shape']}); restores on any device count"
-    )
-    print(
+        f"(mesh {meta['mesh_shape']}); restores on any device count\n"
         f"  master dtype: {meta['master_dtype']}; {count:,} parameters "
-        f"in {len(meta['params'])} leaves"
+        f"in {len(meta['params'])} leaves\n"
+        f"  param tree: {meta['param_tree']}\n"
+        "  parameters (shape, compute dtype -> saved master dtype):"
     )
-    print(f"  param tree: {meta['param_tree']}")
-    print("  parameters (shape, compute dtype -> saved master dtype):")
     for path, leaf in meta["params"].items():
         print(f"    {path}: {leaf['shape']} {meta['param_dtypes'][path]} -> {leaf['dtype']}")
     print(f"  optimizer state ({len(meta['opt_state'])} leaves):")
@@ -80,7 +78,7 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     when ``params`` and ``optimizer`` name functions (``module:function``)."""
     import jax
 
-    from zeroshard.memory import placement_table, plan_table
+    from zeroshard.memory import param_count, placement_table, plan_table
 
     try:
         tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
@@ -88,10 +86,9 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
-    count = tree if isinstance(tree, float) else sum(x.size for x in jax.tree.leaves(tree))
     print(
-        f"{count:,.0f} parameters on {devices} devices, {param_dtype} params and grads, "
-        f"{optimizer}, fp32 master where the params are narrower (per device):\n"
+        f"{param_count(tree):,.0f} parameters on {devices} devices, {param_dtype} params and "
+        f"grads, {optimizer}, fp32 master where the params are narrower (per device):\n"
     )
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
     if not isinstance(tree, float) and hasattr(tx, "init"):

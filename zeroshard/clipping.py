@@ -77,10 +77,6 @@ def clip_by_global_norm(max_norm: float, *, axis_name: str) -> optax.GradientTra
       1.0000
     """
 
-    def init_fn(params: PyTree) -> ClipByGlobalNormState:
-        del params
-        return ClipByGlobalNormState()
-
     def update_fn(updates, state, params=None):
         del params
         norm = global_norm(updates, axis_name)
@@ -88,4 +84,4 @@ def clip_by_global_norm(max_norm: float, *, axis_name: str) -> optax.GradientTra
         clip = lambda u: jnp.where(norm < max_norm, u, (u / norm.astype(u.dtype)) * max_norm)
         return jax.tree.map(clip, updates), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)

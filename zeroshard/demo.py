@@ -24,6 +24,16 @@ import tempfile
 import time
 from importlib import resources
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,8 +57,8 @@ def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
     end = "\n" if step == total or not sys.stdout.isatty() else "\r"
     if end == "\n" and step % max(total // 10, 1) and step != total:
         return  # not a terminal: print every tenth of the run
-    print(f"  [{bar}] {step:4d}/{total}  loss {loss:.4f}  {tokens_per_s:8,.0f} tok/s", end=end)
-    sys.stdout.flush()
+    line = f"  [{bar}] {step:4d}/{total}  loss {loss:.4f}  {tokens_per_s:8,.0f} tok/s"
+    print(line, end=end, flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,21 +71,18 @@ def main(argv: list[str] | None = None) -> dict:
     """
     args = parse_args(argv)
     start_jax(args.devices, args.batch)
-    import jax
-    import jax.numpy as jnp
-
-    import zeroshard as zs
-
     n = args.devices
     text, vocab, tokens = corpus()
     batch_at = batches(tokens, args.batch, args.context)
-    graphdef, params = transformer(args, len(vocab))
-    loss_fn = lm_loss(graphdef)
-    inner = adamw(args.lr, args.steps)
+    graphdef, params, loss_fn = transformer(args, len(vocab))
+    # optax.clip_by_global_norm as it is: inside zs.sharded its global norm is summed
+    # across devices (the replicated baseline runs the same optimizer).
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01),
+    )
     tx = zs.sharded(inner, axis_name="data")
     mesh = jax.make_mesh((n,), ("data",))
-    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
-    train_step = zs.make_train_step(loss_fn, tx, mesh)
     size = sum(x.size for x in jax.tree.leaves(params))
     print(
         f"zeroshard demo: {size:,}-parameter transformer LM ({args.layers} layers, d_model "
@@ -87,18 +94,18 @@ def main(argv: list[str] | None = None) -> dict:
     directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="zeroshard_demo_")
     ckpt = zs.CheckpointManager(directory, tx, max_to_keep=None)
     save_at = args.steps // 2
-    state, losses, compiled, preempted_at = train(
-        args, mesh, state, train_step, batch_at, ckpt=ckpt, directory=directory, save_at=save_at
+    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
+    train_step = zs.make_train_step(loss_fn, tx, mesh)
+    state, losses, ours_mem, preempted_at = train(
+        args, mesh, state, train_step, batch_at, ckpt, save_at
     )
     if preempted_at is not None:
         return {"losses": losses, "preempted_at": preempted_at}
     resumed, m = resume_on_half(ckpt, tx, loss_fn, state.params, batch_at, losses, save_at)
     ckpt.close()
 
-    replicated = replicated_state(params, inner, mesh)
-    table = memory_table(replicated, state, loss_fn, batch_at)
-    base_mem = replicated_memory(replicated, inner, loss_fn, mesh, batch_at)
-    state_ratio = report_memory(n, table, base_mem, compiled.memory_analysis())
+    replicated, base_mem = replicated_optax(params, inner, loss_fn, mesh, batch_at)
+    table, state_ratio = report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at)
     print_sample(graphdef, state.params, tokens, vocab, args.context, args.steps)
 
     if args.plot:
@@ -109,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def start_jax(devices: int, batch: int) -> None:
     """Starts JAX on ``devices`` simulated CPU devices (exits if it cannot)."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS", "cpu"))
     jax.config.update("jax_num_cpu_devices", devices)
     if jax.device_count() != devices:
         raise SystemExit(f"JAX already started with {jax.device_count()} devices.")
@@ -123,8 +128,6 @@ def start_jax(devices: int, batch: int) -> None:
 
 def corpus():
     """The text that ships with the package, its characters, and it as token ids."""
-    import numpy as np
-
     text = resources.files("zeroshard").joinpath("data/corpus.txt").read_text()
     vocab = sorted(set(text))
     tokens = np.array([vocab.index(c) for c in text], np.int32)
@@ -133,7 +136,6 @@ def corpus():
 
 def batches(tokens, batch: int, context: int):
     """``batch_at(step)``: the global batch of step ``step`` (the same on every run)."""
-    import numpy as np
 
     def batch_at(step: int) -> dict:
         starts = np.random.default_rng(step).integers(0, len(tokens) - context - 1, batch)
@@ -142,49 +144,39 @@ def batches(tokens, batch: int, context: int):
     return batch_at
 
 
+class Block(nnx.Module):
+    def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), mask=mask)
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class TransformerLM(nnx.Module):
+    def __init__(self, args: argparse.Namespace, vocab_size: int, rngs: nnx.Rngs):
+        d = args.d_model
+        self.embed = nnx.Embed(vocab_size, d, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (args.context, d)))
+        self.blocks = nnx.List([Block(d, args.heads, rngs) for _ in range(args.layers)])
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = self.embed(ids) + self.pos[...][: ids.shape[1]].astype(self.embed.embedding.dtype)
+        mask = nnx.make_causal_mask(ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(self.norm(x))
+
+
 def transformer(args: argparse.Namespace, vocab_size: int):
-    """The model: ``(graphdef, params)``, the parameters as a dict of fp32 arrays."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    class Block(nnx.Module):
-        def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
-            self.norm1 = nnx.LayerNorm(d, rngs=rngs)
-            self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
-            self.norm2 = nnx.LayerNorm(d, rngs=rngs)
-            self.up = nnx.Linear(d, 4 * d, rngs=rngs)
-            self.down = nnx.Linear(4 * d, d, rngs=rngs)
-
-        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-            x = x + self.attn(self.norm1(x), mask=mask)
-            return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
-
-    class TransformerLM(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            d = args.d_model
-            self.embed = nnx.Embed(vocab_size, d, rngs=rngs)
-            self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (args.context, d)))
-            self.blocks = nnx.List([Block(d, args.heads, rngs) for _ in range(args.layers)])
-            self.norm = nnx.LayerNorm(d, rngs=rngs)
-
-        def __call__(self, ids: jax.Array) -> jax.Array:
-            x = self.embed(ids) + self.pos[...][: ids.shape[1]].astype(self.embed.embedding.dtype)
-            mask = nnx.make_causal_mask(ids)
-            for block in self.blocks:
-                x = block(x, mask)
-            return self.embed.attend(self.norm(x))
-
-    graphdef, params = nnx.split(TransformerLM(nnx.Rngs(0)), nnx.Param)
-    return graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
-
-
-def lm_loss(graphdef):
-    """``loss_fn(params, batch)``: next-token cross-entropy of the model."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
+    """The model: ``(graphdef, params, loss_fn)``, the parameters as a dict of fp32
+    arrays and ``loss_fn(params, batch)`` the model's next-token cross-entropy."""
+    graphdef, params = nnx.split(TransformerLM(args, vocab_size, nnx.Rngs(0)), nnx.Param)
 
     def loss_fn(p: dict, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, nnx.State(p))
@@ -192,58 +184,44 @@ def lm_loss(graphdef):
         logits = model(ids[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
-    return loss_fn
+    fp32 = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
+    return graphdef, fp32, loss_fn
 
 
-def adamw(lr: float, steps: int):
-    """The inner optimizer: global-norm clipping, then AdamW with cosine decay.
-
-    ``optax.clip_by_global_norm`` as it is: inside ``zs.sharded`` its global norm is
-    summed across devices (the replicated baseline runs the same optimizer)."""
-    import optax
-
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1), weight_decay=0.01),
-    )
-
-
-def train(args, mesh, state, train_step, batch_at, *, ckpt, directory, save_at):
+def train(args, mesh, state, train_step, batch_at, ckpt, save_at):
     """Trains up to ``args.steps``, resuming from the latest step of ``ckpt`` if any and
     saving step ``save_at``; on SIGTERM saves the step and stops.
 
     Returns:
-      ``(state, losses, compiled, preempted_at)``: ``preempted_at`` is the step saved
-      when stopped by SIGTERM, else ``None``; ``compiled`` the compiled train step.
+      ``(state, losses, memory, preempted_at)``: ``preempted_at`` is the step saved
+      when stopped by SIGTERM, else ``None``; ``memory`` XLA's memory analysis of the
+      compiled train step.
     """
-    import zeroshard as zs
-
     first = ckpt.latest_step() or 0
     if first:  # a previous run of this command was preempted: continue it
         state = ckpt.restore(mesh, like=state.params)
-        print(f"Resuming from step {first} in {directory}")
+        print(f"Resuming from step {first} in {ckpt.directory}")
     losses: list[float] = [float("nan")] * first  # not known for steps run before
-    compiled = train_step.lower(state, batch_at(0)).compile()
+    memory = train_step.lower(state, batch_at(0)).compile().memory_analysis()
     guard = zs.PreemptionGuard()  # SIGTERM: finish the step in flight, save, exit 0
     start = time.perf_counter()
-    print(f"Training, checkpoint at step {save_at} in {directory}:")
-    for step in range(first, args.steps):
-        state, metrics = train_step(state, batch_at(step))
+    print(f"Training, checkpoint at step {save_at} in {ckpt.directory}:")
+    for step in range(first + 1, args.steps + 1):
+        state, metrics = train_step(state, batch_at(step - 1))
         losses.append(float(metrics["loss"]))
-        if int(state.step) == save_at:
+        if step == save_at:
             ckpt.save(state)  # async: the next step donates the state right away
-        if guard.should_stop(step + 1):
-            ckpt.wait_until_finished()
-            if step + 1 not in ckpt.all_steps():
+        if guard.should_stop(step):
+            if step != save_at:  # else saved just above
                 ckpt.save(state)
             ckpt.close()  # waits until the step is committed on disk
-            print(f"Preempted: saved step {step + 1} in {directory}; run the same command")
-            print(f"(with --checkpoint-dir {directory}) again to resume.")
-            return state, losses, compiled, step + 1
-        rate = (step + 1 - first) * args.batch * args.context / (time.perf_counter() - start)
-        progress(step + 1, args.steps, losses[-1], rate)
+            print(f"Preempted: saved step {step} in {ckpt.directory}; run the same command")
+            print(f"(with --checkpoint-dir {ckpt.directory}) again to resume.")
+            return state, losses, memory, step
+        rate = (step - first) * args.batch * args.context / (time.perf_counter() - start)
+        progress(step, args.steps, losses[-1], rate)
     ckpt.wait_until_finished()
-    return state, losses, compiled, None
+    return state, losses, memory, None
 
 
 def resume_on_half(ckpt, tx, loss_fn, like, batch_at, losses, save_at):
@@ -253,13 +231,7 @@ def resume_on_half(ckpt, tx, loss_fn, like, batch_at, losses, save_at):
     Returns:
       ``(resumed, m)``: the resumed run's losses and its device count.
     """
-    import jax
-    import numpy as np
-
-    import zeroshard as zs
-
-    n = jax.device_count()
-    m = max(n // 2, 1)
+    m = max(jax.device_count() // 2, 1)
     half = jax.make_mesh((m,), ("data",), devices=jax.devices()[:m])
     resumed_state = ckpt.restore(half, like=like, step=save_at)
     resumed_step = zs.make_train_step(loss_fn, tx, half)
@@ -276,55 +248,18 @@ def resume_on_half(ckpt, tx, loss_fn, like, batch_at, losses, save_at):
     return resumed, m
 
 
-def replicated_state(params, inner, mesh):
-    """What plain optax keeps on every device: ``(bf16 params, fp32 master, moments)``."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    replicated = NamedSharding(mesh, P())
-    rep_params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), replicated)
-    rep_master = jax.device_put(params, replicated)
-    rep_moments = jax.device_put(inner.init(params), replicated)
-    return rep_params, rep_master, rep_moments
-
-
-def memory_table(replicated, state, loss_fn, batch_at) -> dict[str, tuple[int, int]]:
-    """Bytes per device by component: ``{name: (replicated optax, zeroshard)}``."""
-    import jax
-
-    import zeroshard as zs
-
-    rep_params, rep_master, rep_moments = replicated
-    grads = jax.eval_shape(jax.grad(loss_fn), state.params, batch_at(0))  # bf16, full size
-    moments = state.opt_state.inner_state
-    rows = {
-        "params (bf16, replicated)": (rep_params, state.params),
-        "grads (bf16, full local; by shape)": (grads, grads),
-        "AdamW moments (fp32)": (rep_moments, moments),
-        "master weights (fp32)": (rep_master, state.opt_state.master),
-    }
-    return {
-        k: (zs.state_bytes_per_device(a), zs.state_bytes_per_device(b))
-        for k, (a, b) in rows.items()
-    }
-
-
-def replicated_memory(replicated, inner, loss_fn, mesh, batch_at):
-    """XLA's memory analysis of one plain optax data-parallel step, compiled."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+def replicated_optax(params, inner, loss_fn, mesh, batch_at):
+    """Plain optax data parallelism: what it keeps on every device, ``(bf16 params, fp32
+    master, moments)``, and XLA's memory analysis of its step, compiled."""
+    to_bf16 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+    state = jax.device_put((to_bf16(params), params, inner.init(params)), NamedSharding(mesh, P()))
 
     def replicated_step(p, master, opt_state, batch):
         grads = jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), batch)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.lax.pmean(grads, "data"))
         updates, opt_state = inner.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
-        return jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), master, opt_state
+        return to_bf16(master), master, opt_state
 
     specs = (P(), P(), P(), P("data"))
     baseline = jax.jit(
@@ -332,39 +267,50 @@ def replicated_memory(replicated, inner, loss_fn, mesh, batch_at):
         donate_argnums=(0, 1, 2),
     )
     batch = jax.device_put(batch_at(0), NamedSharding(mesh, P("data")))
-    return baseline.lower(*replicated, batch).compile().memory_analysis()
+    return state, baseline.lower(*state, batch).compile().memory_analysis()
 
 
-def report_memory(n: int, table, base_mem, ours_mem) -> float:
-    """Prints the memory table; returns optimizer state + master per device as a
-    fraction of replicated."""
+def report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at):
+    """Prints bytes per device by component, replicated optax vs zeroshard: of live
+    arrays, and of XLA's memory analysis of both compiled steps.
+
+    Returns:
+      ``(table, state_ratio)``: ``{name: (replicated optax, zeroshard)}`` of the arrays,
+      and optimizer state + master per device as a fraction of replicated.
+    """
+    rep_params, rep_master, rep_moments = replicated
+    grads = jax.eval_shape(jax.grad(loss_fn), state.params, batch_at(0))  # bf16, full size
+    rows = {
+        "params (bf16, replicated)": (rep_params, state.params),
+        "grads (bf16, full local; by shape)": (grads, grads),
+        "AdamW moments (fp32)": (rep_moments, state.opt_state.inner_state),
+        "master weights (fp32)": (rep_master, state.opt_state.master),
+    }
+    table = {k: tuple(map(zs.state_bytes_per_device, pair)) for k, pair in rows.items()}
+    n = jax.device_count()
     print(f"\nPer-device memory on {n} devices (bytes):\n")
     print("| component | replicated optax | zeroshard | ratio |")
     print("|---|---:|---:|---:|")
-    for name, (a, b) in table.items():
+    compiled = {
+        f"compiled step: {name}": (getattr(base_mem, attr), getattr(ours_mem, attr))
+        for name, attr in [
+            ("arguments", "argument_size_in_bytes"),
+            ("temporaries", "temp_size_in_bytes"),
+        ]
+    }
+    for name, (a, b) in {**table, **compiled}.items():
         print(f"| {name} | {a:,} | {b:,} | {b / a:.3f} |")
-    for name, attr in [
-        ("compiled step: arguments", "argument_size_in_bytes"),
-        ("compiled step: temporaries", "temp_size_in_bytes"),
-    ]:
-        a, b = getattr(base_mem, attr), getattr(ours_mem, attr)
-        print(f"| {name} | {a:,} | {b:,} | {b / a:.3f} |")
-    state_ratio = sum(table[k][1] for k in list(table)[2:]) / sum(
-        table[k][0] for k in list(table)[2:]
-    )
+    state_rows = list(table.values())[2:]
+    state_ratio = sum(b for _, b in state_rows) / sum(a for a, _ in state_rows)
     print(
         f"\nOptimizer state + master per device: {state_ratio:.4f} of replicated "
         f"(1/{n} = {1 / n:.4f}; the difference is padding and replicated scalars)."
     )
-    return state_ratio
+    return table, state_ratio
 
 
 def print_sample(graphdef, params, tokens, vocab, context: int, steps: int) -> None:
     """Prints 120 characters sampled greedily from the trained model."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     model = nnx.merge(graphdef, nnx.State(jax.device_get(params)))
     ids = list(tokens[:context])
     for _ in range(120):
@@ -382,21 +328,14 @@ def plot(path, losses, resumed, save_at, m, table, n) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.plot(range(1, len(losses) + 1), losses, label=f"{n} devices")
-    left.plot(
-        range(save_at + 1, save_at + len(resumed) + 1),
-        resumed,
-        "--",
-        label=f"resumed from step {save_at} on {m} devices",
-    )
+    resumed_at = range(save_at + 1, save_at + len(resumed) + 1)
+    left.plot(resumed_at, resumed, "--", label=f"resumed from step {save_at} on {m} devices")
     left.set(xlabel="step", ylabel="loss", title="training loss", yscale="log")
     left.legend()
-    names = list(table)
-    x = range(len(names))
-    right.bar(
-        [i - 0.2 for i in x], [table[k][0] / 1e6 for k in names], 0.4, label="replicated optax"
-    )
-    right.bar([i + 0.2 for i in x], [table[k][1] / 1e6 for k in names], 0.4, label="zeroshard")
-    right.set_xticks(list(x), [k.split(" (")[0] for k in names])
+    x = np.arange(len(table))
+    for k, (label, shift) in enumerate([("replicated optax", -0.2), ("zeroshard", 0.2)]):
+        right.bar(x + shift, [sizes[k] / 1e6 for sizes in table.values()], 0.4, label=label)
+    right.set_xticks(x, [name.split(" (")[0] for name in table])
     right.set(ylabel="MB per device", title=f"memory per device, {n} devices")
     right.legend()
     fig.tight_layout()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
 
 import jax
 import numpy as np
@@ -115,10 +114,7 @@ def collectives(
         shapes = _SHAPE.findall(m["result"])
         if m["kind"] == "all-gather" and "-start(" in line:
             shapes = shapes[len(shapes) // 2 :]  # (operands..., results...)
-        nbytes = sum(
-            math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dtype)
-            for dtype, dims in shapes
-        )
+        nbytes = sum(math.prod(_ints(dims)) * _itemsize(dtype) for dtype, dims in shapes)
         n, axes = _group(line, mesh)
         n = n or num_devices or jax.device_count()
         name = _OP_NAME.search(line)
@@ -139,12 +135,12 @@ def _group(line: str, mesh: jax.sharding.Mesh | None) -> tuple[int | None, tuple
         axes = tuple(re.findall(r"'([^']+)'", g[2]))
         return math.prod(int(sizes[a]) for a in axes), axes
     if g := _GROUPS_LIST.search(line):
-        group = [int(d) for d in g[1].split(",") if d]
+        group = _ints(g[1])
     elif g := _GROUPS_IOTA.search(line):
-        dims = [int(d) for d in g[3].split(",")]
+        dims = _ints(g[3])
         ids = np.arange(math.prod(dims)).reshape(dims)
         if g[4]:
-            ids = ids.transpose([int(d) for d in g[4].split(",")])
+            ids = ids.transpose(_ints(g[4]))
         group = list(ids.reshape(int(g[1]), int(g[2]))[0])
     else:
         return None, ()
@@ -163,15 +159,14 @@ def summarize(found: list[Collective], per_axis: bool = False) -> dict[str, dict
       >>> summarize([Collective("all-reduce", "f32", 400, 4)])
       {'all-reduce': {'count': 1, 'bytes': 400, 'ring_bytes': 600.0}}
     """
-    out: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "bytes": 0, "ring_bytes": 0}
-    )
+    out: dict[str, dict[str, float]] = {}
     for c in found:
         key = f"{c.kind} over {'+'.join(c.axes) or '?'}" if per_axis else c.kind
-        out[key]["count"] += 1
-        out[key]["bytes"] += c.result_bytes
-        out[key]["ring_bytes"] += c.ring_bytes
-    return dict(out)
+        row = out.setdefault(key, {"count": 0, "bytes": 0, "ring_bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c.result_bytes
+        row["ring_bytes"] += c.ring_bytes
+    return out
 
 
 def lowered_collectives(stablehlo_text: str) -> list[Collective]:
@@ -187,7 +182,7 @@ def lowered_collectives(stablehlo_text: str) -> list[Collective]:
         segment = stablehlo_text[m.end() : m.end() + 4000]
         result = _MLIR_RESULT.search(segment)
         dims, dtype = (result[1] or "", result[2]) if result else ("", "?")
-        size = math.prod(int(d) for d in dims.split("x") if d)
+        size = math.prod(_ints(dims, "x"))
         groups = _MLIR_GROUPS.search(segment)
         n = int(groups[1]) if groups else jax.device_count()
         found.append(Collective(m[1].replace("_", "-"), dtype, size * _itemsize(dtype), n))
@@ -199,8 +194,11 @@ def collective_dtypes(stablehlo_text: str) -> list[tuple[str, str]]:
     return [(c.kind, c.dtype) for c in lowered_collectives(stablehlo_text)]
 
 
+def _ints(text: str, sep: str = ",") -> list[int]:
+    """The integers of a ``sep``-separated list (``"2,4"``; ``""``: none)."""
+    return [int(d) for d in text.split(sep) if d]
+
+
 def _itemsize(hlo_dtype: str) -> int:
-    if hlo_dtype == "pred":
-        return 1
-    bits = int(re.sub(r"\D", "", hlo_dtype) or 8)
+    bits = int(re.sub(r"\D", "", hlo_dtype) or 8)  # pred (no digits): one byte
     return max(1, bits // 8)

@@ -26,9 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.layout import PyTree
+from zeroshard.sharded import ShardedTransformation, sharded
 
 # Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
 MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
+STAGES = ("0 (data parallel)", "1 (optimizer state)", "2 (+ gradients)", "3 (+ parameters)")
 
 
 class MemoryEstimate(NamedTuple):
@@ -59,21 +61,33 @@ class MemoryEstimate(NamedTuple):
         return self.params + self.grads + self.optimizer_state + self.master
 
 
-def _count(params_or_count: PyTree | float) -> float:
+def param_count(params_or_count: PyTree | float) -> float:
+    """The number of parameters in a tree of arrays or ``ShapeDtypeStruct`` (or the count
+    itself)."""
     if isinstance(params_or_count, (int, float)):
         return float(params_or_count)
     return float(sum(np.prod(x.shape) for x in jax.tree.leaves(params_or_count)))
 
 
+def _nbytes(x: Any) -> float:
+    return float(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
 def _inner(optimizer: Any) -> Any:
     """The optax transformation ``zs.sharded(inner)`` wraps (others as they are)."""
-    from zeroshard.sharded import ShardedTransformation
-
     return optimizer.inner if isinstance(optimizer, ShardedTransformation) else optimizer
 
 
 def _structs(params: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+
+
+def _plan(params: PyTree, n: int, optimizer: Any, param_dtype: Any, master_dtype: Any):
+    """``(tx, plan)``: ``optimizer`` as :func:`zeroshard.sharded` (wrapped unless it is
+    one) and its plan for ``params`` in ``param_dtype`` over ``n`` devices."""
+    if not isinstance(optimizer, ShardedTransformation):
+        optimizer = sharded(optimizer, master_dtype=master_dtype)
+    return optimizer, optimizer.plan(_structs(params, param_dtype), n)
 
 
 def _optimizer_bytes(optimizer: Any) -> float:
@@ -87,11 +101,9 @@ def _optimizer_bytes(optimizer: Any) -> float:
         return 4.0 * MOMENTS[optimizer]
     if isinstance(optimizer, (int, float)):
         return 4.0 * optimizer
-    optimizer = _inner(optimizer)
     probe = {"p": jax.ShapeDtypeStruct((4096,), jnp.float32)}
-    state = jax.eval_shape(optimizer.init, probe)
-    per_element = [x for x in jax.tree.leaves(state) if x.shape == (4096,)]
-    return sum(jnp.dtype(x.dtype).itemsize for x in per_element)
+    state = jax.eval_shape(_inner(optimizer).init, probe)
+    return sum(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state) if x.shape == (4096,))
 
 
 def estimate_memory(
@@ -125,46 +137,31 @@ def estimate_memory(
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
     if num_devices < 1:
         raise ValueError(f"num_devices must be positive, got {num_devices!r}.")
-    psi, n = _count(params_or_count), num_devices
+    psi, n = param_count(params_or_count), num_devices
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
-    shard = lambda bytes_per_param, from_stage: (
-        psi * bytes_per_param / (n if stage >= from_stage else 1)
-    )
+    shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
         if stage:
             return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
                 params=shard(p, 3), grads=shard(p, 2)
             )
-        inner = _inner(optimizer)  # stage 0: plain optax's state, on every device
+        # stage 0: plain optax's state, on every device
         dtype = master_dtype if has_master else param_dtype
-        state = jax.eval_shape(inner.init, _structs(params_or_count, dtype))
-        o = sum(
-            float(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)
-        )
-        return MemoryEstimate(shard(p, 3), shard(p, 2), o, shard(m, 1))
-    o = _optimizer_bytes(optimizer)
-    return MemoryEstimate(
-        params=shard(p, 3), grads=shard(p, 2), optimizer_state=shard(o, 1), master=shard(m, 1)
-    )
+        state = jax.eval_shape(_inner(optimizer).init, _structs(params_or_count, dtype))
+        o = sum(_nbytes(x) for x in jax.tree.leaves(state))
+    else:
+        o = shard(_optimizer_bytes(optimizer), 1)
+    return MemoryEstimate(shard(p, 3), shard(p, 2), o, shard(m, 1))
 
 
-def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: Any):
+def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimizer: Any):
     """Optimizer state and master bytes per device as :func:`zeroshard.sharded` lays
     them out (params and grads left to the caller)."""
-    from zeroshard.sharded import ShardedTransformation, sharded
-
-    tx = (
-        inner
-        if isinstance(inner, ShardedTransformation)
-        else sharded(inner, master_dtype=master_dtype)
-    )
-    inner = tx.inner
-    plan = tx.plan(_structs(params, param_dtype), n)
-    nbytes = lambda x: float(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
-    view = plan.state_treedef.flatten_up_to(jax.eval_shape(inner.init, plan.view_structs(0)))
-    shared = sum(nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
+    tx, plan = _plan(params, n, optimizer, param_dtype, master_dtype)
+    view = plan.state_treedef.flatten_up_to(jax.eval_shape(tx.inner.init, plan.view_structs(0)))
+    shared = sum(_nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
     master = sum(
         b.row_size * jnp.dtype(m).itemsize
         for b, m in zip(plan.layout.buckets, plan.master_dtypes, strict=True)
@@ -175,14 +172,9 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, inner: 
     )
     used = shared + master + sum(plan.owned_bytes()) / n
     costs = plan.owned_costs()
-    return MemoryEstimate(
-        0.0,
-        0.0,
-        shared + rows,
-        master,
-        (shared + rows + master) / used if used else 1.0,
-        max(costs) / (sum(costs) / n) if sum(costs) else 1.0,
-    )
+    imbalance = (shared + rows + master) / used if used else 1.0
+    update_imbalance = max(costs) / (sum(costs) / n) if sum(costs) else 1.0
+    return MemoryEstimate(0.0, 0.0, shared + rows, master, imbalance, update_imbalance)
 
 
 def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtype: Any) -> str:
@@ -190,16 +182,13 @@ def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtyp
     device: leaves by placement, then per device the owned units (whole leaves and
     layers), their state and master bytes and their update cost, and the imbalance
     of each (most loaded device over the mean)."""
-    from zeroshard.sharded import ShardedTransformation, sharded
-
-    tx = optimizer if isinstance(optimizer, ShardedTransformation) else sharded(optimizer)
-    plan = tx.plan(_structs(params, param_dtype), num_devices)
+    _, plan = _plan(params, num_devices, optimizer, param_dtype, jnp.float32)
     slots = plan.layout.slots
     kinds = Counter(s.placement for s in slots)
     lines = ["leaves: " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))]
-    nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     if not any(s.owned for s in slots):
         return "\n".join(lines)
+    nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     lines += ["", "| device | owned units | owned bytes | update cost |", "|---:|---|---:|---:|"]
     for d in range(num_devices):
         units = [
@@ -227,14 +216,8 @@ def plan_table(count: float | PyTree, num_devices: int, **kwargs: Any) -> str:
         "| stage | params | grads | optimizer state | master | total |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    names = {
-        0: "0 (data parallel)",
-        1: "1 (optimizer state)",
-        2: "2 (+ gradients)",
-        3: "3 (+ parameters)",
-    }
-    for stage in range(4):
+    for stage, name in enumerate(STAGES):
         e = estimate_memory(count, num_devices, stage=stage, **kwargs)
         cells = [e.params, e.grads, e.optimizer_state, e.master, e.total]
-        rows.append(f"| {names[stage]} | " + " | ".join(f"{c / 1e9:.2f} GB" for c in cells) + " |")
+        rows.append(f"| {name} | " + " | ".join(f"{c / 1e9:.2f} GB" for c in cells) + " |")
     return "\n".join(rows)

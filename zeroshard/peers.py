@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import jax
@@ -82,12 +81,7 @@ class PeerWatchdog:
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.resume = resume
         self.active = jax.process_count() > 1
-        self._lock = threading.Lock()
-        self._deadline: float | None = None
-        self._what = ""
-        self._started = 0.0
         self._watched = 0
-        self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
@@ -103,75 +97,39 @@ class PeerWatchdog:
         if not self.active:
             yield
             return
-        self._start_thread()
         limit = self.first_timeout_s if self._watched == 0 else self.timeout_s
-        with self._lock:
-            self._what, self._started = what, time.monotonic()
-            self._deadline = self._started + limit
+        timer = threading.Timer(limit, self._fail, [f"{what} did not finish in {limit:.0f} s"])
+        timer.daemon = True
+        timer.start()
         try:
             yield
         except jax.errors.JaxRuntimeError as e:
             first_line = str(e).strip().splitlines()[0][:300]
             self._fail(f"{what} failed: {type(e).__name__}: {first_line}")
         finally:
-            with self._lock:
-                self._deadline = None
+            timer.cancel()
             self._watched += 1
 
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="PeerWatchdog", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.25)
-            with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
-                what, took = self._what, time.monotonic() - self._started
-            if late:
-                self._fail(f"{what} did not finish in {took:.0f} s")
-
     def _fail(self, reason: str) -> None:
-        latest = _latest_step(self.checkpoint_dir)
-        where = (
-            "no checkpoint directory was given"
-            if self.checkpoint_dir is None
-            else f"no finalised step in {self.checkpoint_dir}"
-            if latest is None
-            else f"from step {latest} in {self.checkpoint_dir}"
-        )
+        where = _restart_point(self.checkpoint_dir)
         logger.critical(
-            "zeroshard: process %d of %d stops: a peer process was lost. %s. Another "
-            "process died or hangs, and the run cannot continue without it. To resume, "
-            "%s: it restarts %s, on any number of devices. Exiting with code %d.",
-            jax.process_index(),
-            jax.process_count(),
-            reason,
-            self.resume,
-            where,
-            EXIT_CODE,
+            f"zeroshard: process {jax.process_index()} of {jax.process_count()} stops: a peer "
+            f"process was lost. {reason}. Another process died or hangs, and the run cannot "
+            f"continue without it. To resume, {self.resume}: it restarts {where}, on any "
+            f"number of devices. Exiting with code {EXIT_CODE}."
         )
-        _flush_logs()
+        logging.shutdown()  # flushes every handler: os._exit skips the flush at exit
         sys.stdout.flush()
         os._exit(EXIT_CODE)
 
 
-def _flush_logs() -> None:
-    """Flushes the handlers this module's records reach (``os._exit`` skips the flush
-    at interpreter exit)."""
-    node: logging.Logger | None = logger
-    while node is not None:
-        for handler in node.handlers:
-            handler.flush()
-        node = node.parent if node.propagate else None
-    if logging.lastResort is not None:
-        logging.lastResort.flush()
-
-
-def _latest_step(directory: str | None) -> int | None:
-    """The newest finalised step in ``directory`` (orbax names them by number)."""
-    if directory is None or not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if re.fullmatch(r"\d+", name)]
-    return max(steps, default=None)
+def _restart_point(directory: str | None) -> str:
+    """Where a resumed run restarts: the newest finalised step in ``directory`` (orbax
+    names them by number)."""
+    if directory is None:
+        return "no checkpoint directory was given"
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [int(name) for name in names if re.fullmatch(r"\d+", name)]
+    if not steps:
+        return f"no finalised step in {directory}"
+    return f"from step {max(steps)} in {directory}"

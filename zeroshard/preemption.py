@@ -32,26 +32,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from types import FrameType
 
 import jax
 
 logger = logging.getLogger(__name__)
-
-
-def _distributed() -> bool:
-    """Whether jax.distributed is initialised; raises if its preemption service is off
-    (``jax.distributed.initialize`` starts the service only when the option is on)."""
-    if not jax.distributed.is_initialized():
-        return False
-    if not jax.config.jax_enable_preemption_service:
-        raise ValueError(
-            "jax.distributed is initialised without its preemption service, which "
-            "PreemptionGuard needs to agree on a stop step across processes: set "
-            "jax.config.update('jax_enable_preemption_service', True) before "
-            "jax.distributed.initialize()."
-        )
-    return True
 
 
 class PreemptionGuard:
@@ -91,14 +75,19 @@ class PreemptionGuard:
         self._previous: dict[int, object] = {}
         self.stop_step: int | None = None
         """The step :meth:`should_stop` returned ``True`` for, else ``None``."""
-        self.distributed = _distributed()
+        self.distributed = jax.distributed.is_initialized()
         """Whether processes agree through jax's preemption sync manager."""
+        if self.distributed and not jax.config.jax_enable_preemption_service:
+            # jax.distributed.initialize starts the service only when the option is on
+            raise ValueError(
+                "jax.distributed is initialised without its preemption service, which "
+                "PreemptionGuard needs to agree on a stop step across processes: set "
+                "jax.config.update('jax_enable_preemption_service', True) before "
+                "jax.distributed.initialize()."
+            )
         if not self.distributed:
             for sig in signals:
-                self._previous[sig] = signal.signal(sig, self._handler)
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self._event.set()
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: self._event.set())
 
     @property
     def requested(self) -> bool:

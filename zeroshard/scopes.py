@@ -41,29 +41,18 @@ from contextlib import AbstractContextManager
 import jax
 
 PREFIX = "zeroshard"
-REDUCE_SCATTER = "reduce_scatter"
-CUT = "cut"
-TO_OWNERS = "to_owners"
-REPLICA_MEAN = "replica_mean"
-GRAD_NORM = "grad_norm"
-UPDATE = "update"
-ALL_GATHER = "all_gather"
-FROM_OWNERS = "from_owners"
-GATHER = "gather"
-METRICS = "metrics"
-MODEL_STATE = "model_state"
 SCOPES = (
-    REDUCE_SCATTER,
-    CUT,
-    TO_OWNERS,
-    REPLICA_MEAN,
-    GRAD_NORM,
-    UPDATE,
-    ALL_GATHER,
-    FROM_OWNERS,
-    GATHER,
-    METRICS,
-    MODEL_STATE,
+    REDUCE_SCATTER := "reduce_scatter",
+    CUT := "cut",
+    TO_OWNERS := "to_owners",
+    REPLICA_MEAN := "replica_mean",
+    GRAD_NORM := "grad_norm",
+    UPDATE := "update",
+    ALL_GATHER := "all_gather",
+    FROM_OWNERS := "from_owners",
+    GATHER := "gather",
+    METRICS := "metrics",
+    MODEL_STATE := "model_state",
 )
 """Every scope name, in the order of the update flow (without the prefix)."""
 
@@ -99,8 +88,7 @@ def scopes_of(op_name: str) -> tuple[str, ...]:
 def _merged(op_name: str, start: int) -> list[str]:
     """The names merged in a ``(a:b;c)`` group of ``op_name`` opening before ``start``."""
     parts, depth, begin = [], 0, start
-    for k in range(start, len(op_name)):
-        c = op_name[k]
+    for k, c in enumerate(op_name[start:], start):
         if c == "(":
             depth += 1
         elif c == ")" and depth:
