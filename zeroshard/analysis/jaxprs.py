@@ -1,13 +1,16 @@
 """Jaxprs: reading traced computations, the same way on every supported jax version.
 
 The analysis (:mod:`zeroshard.analysis`) and :mod:`zeroshard.sums` read the traced inner update
-equation by equation; these are the primitives they treat alike and the helpers that
-find the jaxprs an equation calls.
+equation by equation, each with :func:`walk`; these are the primitives they treat alike and the
+helpers that find the jaxprs an equation calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from jax.extend import core as jex_core
 
 # Primitives computing each output element from the same element of each operand.
 ELEMENTWISE = frozenset(
@@ -56,15 +59,40 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
-def primitives(jaxpr: Any) -> list[str]:
-    """The computation's primitives in order, recursively, less pure reshapes."""
-    names = []
+def walk(closed: Any, ins: list, step: Callable[[Any, list], list], clean: Any = None) -> list:
+    """The values of a (closed) jaxpr's outputs from its inputs' values ``ins``: equation
+    by equation, ``step(eqn, operands)`` gives its outputs' values, except that a call
+    (``pjit``, a custom derivative, ``remat``: any jaxpr an equation calls but a loop's or
+    a conditional's) is walked into, inlined. With ``clean``, it is the value of every
+    literal, constant and input past ``ins`` (a tag); without, they are their own values."""
+    jaxpr = open_jaxpr(closed)
+    consts = getattr(closed, "consts", ()) if clean is None else ()
+    env = dict(zip(jaxpr.constvars, consts, strict=False))
+    env.update(zip(jaxpr.invars, ins, strict=False))
+
+    def read(v: Any) -> Any:
+        if isinstance(v, jex_core.Var):
+            return env.get(v, clean)
+        return v.val if clean is None else clean
+
     for eqn in jaxpr.eqns:
+        xs = [read(v) for v in eqn.invars]
+        sub = called_jaxpr(eqn)
+        if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+            env.update(zip(eqn.outvars, walk(sub, xs, step, clean), strict=True))
+        else:
+            env.update(zip(eqn.outvars, step(eqn, xs), strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def primitives(jaxpr: Any) -> list[str]:
+    """A (closed) jaxpr's primitives in order, recursively, less pure reshapes."""
+    names = []
+    for eqn in open_jaxpr(jaxpr).eqns:
         if eqn.primitive.name not in RESHAPING:
             names.append(eqn.primitive.name)
         for p in eqn.params.values():
             for s in p if isinstance(p, tuple) else (p,):
-                sub = open_jaxpr(s)
-                if sub is not None:
-                    names += primitives(sub)
+                if open_jaxpr(s) is not None:
+                    names += primitives(s)
     return names

@@ -108,8 +108,9 @@ def analyze(
       NotElementwiseError: where the update mixes several leaves without a psum over
         ``axis_name`` (no placement makes that exact).
     """
-    path_leaves = jax.tree_util.tree_flatten_with_path(full_params)[0]
-    names = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+    names = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full_params)[0]
+    ]
     n_params, n_state = len(names), len(jax.tree.leaves(full_state))
     fix = (
         "zeroshard runs an update exactly when it treats leaves separately or combines them "
@@ -118,11 +119,10 @@ def analyze(
     )
     params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
     full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
-    extra_in = [CLEAN_TAG] * len(jax.tree.leaves(extra))
 
     def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[Tagger, list[Tag]]:
-        tagger = Tagger(axis_name, names)
-        return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
+        tagger = Tagger(axis_name, names)  # the extra arguments: clean
+        return tagger, tagger.run(jaxpr, params_in + state_in + params_in)[0]
 
     try:
         # A second pass gives the state the tags the first pass computed for it.
@@ -142,11 +142,13 @@ def analyze(
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
-    layered, layer_sums = _layered((full_params, full_state), full, state_leaves, candidates)
+    layered, layer_sums = independent_layers(
+        full, (full_params, full_state), state_leaves, candidates
+    )
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
         one = layered and _trace(inner, params, state, axis_name, num_shards, extra)[0]
-        if one and primitives(open_jaxpr(one)) != primitives(open_jaxpr(full)):
+        if one and primitives(one) != primitives(full):
             layered = set()
     return Analysis(
         frozenset(whole),
@@ -167,21 +169,6 @@ def _reads(closed: Any, n_params: int, n_state: int) -> frozenset[int]:
     used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
     weights = jaxpr.invars[n_params + n_state : 2 * n_params + n_state]
     return frozenset(i for i, v in enumerate(weights) if id(v) in used)
-
-
-def _layered(full, closed, state_leaves, candidates) -> tuple[set[int], set[int]]:
-    """The candidate leaves whose traced update (``closed``, on the ``full`` parameters
-    and state) is independent layer by layer, and whose state keeps the layers first."""
-    params, state = (jax.tree.leaves(x) for x in full)
-    layers = {i: params[i].shape[0] for i in candidates}
-    state_axes = [
-        {j: 0 if s.shape[:1] == (layers[j],) else None} if j in layers else {}
-        for s, j in zip(state, state_leaves, strict=True)
-    ]
-    param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
-    extra = len(open_jaxpr(closed).invars) - 2 * len(params) - len(state)
-    in_axes = param_axes + state_axes + param_axes + [{}] * extra
-    return independent_layers(closed, in_axes, len(params)) if layers else (set(), set())
 
 
 def _some_layers(inner, full_params, full_state, state_leaves, layered):
@@ -222,7 +209,6 @@ def _state_leaves(
             raise NotElementwiseError(
                 f"zs.sharded: the update of {names[i]} depends on {why}. {fix}"
             )
-    state_leaves = []
     state_paths = jax.tree_util.tree_flatten_with_path(full_state)[0]
     for (path, _), (kind, leaves) in zip(state_paths, outs[n_params:], strict=True):
         if kind == PARTIAL or len(leaves) > 1:
@@ -230,5 +216,4 @@ def _state_leaves(
                 f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} depends on several "
                 f"parameters, or on a sum that is never summed across the axis. {fix}"
             )
-        state_leaves.append(min(leaves, default=None))
-    return tuple(state_leaves)
+    return tuple(min(leaves, default=None) for _, leaves in outs[n_params:])
