@@ -61,13 +61,14 @@ def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
     xs = _typed(eqn, xs, axis)
     if name == "cond":  # its branches evaluated here too, sums made whole inside
         return _switch(eqn, sums.branches, xs, axis)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax
-    ys = eqn.primitive.bind(*subfuns, *xs, **params)
+    ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]
 
 
 def _varying(x: Any, axis: str) -> bool:
+    """Whether ``x``, a value or a traced variable, is typed varying over ``axis``."""
+    if isinstance(x, jex_core.Var):
+        return axis in x.aval.manual_axis_type.varying
     return isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
 
 
@@ -91,19 +92,19 @@ def _exact(sums: Sums, xs: list, axis: str) -> list:
 def _switch(eqn: Any, programs: tuple[Program, ...], xs: list, axis: str) -> list:
     """A conditional evaluated branch by branch; the outputs typed as traced where the
     branches' types differ."""
-    runs = [
-        lambda *a, b=b, p=p: evaluate(b, p, list(a), axis)
-        for b, p in zip(eqn.params["branches"], programs, strict=True)
-    ]
+
+    def branch(b: Any, program: Program, typed: bool) -> Any:
+        def run(*a: Any) -> list:
+            outs = zip(evaluate(b, program, list(a), axis), eqn.outvars, strict=True)
+            return [_vary(y, axis, typed and _varying(v, axis)) for y, v in outs]
+
+        return run
+
+    pairs = list(zip(eqn.params["branches"], programs, strict=True))
     try:
-        return jax.lax.switch(xs[0], runs, *xs[1:])
+        return jax.lax.switch(xs[0], [branch(b, p, False) for b, p in pairs], *xs[1:])
     except TypeError:  # the branches' output types differ: type them as traced
-        as_traced = lambda ys: [
-            _vary(y, axis, axis in v.aval.manual_axis_type.varying)
-            for y, v in zip(ys, eqn.outvars, strict=True)
-        ]
-        branches = [lambda *a, r=r: as_traced(r(*a)) for r in runs]
-        return jax.lax.switch(xs[0], branches, *xs[1:])
+        return jax.lax.switch(xs[0], [branch(b, p, True) for b, p in pairs], *xs[1:])
 
 
 def _typed(eqn: Any, xs: list, axis: str) -> list:
@@ -115,11 +116,8 @@ def _typed(eqn: Any, xs: list, axis: str) -> list:
     stays replicated). Such an operand is cast back to varying where it meets a
     varying one, as tracing would have cast it, and where the equation is a
     collective or a loop (bound as traced)."""
-    traced = [
-        isinstance(v, jex_core.Var) and axis in v.aval.manual_axis_type.varying for v in eqn.invars
-    ]
-    if not any(t and not _varying(x, axis) for t, x in zip(traced, xs, strict=True)):
-        return xs
-    if eqn.primitive.name in _FREE_TYPED and not any(_varying(x, axis) for x in xs):
+    traced = [_varying(v, axis) for v in eqn.invars]
+    cast = any(t and not _varying(x, axis) for t, x in zip(traced, xs, strict=True))
+    if not cast or (eqn.primitive.name in _FREE_TYPED and not any(_varying(x, axis) for x in xs)):
         return xs
     return [_vary(x, axis, t) for t, x in zip(traced, xs, strict=True)]

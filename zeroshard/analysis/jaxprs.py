@@ -49,14 +49,17 @@ def called_jaxpr(eqn: Any) -> Any:
     return None
 
 
-def scan_counts(eqn: Any) -> tuple[int, int]:
-    """``(constants, carries)`` among a ``scan`` equation's operands (then its scanned
-    inputs): named parameters up to jax 0.10, one group per kind in ``ft_in`` since."""
+def scan_parts(eqn: Any, ins: list) -> tuple[list, list, list]:
+    """A ``scan`` equation's operands (``ins``, one per operand) as its constants, its
+    carries and its scanned inputs: counted by named parameters up to jax 0.10, one
+    group per kind in ``ft_in`` since."""
     params = eqn.params
     if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
-    return len(list(consts)), len(list(carry))
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+    else:
+        consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+        n_consts, n_carry = len(list(consts)), len(list(carry))
+    return ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
 
 
 def walk(closed: Any, ins: list, step: Callable[[Any, list], list], clean: Any = None) -> list:
@@ -69,19 +72,14 @@ def walk(closed: Any, ins: list, step: Callable[[Any, list], list], clean: Any =
     consts = getattr(closed, "consts", ()) if clean is None else ()
     env = dict(zip(jaxpr.constvars, consts, strict=False))
     env.update(zip(jaxpr.invars, ins, strict=False))
-
-    def read(v: Any) -> Any:
-        if isinstance(v, jex_core.Var):
-            return env.get(v, clean)
-        return v.val if clean is None else clean
-
+    literal = (lambda v: v.val) if clean is None else (lambda v: clean)
+    read = lambda v: env.get(v, clean) if isinstance(v, jex_core.Var) else literal(v)
     for eqn in jaxpr.eqns:
         xs = [read(v) for v in eqn.invars]
         sub = called_jaxpr(eqn)
-        if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
-            env.update(zip(eqn.outvars, walk(sub, xs, step, clean), strict=True))
-        else:
-            env.update(zip(eqn.outvars, step(eqn, xs), strict=True))
+        call = sub is not None and eqn.primitive.name not in ("scan", "while", "cond")
+        ys = walk(sub, xs, step, clean) if call else step(eqn, xs)
+        env.update(zip(eqn.outvars, ys, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from zeroshard.analysis.jaxprs import KEEPS_SHAPE, scan_counts, walk
+from zeroshard.analysis.jaxprs import KEEPS_SHAPE, scan_parts, walk
 
 MIXED = None
 """The position of a leaf's layer axis in a value that mixes its layers."""
@@ -51,17 +51,16 @@ def independent_layers(
     if not candidates:
         return set(), set()
     params, state = (jax.tree.leaves(x) for x in full)
-    layers = {i: params[i].shape[0] for i in candidates}
     # The layer axes of the inputs: the gradient and the parameter of a candidate at
     # 0, a state leaf derived from one at 0 where it has that many layers first.
     state_axes = [
-        {j: 0 if s.shape[:1] == (layers[j],) else MIXED} if j in layers else {}
+        {j: 0 if s.shape[:1] == params[j].shape[:1] else MIXED} if j in candidates else {}
         for s, j in zip(state, state_leaves, strict=True)
     ]
-    param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
+    param_axes = [{i: 0} if i in candidates else {} for i in range(len(params))]
     in_axes = param_axes + state_axes + param_axes  # the extra arguments: none
     sums: set[int] = set()
-    ok = set(layers)
+    ok = set(candidates)
     for k, axes in enumerate(_run(closed, in_axes, sums)):
         for i, axis in axes.items():
             expected = 0 if k < len(params) else in_axes[k].get(i, MIXED)
@@ -107,8 +106,7 @@ def _eqn(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     axes: Axes = {}
     for i in {i for a in ins for i in a}:
         where = [(a[i], s, k) for k, (a, s) in enumerate(zip(ins, shapes, strict=True)) if i in a]
-        mixed = any(p is MIXED for p, _, _ in where)
-        axes[i] = MIXED if mixed else rule(eqn, where, shapes, out)
+        axes[i] = MIXED if any(p is MIXED for p, _, _ in where) else rule(eqn, where, shapes, out)
     return [axes] + [dict(axes) for _ in range(n_out - 1)]
 
 
@@ -133,14 +131,12 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums
 
 
 def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
-    n_consts, n_carry = scan_counts(eqn)
-    consts, carry = ins[:n_consts], ins[n_consts : n_consts + n_carry]
-    xs = ins[n_consts + n_carry :]
+    consts, carry, xs = scan_parts(eqn, ins)
     # A slice per iteration: the layer axis one lower, unless it is the scanned axis.
     xs = [{i: MIXED if p in (0, MIXED) else p - 1 for i, p in a.items()} for a in xs]
     outs = _loop(eqn.params["jaxpr"], consts, carry, xs, sums)
-    ys = [{i: MIXED if p is MIXED else p + 1 for i, p in a.items()} for a in outs[n_carry:]]
-    return outs[:n_carry] + ys
+    n = len(carry)
+    return outs[:n] + [{i: MIXED if p is MIXED else p + 1 for i, p in a.items()} for a in outs[n:]]
 
 
 def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
@@ -149,9 +145,8 @@ def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     outs = _loop(eqn.params["body_jaxpr"], ins[n_cond : n_cond + n_body], carry, [], sums)
     merged = [_merge(c, o) for c, o in zip(carry, outs, strict=True)]
     stop = _run(eqn.params["cond_jaxpr"], ins[:n_cond] + merged, set())
-    if stop[0]:  # how often it runs depends on the leaf: every layer is involved
-        return _mixed(ins, len(outs))
-    return outs
+    # How often it runs depends on the leaf: every layer is involved.
+    return _mixed(ins, len(outs)) if stop[0] else outs
 
 
 # Rules: (eqn, [(axis, operand shape, operand index)] of the operands holding the

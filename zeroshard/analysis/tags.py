@@ -46,11 +46,9 @@ CLEAN_TAG: Tag = (CLEAN, _NONE)
 # kinds), so that summing its output over the devices equals applying it to their sums:
 # scaling by clean values, and adding, selecting or joining partial sums only (a clean
 # term added to a partial sum would be added once per device).
+_UNARY_LINEAR = ["neg", "convert_element_type", "copy", "copy_p", "reduce_sum", *RESHAPING]
 _LINEAR = {
-    **dict.fromkeys(
-        ["neg", "convert_element_type", "copy", "copy_p", "reduce_sum", *RESHAPING],
-        lambda kinds: len(kinds) == 1,
-    ),
+    **dict.fromkeys(_UNARY_LINEAR, lambda kinds: len(kinds) == 1),
     "mul": lambda kinds: kinds.count(PARTIAL) == 1 and set(kinds) <= {CLEAN, PARTIAL},
     "div": lambda kinds: kinds == [PARTIAL, CLEAN],
     **dict.fromkeys(["add", "sub", "concatenate"], lambda kinds: set(kinds) == {PARTIAL}),
@@ -145,8 +143,7 @@ class Tagger:
         devices; a sum over some axes is one per layer, complete here)."""
         slot = self._slot(leaves)
         if slot is not None and slot.placement == "layer-owned":
-            total = len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape)
-            return total and kinds <= {ELEM, WHOLE}
+            return kinds <= {ELEM, WHOLE} and len(eqn.params["axes"]) == eqn.invars[0].aval.ndim
         return kinds == {ELEM} and eqn.outvars[0].aval.size == 1
 
     def run(self, jaxpr: Any, in_tags: list[Tag]) -> tuple[list[Tag], Program]:
