@@ -53,13 +53,11 @@ def evaluate(closed: Any, program: Program, values: list, axis_name: str) -> lis
 
 
 def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
-    name = eqn.primitive.name
-    if sums is not None:
-        xs = _exact(sums, xs, axis)
-    if name == "pvary":  # a cast tracing inserted: made again where needed (_typed)
+    xs = xs if sums is None else _exact(sums, xs, axis)
+    if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
     xs = _typed(eqn, xs, axis)
-    if name == "cond":  # its branches evaluated here too, sums made whole inside
+    if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside
         return _switch(eqn, sums.branches, xs, axis)
     ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]

@@ -25,7 +25,7 @@ ELEMENTWISE = frozenset(
 )
 # Casts and annotations: the value passes through unchanged (its layout may change).
 PASS_THROUGH = frozenset(
-    ["sharding_constraint", "pvary", "pcast", "optimization_barrier", "reshard", "mesh_cast"]
+    "sharding_constraint pvary pcast optimization_barrier reshard mesh_cast".split()
 )
 KEEPS_SHAPE = ELEMENTWISE | PASS_THROUGH
 # Reshapes that keep the elements' order.
@@ -34,9 +34,8 @@ RESHAPING = frozenset(["reshape", "squeeze", "expand_dims", "broadcast_in_dim"])
 
 def open_jaxpr(x: Any) -> Any:
     """The open jaxpr of a ``Jaxpr`` or ``ClosedJaxpr`` (whose classes vary by jax version)."""
-    inner = getattr(x, "jaxpr", None)
-    if inner is not None and hasattr(inner, "eqns"):
-        return inner
+    if hasattr(getattr(x, "jaxpr", None), "eqns"):
+        return x.jaxpr
     return x if hasattr(x, "eqns") and hasattr(x, "invars") else None
 
 
@@ -81,6 +80,13 @@ def walk(closed: Any, ins: list, step: Callable[[Any, list], list], clean: Any =
         ys = walk(sub, xs, step, clean) if call else step(eqn, xs)
         env.update(zip(eqn.outvars, ys, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def has_matmul(eqn: Any) -> bool:
+    """Whether ``eqn`` is a matrix product, or a loop (``scan``, ``while``) with one."""
+    subs = (called_jaxpr(eqn), eqn.params.get("body_jaxpr"))  # a scan's, a while loop's
+    matmul = lambda s: s is not None and "dot_general" in primitives(s)
+    return eqn.primitive.name == "dot_general" or any(map(matmul, subs))
 
 
 def primitives(jaxpr: Any) -> list[str]:

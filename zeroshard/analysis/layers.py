@@ -32,7 +32,7 @@ Axes = dict[int, int | None]
 
 
 def independent_layers(
-    closed: Any, full: tuple, state_leaves: tuple, candidates: list[int]
+    closed: Any, params: Any, state: Any, state_leaves: tuple, candidates: list[int]
 ) -> tuple[set[int], set[int]]:
     """The candidate leaves whose traced update is independent layer by layer (its
     update and each state leaf derived from it keep the layer axis first), and of those
@@ -44,13 +44,13 @@ def independent_layers(
       closed: the closed jaxpr of ``inner.update(grads, state, params, **extra)``:
         inputs the gradients, the state leaves, the parameters and the extra
         arguments; outputs the updates, then the new state leaves.
-      full: ``(params, state)``, the trees it was traced on.
+      params, state: the trees it was traced on.
       state_leaves: per state leaf, the parameter leaf it derives from (or ``None``).
       candidates: the stacked leaves to check (one layer axis first).
     """
     if not candidates:
         return set(), set()
-    params, state = (jax.tree.leaves(x) for x in full)
+    params, state = jax.tree.leaves(params), jax.tree.leaves(state)
     # The layer axes of the inputs: the gradient and the parameter of a candidate at
     # 0, a state leaf derived from one at 0 where it has that many layers first.
     state_axes = [
@@ -63,8 +63,8 @@ def independent_layers(
     ok = set(candidates)
     for k, axes in enumerate(_run(closed, in_axes, sums)):
         for i, axis in axes.items():
-            expected = 0 if k < len(params) else in_axes[k].get(i, MIXED)
-            if axis is MIXED or axis != expected:
+            # Expected: an update's at 0, a state leaf's where it was.
+            if axis is MIXED or axis != (0 if k < len(params) else in_axes[k].get(i, MIXED)):
                 ok.discard(i)
     return ok, sums & ok
 
@@ -85,19 +85,17 @@ def _eqn(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     if not any(ins):
         return [{} for _ in range(n_out)]
-    if name == "scan":
-        return _scan(eqn, ins, sums)
-    if name == "while":
-        return _while(eqn, ins, sums)
+    if name in _LOOPS:
+        return _LOOPS[name](eqn, ins, sums)
     if name == "cond":
         if ins[0]:
             return _mixed(ins, n_out)
         branches = [_run(b, ins[1:], sums) for b in eqn.params["branches"]]
         return [_merge(*outs) for outs in zip(*branches, strict=True)]
     if name == "reduce_sum" and len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape):
-        total = {i for i, p in ins[0].items() if p is not MIXED}
-        sums |= total  # a sum over every layer: whole once summed over the devices
-        return [{i: p for i, p in ins[0].items() if i not in total}]
+        # A sum over every layer: whole once summed over the devices.
+        sums |= {i for i, p in ins[0].items() if p is not MIXED}
+        return [{i: p for i, p in ins[0].items() if p is MIXED}]
     rule = _RULES.get(name)
     if rule is None:
         return _mixed(ins, n_out)
@@ -147,6 +145,9 @@ def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     stop = _run(eqn.params["cond_jaxpr"], ins[:n_cond] + merged, set())
     # How often it runs depends on the leaf: every layer is involved.
     return _mixed(ins, len(outs)) if stop[0] else outs
+
+
+_LOOPS = {"scan": _scan, "while": _while}
 
 
 # Rules: (eqn, [(axis, operand shape, operand index)] of the operands holding the

@@ -141,9 +141,8 @@ def analyze(
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
-    layered, layer_sums = independent_layers(
-        full, (full_params, full_state), state_leaves, candidates
-    )
+    # Those independent layer by layer, and of those the ones whose layers meet in sums.
+    layered, summed = independent_layers(full, full_params, full_state, state_leaves, candidates)
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
         one = _trace(inner, params, state, axis_name, num_shards, extra)[0] if layered else full
@@ -156,7 +155,7 @@ def analyze(
         tuple(state_in),
         frozenset(tagger.sums),
         frozenset(layered),
-        frozenset(layer_sums & layered),
+        frozenset(summed & layered),
         _reads(full, n_params, n_state),
     )
 

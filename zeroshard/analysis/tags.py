@@ -22,14 +22,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import (
-    KEEPS_SHAPE,
-    PASS_THROUGH,
-    RESHAPING,
-    called_jaxpr,
-    primitives,
-    walk,
-)
+from zeroshard.analysis.jaxprs import KEEPS_SHAPE, PASS_THROUGH, RESHAPING, has_matmul, walk
 from zeroshard.layout import Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
@@ -125,10 +118,7 @@ class Tagger:
             names = ", ".join(self.leaf_names[i] for i in sorted(leaves)[:4])
             _refuse(eqn, f"{why} across several parameters ({names}{', ...' * (len(leaves) > 4)})")
         self.whole |= leaves
-        subs = (called_jaxpr(eqn), eqn.params.get("body_jaxpr"))  # a scan's, a while loop's
-        if eqn.primitive.name == "dot_general" or any(
-            s is not None and "dot_general" in primitives(s) for s in subs
-        ):
+        if has_matmul(eqn):
             self.matrix |= leaves
         return [(WHOLE, leaves)] * len(eqn.outvars)
 
@@ -141,8 +131,7 @@ class Tagger:
         per-element values, or, of a layer-owned leaf whose layers meet through sums,
         one of every element of this device's layers (its other layers are on other
         devices; a sum over some axes is one per layer, complete here)."""
-        slot = self._slot(leaves)
-        if slot is not None and slot.placement == "layer-owned":
+        if (slot := self._slot(leaves)) is not None and slot.placement == "layer-owned":
             return kinds <= {ELEM, WHOLE} and len(eqn.params["axes"]) == eqn.invars[0].aval.ndim
         return kinds == {ELEM} and eqn.outvars[0].aval.size == 1
 
@@ -173,11 +162,11 @@ class Tagger:
         uniform = ins[0] == CLEAN_TAG
         self._in_branch += not uniform
         runs = [self.run(b, ins[1:]) for b in eqn.params["branches"]]
+        tags, self._branches = zip(*runs, strict=True)
         self._in_branch -= not uniform
-        self._branches = tuple(program for _, program in runs)
         if not uniform:
             return self._own(eqn, leaves, "branches on per-element data")
-        outs = zip(*(tags for tags, _ in runs), strict=True)
+        outs = zip(*tags, strict=True)
         return [(max(k for k, _ in ts), frozenset().union(*(s for _, s in ts))) for ts in outs]
 
     def _exact(self, eqn: Any, ins: list[Tag]) -> tuple[Slot | None, int | None]:
@@ -185,8 +174,7 @@ class Tagger:
         the leaf, whose padding a total sum leaves out, or the leaf's size, by which a
         mean divides."""
         kind, leaves = ins[0] if ins else CLEAN_TAG
-        one = self._slot(leaves)
-        if one is None:
+        if (one := self._slot(leaves)) is None:
             return None, None
         padded = one.piece_size * one.num_shards != one.size
         if eqn.primitive.name == "reduce_sum" and kind == ELEM and not one.owned and padded:
@@ -250,9 +238,8 @@ class Tagger:
             # inside a conditional (its branches are bound whole), and not for a leaf owned
             # here, whose sums are complete on its owner.
             partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
-            if not self._in_branch and (
-                len(partial) > 1 or self.sliced is None or partial <= self.sliced.keys()
-            ):
+            summable = len(partial) > 1 or self.sliced is None or partial <= self.sliced.keys()
+            if summable and not self._in_branch:
                 return None
             why = "uses a sum over this device's elements only (a norm without a psum)"
             return self._own(eqn, leaves, why)
