@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, called_jaxpr, open_jaxpr
-from zeroshard.analysis.tags import CLEAN_TAG, Program, Sums, Tag, Tagger
+from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
+from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
 from zeroshard.layout import Slot
 
 # Evaluated on invariant operands, these give the same value on every device.
@@ -41,77 +41,68 @@ def run_with_sums(
     divided by the leaf's size (see :class:`zeroshard.analysis.tags.Tagger`). Inputs
     past ``in_tags`` are clean."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    values = jax.tree.leaves(args)
-    in_tags = in_tags + [CLEAN_TAG] * (len(values) - len(in_tags))
     program = Tagger(axis_name, leaf_names, sliced).run(closed, in_tags)[1]
-    values = evaluate(closed, program, values, axis_name)
+    values = evaluate(closed, program, jax.tree.leaves(args), axis_name)
     return jax.tree.unflatten(jax.tree.structure(out_shape), values)
 
 
 def evaluate(closed: Any, program: Program, values: list, axis_name: str) -> list:
     """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``."""
-    jaxpr = open_jaxpr(closed)
-    env = dict(zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False))
-    env.update(zip(jaxpr.invars, values, strict=True))
-    read = lambda v: env[v] if isinstance(v, jex_core.Var) else v.val
-    for eqn, sums in zip(jaxpr.eqns, program, strict=True):
-        ys = _eqn(eqn, sums, [read(v) for v in eqn.invars], axis_name)
-        env.update(zip(eqn.outvars, ys, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+    sums = iter(program)
+    return walk(closed, values, lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name))
 
 
 def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
-    name = eqn.primitive.name
-    if sums is not None:
-        if sums.calls and name != "cond":  # calls are inlined
-            return evaluate(called_jaxpr(eqn), sums.calls[0], xs, axis)
-        xs = _exact(sums, xs, axis)
-        # Partial sums summed: the same on every device, typed invariant.
-        xs = [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
-    if name == "pvary":  # a cast tracing inserted: made again where needed (_typed)
+    xs = xs if sums is None else _exact(sums, xs, axis)
+    if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
     xs = _typed(eqn, xs, axis)
-    if name == "cond":  # its branches evaluated here too, sums made whole inside
-        return _switch(eqn, sums.calls, xs, axis)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax
-    ys = eqn.primitive.bind(*subfuns, *xs, **params)
+    if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside
+        return _switch(eqn, sums.branches, xs, axis)
+    ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]
+
+
+def _varying(x: Any, axis: str) -> bool:
+    """Whether ``x``, a value or a traced variable, is typed varying over ``axis``."""
+    if isinstance(x, jex_core.Var):
+        return axis in x.aval.manual_axis_type.varying
+    return isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
+
+
+def _vary(x: Any, axis: str, traced: bool) -> Any:
+    """``x``, cast to varying over ``axis`` where it was ``traced`` so and is not."""
+    return jax.lax.pcast(x, axis, to="varying") if traced and not _varying(x, axis) else x
 
 
 def _exact(sums: Sums, xs: list, axis: str) -> list:
     """Operands on a sliced leaf's piece made to give the leaf's own sums: padding left
-    out of a total sum, and a mean divided by the leaf's size."""
+    out of a total sum, a mean divided by the leaf's size, and partial sums summed (the
+    same on every device, typed invariant)."""
     if sums.mask is not None:
         mask = sums.mask.padding_mask(jax.lax.axis_index(axis))
-        return [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
-    if sums.size is not None:
-        size = jnp.asarray(sums.size, xs[1].dtype)
-        if axis in jax.typeof(xs[1]).manual_axis_type.varying:
-            size = jax.lax.pcast(size, axis, to="varying")
-        return [xs[0], size]
-    return xs
+        xs = [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
+    elif sums.size is not None:
+        xs = [xs[0], _vary(jnp.asarray(sums.size, xs[1].dtype), axis, _varying(xs[1], axis))]
+    return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
 
 
 def _switch(eqn: Any, programs: tuple[Program, ...], xs: list, axis: str) -> list:
     """A conditional evaluated branch by branch; the outputs typed as traced where the
     branches' types differ."""
-    runs = [
-        lambda *a, b=b, p=p: evaluate(b, p, list(a), axis)
-        for b, p in zip(eqn.params["branches"], programs, strict=True)
-    ]
+
+    def branch(b: Any, program: Program, typed: bool) -> Any:
+        def run(*a: Any) -> list:
+            outs = zip(evaluate(b, program, list(a), axis), eqn.outvars, strict=True)
+            return [_vary(y, axis, typed and _varying(v, axis)) for y, v in outs]
+
+        return run
+
+    pairs = list(zip(eqn.params["branches"], programs, strict=True))
     try:
-        return jax.lax.switch(xs[0], runs, *xs[1:])
+        return jax.lax.switch(xs[0], [branch(b, p, False) for b, p in pairs], *xs[1:])
     except TypeError:  # the branches' output types differ: type them as traced
-        as_traced = lambda ys: [
-            jax.lax.pcast(y, axis, to="varying")
-            if axis in v.aval.manual_axis_type.varying
-            and axis not in jax.typeof(y).manual_axis_type.varying
-            else y
-            for y, v in zip(ys, eqn.outvars, strict=True)
-        ]
-        branches = [lambda *a, r=r: as_traced(r(*a)) for r in runs]
-        return jax.lax.switch(xs[0], branches, *xs[1:])
+        return jax.lax.switch(xs[0], [branch(b, p, True) for b, p in pairs], *xs[1:])
 
 
 def _typed(eqn: Any, xs: list, axis: str) -> list:
@@ -123,15 +114,8 @@ def _typed(eqn: Any, xs: list, axis: str) -> list:
     stays replicated). Such an operand is cast back to varying where it meets a
     varying one, as tracing would have cast it, and where the equation is a
     collective or a loop (bound as traced)."""
-    varying = lambda x: isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
-    traced = [
-        isinstance(v, jex_core.Var) and axis in v.aval.manual_axis_type.varying for v in eqn.invars
-    ]
-    if not any(t and not varying(x) for t, x in zip(traced, xs, strict=True)):
+    traced = [_varying(v, axis) for v in eqn.invars]
+    cast = any(t and not _varying(x, axis) for t, x in zip(traced, xs, strict=True))
+    if not cast or (eqn.primitive.name in _FREE_TYPED and not any(_varying(x, axis) for x in xs)):
         return xs
-    if eqn.primitive.name in _FREE_TYPED and not any(map(varying, xs)):
-        return xs
-    return [
-        jax.lax.pcast(x, axis, to="varying") if t and not varying(x) else x
-        for t, x in zip(traced, xs, strict=True)
-    ]
+    return [_vary(x, axis, t) for t, x in zip(traced, xs, strict=True)]

@@ -19,7 +19,9 @@ jaxpr), not from a list of names:
   where partial sums must be summed over the axis;
 - :mod:`~zeroshard.analysis.layers`: which stacked leaves' updates keep their layers
   apart;
-- :mod:`~zeroshard.analysis.jaxprs`: reading jaxprs alike on every jax version;
+- :mod:`~zeroshard.analysis.jaxprs`: reading jaxprs alike on every jax version, and the
+  one walker (:func:`~zeroshard.analysis.jaxprs.walk`, calls inlined) that the tags, the
+  layer axes and :mod:`zeroshard.sums` follow a jaxpr with;
 - :mod:`~zeroshard.analysis.leaves` (:func:`analyze`): what each leaf needs, from the
   update traced on full leaves, on slices and on one layer. A leaf whose update
   depends on its shape (factored only when large, masked by shape) is owned too.

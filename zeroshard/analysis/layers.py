@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jax.extend import core as jex_core
+import jax
 
-from zeroshard.analysis.jaxprs import KEEPS_SHAPE, called_jaxpr, open_jaxpr, scan_counts
+from zeroshard.analysis.jaxprs import KEEPS_SHAPE, scan_parts, walk
 
 MIXED = None
 """The position of a leaf's layer axis in a value that mixes its layers."""
@@ -30,35 +30,41 @@ MIXED = None
 Axes = dict[int, int | None]
 """Per candidate leaf a value derives from, where its layer axis is (or ``MIXED``)."""
 
-_REDUCTIONS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
-)
-
 
 def independent_layers(
-    closed: Any, in_axes: list[Axes], num_params: int
+    closed: Any, params: Any, state: Any, state_leaves: tuple, candidates: list[int]
 ) -> tuple[set[int], set[int]]:
-    """The candidate leaves (those in ``in_axes``) whose traced update is independent
-    layer by layer, and of those the ones whose layers meet only through sums (a total
-    ``reduce_sum``, as Adafactor's update clipping computes an RMS over the whole leaf):
-    owned layer by layer, those sums are summed over the devices.
+    """The candidate leaves whose traced update is independent layer by layer (its
+    update and each state leaf derived from it keep the layer axis first), and of those
+    the ones whose layers meet only through sums (a total ``reduce_sum``, as Adafactor's
+    update clipping computes an RMS over the whole leaf): owned layer by layer, those
+    sums are summed over the devices.
 
     Args:
       closed: the closed jaxpr of ``inner.update(grads, state, params, **extra)``:
         inputs the gradients, the state leaves, the parameters and the extra
         arguments; outputs the updates, then the new state leaves.
-      in_axes: per input, its layer axes: the gradient and the parameter of a
-        candidate at 0, each state leaf derived from one at 0 where it has that many
-        layers first, else ``MIXED``; ``{}`` elsewhere.
-      num_params: the number of parameter leaves.
+      params, state: the trees it was traced on.
+      state_leaves: per state leaf, the parameter leaf it derives from (or ``None``).
+      candidates: the stacked leaves to check (one layer axis first).
     """
+    if not candidates:
+        return set(), set()
+    params, state = jax.tree.leaves(params), jax.tree.leaves(state)
+    # The layer axes of the inputs: the gradient and the parameter of a candidate at
+    # 0, a state leaf derived from one at 0 where it has that many layers first.
+    state_axes = [
+        {j: 0 if s.shape[:1] == params[j].shape[:1] else MIXED} if j in candidates else {}
+        for s, j in zip(state, state_leaves, strict=True)
+    ]
+    param_axes = [{i: 0} if i in candidates else {} for i in range(len(params))]
+    in_axes = param_axes + state_axes + param_axes  # the extra arguments: none
     sums: set[int] = set()
-    outs = _run(closed, in_axes, sums)
-    ok = {i for axes in in_axes for i in axes}
-    for k, axes in enumerate(outs):
+    ok = set(candidates)
+    for k, axes in enumerate(_run(closed, in_axes, sums)):
         for i, axis in axes.items():
-            expected = 0 if k < num_params else in_axes[k].get(i, MIXED)
-            if axis is MIXED or axis != expected:
+            # Expected: an update's at 0, a state leaf's where it was.
+            if axis is MIXED or axis != (0 if k < len(params) else in_axes[k].get(i, MIXED)):
                 ok.discard(i)
     return ok, sums & ok
 
@@ -66,13 +72,7 @@ def independent_layers(
 def _run(closed: Any, in_axes: list[Axes], sums: set[int]) -> list[Axes]:
     """The layer axes of a (closed) jaxpr's outputs; adds to ``sums`` the leaves whose
     layers meet in a total sum."""
-    jaxpr = open_jaxpr(closed)
-    env: dict[Any, Axes] = dict(zip(jaxpr.invars, in_axes, strict=True))
-    get = lambda v: {} if isinstance(v, jex_core.Literal) else env.get(v, {})
-    for eqn in jaxpr.eqns:
-        outs = _eqn(eqn, [get(v) for v in eqn.invars], sums)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [get(v) for v in jaxpr.outvars]
+    return walk(closed, in_axes, lambda eqn, ins: _eqn(eqn, ins, sums), {})
 
 
 def _mixed(ins: list[Axes], n_out: int) -> list[Axes]:
@@ -85,38 +85,26 @@ def _eqn(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     if not any(ins):
         return [{} for _ in range(n_out)]
-    sub = called_jaxpr(eqn)
-    if sub is not None and name not in ("scan", "while", "cond"):
-        return _run(sub, ins, sums)
-    if name == "scan":
-        return _scan(eqn, ins, sums)
-    if name == "while":
-        return _while(eqn, ins, sums)
+    if name in _LOOPS:
+        return _LOOPS[name](eqn, ins, sums)
     if name == "cond":
         if ins[0]:
             return _mixed(ins, n_out)
         branches = [_run(b, ins[1:], sums) for b in eqn.params["branches"]]
         return [_merge(*outs) for outs in zip(*branches, strict=True)]
     if name == "reduce_sum" and len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape):
-        total = {i for i, p in ins[0].items() if p is not MIXED}
-        sums |= total  # a sum over every layer: whole once summed over the devices
-        return [{i: p for i, p in ins[0].items() if i not in total}]
-    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    out = tuple(eqn.outvars[0].aval.shape)
+        # A sum over every layer: whole once summed over the devices.
+        sums |= {i for i, p in ins[0].items() if p is not MIXED}
+        return [{i: p for i, p in ins[0].items() if p is MIXED}]
     rule = _RULES.get(name)
-    if name in KEEPS_SHAPE:
-        rule = _keeps_shape
-    elif name in _REDUCTIONS:
-        rule = _reduction
     if rule is None:
         return _mixed(ins, n_out)
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
     axes: Axes = {}
     for i in {i for a in ins for i in a}:
         where = [(a[i], s, k) for k, (a, s) in enumerate(zip(ins, shapes, strict=True)) if i in a]
-        if any(p is MIXED for p, _, _ in where):
-            axes[i] = MIXED
-        else:
-            axes[i] = rule(eqn, where, shapes, out)
+        axes[i] = MIXED if any(p is MIXED for p, _, _ in where) else rule(eqn, where, shapes, out)
     return [axes] + [dict(axes) for _ in range(n_out - 1)]
 
 
@@ -141,14 +129,12 @@ def _loop(body: Any, consts: list[Axes], carry: list[Axes], xs: list[Axes], sums
 
 
 def _scan(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
-    n_consts, n_carry = scan_counts(eqn)
-    consts, carry = ins[:n_consts], ins[n_consts : n_consts + n_carry]
-    xs = ins[n_consts + n_carry :]
+    consts, carry, xs = scan_parts(eqn, ins)
     # A slice per iteration: the layer axis one lower, unless it is the scanned axis.
     xs = [{i: MIXED if p in (0, MIXED) else p - 1 for i, p in a.items()} for a in xs]
     outs = _loop(eqn.params["jaxpr"], consts, carry, xs, sums)
-    ys = [{i: MIXED if p is MIXED else p + 1 for i, p in a.items()} for a in outs[n_carry:]]
-    return outs[:n_carry] + ys
+    n = len(carry)
+    return outs[:n] + [{i: MIXED if p is MIXED else p + 1 for i, p in a.items()} for a in outs[n:]]
 
 
 def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
@@ -157,9 +143,11 @@ def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
     outs = _loop(eqn.params["body_jaxpr"], ins[n_cond : n_cond + n_body], carry, [], sums)
     merged = [_merge(c, o) for c, o in zip(carry, outs, strict=True)]
     stop = _run(eqn.params["cond_jaxpr"], ins[:n_cond] + merged, set())
-    if stop[0]:  # how often it runs depends on the leaf: every layer is involved
-        return _mixed(ins, len(outs))
-    return outs
+    # How often it runs depends on the leaf: every layer is involved.
+    return _mixed(ins, len(outs)) if stop[0] else outs
+
+
+_LOOPS = {"scan": _scan, "while": _while}
 
 
 # Rules: (eqn, [(axis, operand shape, operand index)] of the operands holding the
@@ -167,9 +155,8 @@ def _while(eqn: Any, ins: list[Axes], sums: set[int]) -> list[Axes]:
 
 
 def _keeps_shape(eqn, where, shapes, out):
-    axes = {p for p, s, _ in where if len(s) == len(out)}
-    small = [s for _, s, _ in where if len(s) != len(out)]
-    return axes.pop() if len(axes) == 1 and not small else MIXED
+    axes = {p if len(s) == len(out) else MIXED for p, s, _ in where}
+    return axes.pop() if len(axes) == 1 else MIXED
 
 
 def _reduction(eqn, where, shapes, out):
@@ -193,10 +180,8 @@ def _along(param):
 def _reshape(eqn, where, shapes, out):
     (p, shape, _) = where[0]
     before = math.prod(shape[:p])
-    for b, d in enumerate(out):
-        if math.prod(out[:b]) == before and d == shape[p]:
-            return b
-    return MIXED
+    moved = (b for b, d in enumerate(out) if math.prod(out[:b]) == before and d == shape[p])
+    return next(moved, MIXED)
 
 
 def _broadcast(eqn, where, shapes, out):
@@ -209,50 +194,46 @@ def _transpose(eqn, where, shapes, out):
     return list(eqn.params["permutation"]).index(where[0][0])
 
 
-def _whole_axis(eqn, where, shapes, out):
-    """Slicing, padding or concatenating: keeps the layer axis if it is left whole."""
+def _concatenate(eqn, where, shapes, out):
     axes = {p for p, _, _ in where}
-    p = axes.pop() if len(axes) == 1 else MIXED
-    if p is MIXED or any(k != 0 and eqn.primitive.name != "concatenate" for _, _, k in where):
+    return axes.pop() if len(axes) == 1 and eqn.params["dimension"] not in axes else MIXED
+
+
+def _whole_axis(eqn, where, shapes, out):
+    """Slicing or padding: keeps the layer axis if it is left whole."""
+    (p, shape, _), params = where[0], eqn.params
+    if [k for _, _, k in where] != [0] or out[p] != shape[p]:
         return MIXED
-    if eqn.primitive.name == "concatenate":
-        return MIXED if eqn.params["dimension"] == p else p
-    return p if out[p] == where[0][1][p] and _untouched(eqn, p) else MIXED
-
-
-def _untouched(eqn, p):
-    params = eqn.params
     if eqn.primitive.name == "pad":
-        return tuple(params["padding_config"][p]) == (0, 0, 0)
+        return p if tuple(params["padding_config"][p]) == (0, 0, 0) else MIXED
     if eqn.primitive.name == "slice":
         strides = params.get("strides") or (1,) * len(params["start_indices"])
-        return params["start_indices"][p] == 0 and strides[p] == 1
-    return True  # dynamic_slice: the slice size along p is the whole axis (checked above)
+        return p if params["start_indices"][p] == 0 and strides[p] == 1 else MIXED
+    return p  # dynamic_slice: the slice size along p is the whole axis (checked above)
 
 
 def _dot_general(eqn, where, shapes, out):
+    """A contraction: the output holds the batch axes, then the left side's free axes,
+    then the right side's; the layer axis must be the same batch axis on both sides."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    sides = {k: p for p, _, k in where}
-    if sides.get(0) in lc or sides.get(1) in rc:
-        return MIXED
-    if len(sides) == 2:
-        pl, pr = sides[0], sides[1]
-        if pl in lb and pr in rb and list(lb).index(pl) == list(rb).index(pr):
-            return list(lb).index(pl)
-        return MIXED
-    k, p = next(iter(sides.items()))
-    batch, contract, rank = (lb, lc, len(shapes[0])) if k == 0 else (rb, rc, len(shapes[1]))
-    if p in batch:
-        return list(batch).index(p)
-    free = [d for d in range(rank) if d not in batch and d not in contract]
     lhs_free = len(shapes[0]) - len(lb) - len(lc)
-    return len(lb) + (0 if k == 0 else lhs_free) + free.index(p)
+    axes = set()
+    for p, shape, k in where:
+        batch, contract = (lb, lc) if k == 0 else (rb, rc)
+        if p in contract:
+            return MIXED
+        free = [d for d in range(len(shape)) if d not in batch and d not in contract]
+        axes.add(list(batch).index(p) if p in batch else len(lb) + lhs_free * k + free.index(p))
+    return axes.pop() if len(axes) == 1 else MIXED
 
 
 _RULES = {
+    **dict.fromkeys(KEEPS_SHAPE, _keeps_shape),
+    **dict.fromkeys(["reduce_sum", "reduce_max", "reduce_min", "reduce_prod"], _reduction),
+    **dict.fromkeys(["reduce_and", "reduce_or", "argmax", "argmin"], _reduction),
     **dict.fromkeys(["reshape", "squeeze", "expand_dims"], _reshape),
-    **dict.fromkeys(["concatenate", "pad", "slice", "dynamic_slice"], _whole_axis),
+    **dict.fromkeys(["pad", "slice", "dynamic_slice"], _whole_axis),
     **dict.fromkeys(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], _along("axis")),
     **{"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_general": _dot_general},
-    **{"sort": _along("dimension"), "rev": _along("dimensions")},
+    **{"concatenate": _concatenate, "sort": _along("dimension"), "rev": _along("dimensions")},
 }

@@ -21,6 +21,12 @@ from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
 from zeroshard.layout import PyTree
 
+_FIX = (
+    "zeroshard runs an update exactly when it treats leaves separately or combines them "
+    "through sums (as a global norm does); non-finite steps are skipped by zs.sharded "
+    "itself (skip_nonfinite=True), with no optax.apply_if_finite."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
@@ -108,21 +114,14 @@ def analyze(
       NotElementwiseError: where the update mixes several leaves without a psum over
         ``axis_name`` (no placement makes that exact).
     """
-    path_leaves = jax.tree_util.tree_flatten_with_path(full_params)[0]
-    names = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(full_params)]
     n_params, n_state = len(names), len(jax.tree.leaves(full_state))
-    fix = (
-        "zeroshard runs an update exactly when it treats leaves separately or combines them "
-        "through sums (as a global norm does); non-finite steps are skipped by zs.sharded "
-        "itself (skip_nonfinite=True), with no optax.apply_if_finite."
-    )
     params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
     full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
-    extra_in = [CLEAN_TAG] * len(jax.tree.leaves(extra))
 
     def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[Tagger, list[Tag]]:
-        tagger = Tagger(axis_name, names)
-        return tagger, tagger.run(jaxpr, params_in + state_in + params_in + extra_in)[0]
+        tagger = Tagger(axis_name, names)  # the extra arguments: clean
+        return tagger, tagger.run(jaxpr, params_in + state_in + params_in)[0]
 
     try:
         # A second pass gives the state the tags the first pass computed for it.
@@ -131,9 +130,9 @@ def analyze(
     except NotElementwiseError as e:
         raise NotElementwiseError(
             f"zs.sharded cannot run this inner optimizer exactly on any placement of the "
-            f"parameters over {num_shards} devices: {e}. {fix}"
+            f"parameters over {num_shards} devices: {e}. {_FIX}"
         ) from None
-    state_leaves = _state_leaves(outs, names, full_state, fix)
+    state_leaves = _state_leaves(outs, names, full_state)
     whole = set(tagger.whole)
     try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
         pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
@@ -142,11 +141,12 @@ def analyze(
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
-    layered, layer_sums = _layered((full_params, full_state), full, state_leaves, candidates)
+    # Those independent layer by layer, and of those the ones whose layers meet in sums.
+    layered, summed = independent_layers(full, full_params, full_state, state_leaves, candidates)
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
-        one = layered and _trace(inner, params, state, axis_name, num_shards, extra)[0]
-        if one and primitives(open_jaxpr(one)) != primitives(open_jaxpr(full)):
+        one = _trace(inner, params, state, axis_name, num_shards, extra)[0] if layered else full
+        if primitives(one) != primitives(full):
             layered = set()
     return Analysis(
         frozenset(whole),
@@ -155,7 +155,7 @@ def analyze(
         tuple(state_in),
         frozenset(tagger.sums),
         frozenset(layered),
-        frozenset(layer_sums & layered),
+        frozenset(summed & layered),
         _reads(full, n_params, n_state),
     )
 
@@ -169,21 +169,6 @@ def _reads(closed: Any, n_params: int, n_state: int) -> frozenset[int]:
     return frozenset(i for i, v in enumerate(weights) if id(v) in used)
 
 
-def _layered(full, closed, state_leaves, candidates) -> tuple[set[int], set[int]]:
-    """The candidate leaves whose traced update (``closed``, on the ``full`` parameters
-    and state) is independent layer by layer, and whose state keeps the layers first."""
-    params, state = (jax.tree.leaves(x) for x in full)
-    layers = {i: params[i].shape[0] for i in candidates}
-    state_axes = [
-        {j: 0 if s.shape[:1] == (layers[j],) else None} if j in layers else {}
-        for s, j in zip(state, state_leaves, strict=True)
-    ]
-    param_axes = [{i: 0} if i in layers else {} for i in range(len(params))]
-    extra = len(open_jaxpr(closed).invars) - 2 * len(params) - len(state)
-    in_axes = param_axes + state_axes + param_axes + [{}] * extra
-    return independent_layers(closed, in_axes, len(params)) if layers else (set(), set())
-
-
 def _some_layers(inner, full_params, full_state, state_leaves, layered):
     """The parameters with one layer of each ``layered`` leaf, and their state; drops
     from ``layered`` a leaf whose state on one layer is not one layer of its state."""
@@ -193,17 +178,15 @@ def _some_layers(inner, full_params, full_state, state_leaves, layered):
     state = jax.eval_shape(inner.init, params)
     if jax.tree.structure(state) != jax.tree.structure(full_state):
         layered.clear()
-        return params, state
-    pairs = zip(jax.tree.leaves(full_state), jax.tree.leaves(state), strict=True)
-    for j, (full, x) in zip(state_leaves, pairs, strict=True):
-        if j in layered and tuple(x.shape) != (1, *full.shape[1:]):
-            layered.discard(j)
+    else:
+        pairs = zip(jax.tree.leaves(full_state), jax.tree.leaves(state), strict=True)
+        for j, (full, x) in zip(state_leaves, pairs, strict=True):
+            if j in layered and tuple(x.shape) != (1, *full.shape[1:]):
+                layered.discard(j)
     return params, state
 
 
-def _state_leaves(
-    outs: list[Tag], names: list[str], full_state: PyTree, fix: str
-) -> tuple[int | None, ...]:
+def _state_leaves(outs: list[Tag], names: list[str], full_state: PyTree) -> tuple[int | None, ...]:
     """Checks the tags of the update's outputs (each parameter's update from itself
     alone, each state leaf from at most one parameter, no sum left partial) and
     returns, per state leaf, the parameter it derives from (or ``None``).
@@ -214,21 +197,17 @@ def _state_leaves(
     n_params = len(names)
     for i, (kind, leaves) in enumerate(outs[:n_params]):
         if kind == PARTIAL or not leaves <= {i}:
-            why = (
-                "a sum over this device's slice that is never summed across the axis"
-                if kind == PARTIAL
-                else "other parameters: " + ", ".join(names[j] for j in sorted(leaves - {i}))
-            )
+            why = "other parameters: " + ", ".join(names[j] for j in sorted(leaves - {i}))
+            if kind == PARTIAL:
+                why = "a sum over this device's slice that is never summed across the axis"
             raise NotElementwiseError(
-                f"zs.sharded: the update of {names[i]} depends on {why}. {fix}"
+                f"zs.sharded: the update of {names[i]} depends on {why}. {_FIX}"
             )
-    state_leaves = []
     state_paths = jax.tree_util.tree_flatten_with_path(full_state)[0]
     for (path, _), (kind, leaves) in zip(state_paths, outs[n_params:], strict=True):
         if kind == PARTIAL or len(leaves) > 1:
             raise NotElementwiseError(
                 f"zs.sharded: inner state leaf {jax.tree_util.keystr(path)} depends on several "
-                f"parameters, or on a sum that is never summed across the axis. {fix}"
+                f"parameters, or on a sum that is never summed across the axis. {_FIX}"
             )
-        state_leaves.append(min(leaves, default=None))
-    return tuple(state_leaves)
+    return tuple(min(leaves, default=None) for _, leaves in outs[n_params:])

@@ -22,27 +22,31 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import (
-    KEEPS_SHAPE,
-    PASS_THROUGH,
-    RESHAPING,
-    called_jaxpr,
-    open_jaxpr,
-    primitives,
-)
+from zeroshard.analysis.jaxprs import KEEPS_SHAPE, PASS_THROUGH, RESHAPING, has_matmul, walk
 from zeroshard.layout import Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
 
-# Linear in their one (PARTIAL) operand.
-_UNARY_LINEAR = frozenset("neg convert_element_type copy copy_p reduce_sum".split())
 _CASTS = PASS_THROUGH | {"convert_element_type", "copy", "copy_p"}
 # Make values at a given shape from no per-element data: on a slice they would differ.
 _GENERATORS = frozenset(["random_bits", "threefry2x32", "rng_bit_generator", "iota"])
 
 Tag = tuple[int, frozenset]
 CLEAN_TAG: Tag = (CLEAN, _NONE)
+
+# Per primitive, whether it is linear in its ``PARTIAL`` operands (given its operands'
+# kinds), so that summing its output over the devices equals applying it to their sums:
+# scaling by clean values, and adding, selecting or joining partial sums only (a clean
+# term added to a partial sum would be added once per device).
+_UNARY_LINEAR = ["neg", "convert_element_type", "copy", "copy_p", "reduce_sum", *RESHAPING]
+_LINEAR = {
+    **dict.fromkeys(_UNARY_LINEAR, lambda kinds: len(kinds) == 1),
+    "mul": lambda kinds: kinds.count(PARTIAL) == 1 and set(kinds) <= {CLEAN, PARTIAL},
+    "div": lambda kinds: kinds == [PARTIAL, CLEAN],
+    **dict.fromkeys(["add", "sub", "concatenate"], lambda kinds: set(kinds) == {PARTIAL}),
+    "select_n": lambda kinds: kinds[0] == CLEAN and set(kinds[1:]) == {PARTIAL},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,36 +58,32 @@ class Sums:
         over the axis first.
       mask: for a total sum over a sliced leaf's piece, the leaf (its padding left out).
       size: for a mean over a sliced leaf's piece, the leaf's size (the divisor).
-      calls: the sums of the jaxpr the equation calls (one; inlined) or of each branch
-        of a conditional.
+      branches: for a conditional, the sums of each branch.
     """
 
     summed: tuple[int, ...] = ()
     mask: Slot | None = None
     size: int | None = None
-    calls: tuple[tuple[Sums | None, ...], ...] = ()
+    branches: tuple[tuple[Sums | None, ...], ...] = ()
 
 
 Program = tuple[Sums | None, ...]
-"""Per equation of a jaxpr, its :class:`Sums` (``None``: bound as traced)."""
+"""Per equation of a jaxpr, in the order :func:`~zeroshard.analysis.jaxprs.walk` visits them
+(calls inlined), its :class:`Sums` (``None``: bound as traced)."""
 
 
 class NotElementwiseError(ValueError):
     """The inner optimizer mixes parameters in a way no placement makes exact."""
 
 
-def _where(eqn: Any) -> str:
-    frame = eqn.source_info.traceback
-    if frame is None:
-        return ""
-    for f in frame.frames:
-        if not any(s in f.file_name for s in ("/jax/", "zeroshard/analysis", "zeroshard/sums")):
-            return f" (at {f.file_name}:{getattr(f, 'line_num', '?')})"
-    return ""
-
-
 def _refuse(eqn: Any, why: str) -> None:
-    raise NotElementwiseError(f"`{eqn.primitive.name}` {why}{_where(eqn)}")
+    """Raises :class:`NotElementwiseError` for ``eqn``, at the first line of the user's
+    code (not jax's or the analysis's) that traced it, where known."""
+    tb, internal = eqn.source_info.traceback, ("/jax/", "zeroshard/analysis", "zeroshard/sums")
+    frames = tb.frames if tb is not None else ()
+    f = next((f for f in frames if not any(s in f.file_name for s in internal)), None)
+    where = "" if f is None else f" (at {f.file_name}:{getattr(f, 'line_num', '?')})"
+    raise NotElementwiseError(f"`{eqn.primitive.name}` {why}{where}")
 
 
 class Tagger:
@@ -99,10 +99,9 @@ class Tagger:
     def __init__(
         self, axis_name: str, leaf_names: list[str], sliced: Mapping[int, Slot] | None = None
     ):
-        self.axis_name, self.leaf_names = axis_name, leaf_names
-        # The leaves whose sums are partial here (all of them, on full leaves; on a
-        # view, the sliced ones: an owned leaf is whole on its owner).
-        self.sliced = sliced
+        # ``sliced``: the leaves whose sums are partial here (all of them, on full leaves;
+        # on a view, the sliced ones: an owned leaf is whole on its owner).
+        self.axis_name, self.leaf_names, self.sliced = axis_name, leaf_names, sliced
         self.whole: set[int] = set()
         self.matrix: set[int] = set()
         self.ops: dict[int, list[str]] = defaultdict(list)
@@ -112,97 +111,75 @@ class Tagger:
         self._counts: dict[Any, int] = {}  # a total sum's value -> the elements it summed
         self._scalars: dict[Any, float] = {}  # a constant scalar's value, once cast
 
-    def _own(self, eqn: Any, leaves: frozenset, why: str) -> Tag:
-        """``leaves`` need their whole tensors: refused unless that is one leaf."""
+    def _own(self, eqn: Any, leaves: frozenset, why: str) -> list[Tag]:
+        """``leaves`` need their whole tensors: refused unless that is one leaf. Returns
+        the tags of ``eqn``'s outputs."""
         if len(leaves) > 1:
             names = ", ".join(self.leaf_names[i] for i in sorted(leaves)[:4])
             _refuse(eqn, f"{why} across several parameters ({names}{', ...' * (len(leaves) > 4)})")
         self.whole |= leaves
-        if eqn.primitive.name == "dot_general" or (
-            (sub := open_jaxpr(called_jaxpr(eqn)) or open_jaxpr(eqn.params.get("body_jaxpr")))
-            and "dot_general" in primitives(sub)
-        ):
+        if has_matmul(eqn):
             self.matrix |= leaves
-        return (WHOLE, leaves)
+        return [(WHOLE, leaves)] * len(eqn.outvars)
 
-    def _layered(self, leaves: frozenset) -> bool:
-        """Whether ``leaves`` is one layer-owned leaf whose layers meet through sums."""
-        slot = self.sliced.get(next(iter(leaves))) if self.sliced and len(leaves) == 1 else None
-        return slot is not None and slot.placement == "layer-owned"
+    def _slot(self, leaves: frozenset) -> Slot | None:
+        """The slot of ``leaves`` where that is one leaf whose sums are partial here."""
+        return self.sliced.get(next(iter(leaves))) if self.sliced and len(leaves) == 1 else None
 
-    def _over_layers(self, eqn: Any, leaves: frozenset, kinds: set) -> bool:
-        """Whether ``eqn`` sums every element of this device's layers of one
-        layer-owned leaf whose layers meet through sums (a partial sum: its other
-        layers are on other devices; a sum over some axes is one per layer)."""
-        total = len(eqn.params["axes"]) == len(eqn.invars[0].aval.shape)
-        return total and kinds <= {ELEM, WHOLE} and self._layered(leaves)
-
-    def _summed_here(self, partial: frozenset) -> bool:
-        """Whether the partial sums of ``partial`` meeting a non-linear operation are
-        summed over the axis first: a norm, an RMS or a mean of a sliced leaf (LAMB's
-        and LARS's trust ratios, Adafactor's update clipping) or of several leaves (a
-        global norm). Not inside a conditional (its branches are bound whole), and not
-        for a leaf owned here, whose sums are complete on its owner."""
-        if self._in_branch:
-            return False
-        return len(partial) > 1 or self.sliced is None or partial <= self.sliced.keys()
+    def _partial_sum(self, eqn: Any, leaves: frozenset, kinds: set) -> bool:
+        """Whether ``eqn``, a ``reduce_sum``, gives a partial sum: a total one of
+        per-element values, or, of a layer-owned leaf whose layers meet through sums,
+        one of every element of this device's layers (its other layers are on other
+        devices; a sum over some axes is one per layer, complete here)."""
+        if (slot := self._slot(leaves)) is not None and slot.placement == "layer-owned":
+            return kinds <= {ELEM, WHOLE} and len(eqn.params["axes"]) == eqn.invars[0].aval.ndim
+        return kinds == {ELEM} and eqn.outvars[0].aval.size == 1
 
     def run(self, jaxpr: Any, in_tags: list[Tag]) -> tuple[list[Tag], Program]:
-        """Output tags of a (closed) jaxpr, and the :class:`Sums` of its equations."""
-        jaxpr = open_jaxpr(jaxpr)
-        tags: dict[Any, Tag] = dict(zip(jaxpr.invars, in_tags, strict=True))
-        tag = lambda v: tags.get(v, CLEAN_TAG) if isinstance(v, jex_core.Var) else CLEAN_TAG
-        program = []
-        for eqn in jaxpr.eqns:
-            outs, sums = self._eqn(eqn, [tag(v) for v in eqn.invars])
-            tags.update(zip(eqn.outvars, outs, strict=True))
-            program.append(sums)
-        return [tag(v) for v in jaxpr.outvars], tuple(program)
+        """Output tags of a (closed) jaxpr (its inputs past ``in_tags`` clean), and the
+        :class:`Sums` of its equations."""
+        program: list[Sums | None] = []
+        outs = walk(jaxpr, in_tags, lambda eqn, ins: self._eqn(eqn, ins, program), CLEAN_TAG)
+        return outs, tuple(program)
 
-    def _eqn(self, eqn: Any, ins: list[Tag]) -> tuple[list[Tag], Sums | None]:
-        sub = called_jaxpr(eqn)
-        if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
-            outs, program = self.run(sub, ins)  # calls are inlined
-            return outs, Sums(calls=(program,))
-        outs = self._tags(eqn, ins)
-        mask, size = self._exact(eqn, ins)
-        summed: tuple[int, ...] = ()
+    def _eqn(self, eqn: Any, ins: list[Tag], program: list[Sums | None]) -> list[Tag]:
+        """The output tags of ``eqn``; its :class:`Sums` appended to ``program``."""
+        outs, summed = self._tags(eqn, ins), ()
         if outs is None:  # partial sums meet a non-linear operation: sum them over the axis
             summed = tuple(k for k, (kind, _) in enumerate(ins) if kind == PARTIAL)
             self.sums.add(frozenset().union(*(ins[k][1] for k in summed)))
             outs = self._tags(eqn, [CLEAN_TAG if k in summed else t for k, t in enumerate(ins)])
-        calls = self._branches if eqn.primitive.name == "cond" else ()
-        if summed or mask or size or calls:
-            return outs, Sums(summed, mask, size, calls)
-        return outs, None
+        branches = self._branches if eqn.primitive.name == "cond" else ()
+        sums = Sums(summed, *self._exact(eqn, ins), branches)
+        program.append(None if sums == Sums() else sums)
+        return outs
 
-    def _branch(self, jaxpr: Any, ins: list[Tag]) -> tuple[list[Tag], Program]:
-        """A conditional's branch. Sums inside are made whole only where every device
-        takes the same branch (a clean index, such as a step count); a branch chosen by
-        per-element data is evaluated as it is."""
+    def _cond(self, eqn: Any, ins: list[Tag], leaves: frozenset) -> list[Tag]:
+        """A conditional's output tags (its branches' programs kept for :meth:`_eqn`).
+        Sums inside are made whole only where every device takes the same branch (a
+        clean index, such as a step count); a branch chosen by per-element data is
+        evaluated as it is."""
         uniform = ins[0] == CLEAN_TAG
         self._in_branch += not uniform
-        try:
-            return self.run(jaxpr, ins[1:])
-        finally:
-            self._in_branch -= not uniform
+        runs = [self.run(b, ins[1:]) for b in eqn.params["branches"]]
+        tags, self._branches = zip(*runs, strict=True)
+        self._in_branch -= not uniform
+        if not uniform:
+            return self._own(eqn, leaves, "branches on per-element data")
+        outs = zip(*tags, strict=True)
+        return [(max(k for k, _ in ts), frozenset().union(*(s for _, s in ts))) for ts in outs]
 
     def _exact(self, eqn: Any, ins: list[Tag]) -> tuple[Slot | None, int | None]:
         """For ``eqn`` on a sliced leaf's piece, what makes it give the leaf's own sums:
         the leaf, whose padding a total sum leaves out, or the leaf's size, by which a
         mean divides."""
-        (kind, leaves), one = ins[0] if ins else CLEAN_TAG, None
-        if len(leaves) == 1 and self.sliced is not None:
-            one = self.sliced.get(next(iter(leaves)))
-        if one is None:
+        kind, leaves = ins[0] if ins else CLEAN_TAG
+        if (one := self._slot(leaves)) is None:
             return None, None
-        if eqn.primitive.name == "reduce_sum" and kind == ELEM and not one.owned:
-            size = eqn.invars[0].aval.size
-            if size == one.piece_size and one.piece_size * one.num_shards != one.size:
-                return one, None
-        elif self._mean_count(eqn, ins) is not None:
-            return None, one.size
-        return None, None
+        padded = one.piece_size * one.num_shards != one.size
+        if eqn.primitive.name == "reduce_sum" and kind == ELEM and not one.owned and padded:
+            return (one if eqn.invars[0].aval.size == one.piece_size else None), None
+        return None, (one.size if self._mean_count(eqn, ins) is not None else None)
 
     def _mean_count(self, eqn: Any, ins: list[Tag]) -> int | None:
         """For a total sum divided by the number of elements summed (a mean), that number."""
@@ -219,7 +196,7 @@ class Tagger:
 
     def _tags(self, eqn: Any, ins: list[Tag]) -> list[Tag] | None:
         """The output tags of ``eqn``, or ``None`` where partial sums must first be summed
-        over the axis (see :meth:`_summed_here`)."""
+        over the axis."""
         name = eqn.primitive.name
         kinds = {k for k, _ in ins}
         leaves = frozenset().union(*(s for _, s in ins))
@@ -229,15 +206,7 @@ class Tagger:
             for i in leaves:
                 self.ops[i].append(label)
         if name == "cond":
-            runs = [self._branch(b, ins) for b in eqn.params["branches"]]
-            self._branches = tuple(program for _, program in runs)
-            branches = [tags for tags, _ in runs]
-            if ins[0] != CLEAN_TAG:
-                return [self._own(eqn, leaves, "branches on per-element data")] * n_out
-            return [
-                (max(k for k, _ in ts), frozenset().union(*(s for _, s in ts)))
-                for ts in zip(*branches, strict=True)
-            ]
+            return self._cond(eqn, ins, leaves)
         if kinds <= {CLEAN, GENERATED}:
             if name in _CASTS and (value := self._scalar(eqn.invars[0])) is not None:
                 self._scalars[eqn.outvars[0]] = value
@@ -248,52 +217,33 @@ class Tagger:
             if kinds & {ELEM, WHOLE}:
                 _refuse(eqn, "sums per-element or whole-tensor values across devices")
             return [CLEAN_TAG] * n_out
-        if name == "reduce_sum" and self._over_layers(eqn, leaves, kinds):
+        if name == "reduce_sum" and self._partial_sum(eqn, leaves, kinds):
             self._counts[eqn.outvars[0]] = eqn.invars[0].aval.size
             return [(PARTIAL, leaves)]
         if GENERATED in kinds:
             why = "combines values generated at the leaf's shape (random numbers, iota)"
-            return [self._own(eqn, leaves, why)] * n_out
+            return self._own(eqn, leaves, why)
         if WHOLE in kinds:
-            return [self._own(eqn, leaves, "combines a whole-tensor value")] * n_out
+            return self._own(eqn, leaves, "combines a whole-tensor value")
         if PARTIAL in kinds:
             # A clean zero added is a partial sum of nothing (``sum(squares, 0.0)``).
             zero = lambda k, v: k == CLEAN and name in ("add", "sub") and self._scalar(v) == 0
-            if _linear(
-                name,
-                [PARTIAL if zero(k, v) else k for (k, _), v in zip(ins, eqn.invars, strict=True)],
-            ):
+            pairs = zip(ins, eqn.invars, strict=True)
+            linear = _LINEAR.get(name, lambda kinds: False)
+            if linear([PARTIAL if zero(k, v) else k for (k, _), v in pairs]):
                 return [(PARTIAL, leaves)] * n_out
+            # Partial sums meeting a non-linear operation are summed over the axis first
+            # (``None``): a norm, an RMS or a mean of a sliced leaf (LAMB's and LARS's trust
+            # ratios, Adafactor's update clipping) or of several leaves (a global norm). Not
+            # inside a conditional (its branches are bound whole), and not for a leaf owned
+            # here, whose sums are complete on its owner.
             partial = frozenset().union(*(s for k, s in ins if k == PARTIAL))
-            if self._summed_here(partial):
+            summable = len(partial) > 1 or self.sliced is None or partial <= self.sliced.keys()
+            if summable and not self._in_branch:
                 return None
             why = "uses a sum over this device's elements only (a norm without a psum)"
-            return [self._own(eqn, leaves, why)] * n_out
-        if name == "reduce_sum" and eqn.outvars[0].aval.size == 1 and not self._layered(leaves):
-            self._counts[eqn.outvars[0]] = eqn.invars[0].aval.size
-            return [(PARTIAL, leaves)]
-        if name in KEEPS_SHAPE:
+            return self._own(eqn, leaves, why)
+        same_size = name in RESHAPING and eqn.invars[0].aval.size == eqn.outvars[0].aval.size
+        if name in KEEPS_SHAPE or same_size:
             return [(ELEM, leaves)] * n_out
-        if name in RESHAPING and eqn.invars[0].aval.size == eqn.outvars[0].aval.size:
-            return [(ELEM, leaves)]
-        why = "mixes elements (a reduction, matmul, slice or reorder)"
-        return [self._own(eqn, leaves, why)] * n_out
-
-
-def _linear(name: str, kinds: list[int]) -> bool:
-    """Whether an equation is linear in its ``PARTIAL`` operands, so that summing its
-    output over the devices equals applying it to their sums: scaling by clean
-    values, and adding, selecting or joining partial sums only (a clean term added
-    to a partial sum would be added once per device)."""
-    partial = [k == PARTIAL for k in kinds]
-    if name in _UNARY_LINEAR or name in RESHAPING:
-        return len(kinds) == 1
-    if name == "mul":
-        return sum(partial) == 1 and all(k in (CLEAN, PARTIAL) for k in kinds)
-    if name == "div":
-        return kinds == [PARTIAL, CLEAN]
-    if name in ("add", "sub", "concatenate"):
-        return all(partial)
-    if name == "select_n":
-        return kinds[0] == CLEAN and all(partial[1:])
-    return False
+        return self._own(eqn, leaves, "mixes elements (a reduction, matmul, slice or reorder)")
