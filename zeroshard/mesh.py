@@ -10,7 +10,8 @@ the one set with ``jax.set_mesh``, else the one the arrays are laid out on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -88,6 +89,39 @@ def bound_axis_size(axis_name: str) -> int | None:
         return jax.lax.axis_size(axis_name)
     except NameError:
         return None
+
+
+_step_axes: list[str] = []
+
+
+@contextlib.contextmanager
+def step_axis(axis_name: str) -> Iterator[None]:
+    """Inside: a zeroshard step over ``axis_name`` is being traced (the default axis of
+    :func:`zeroshard.gather` and :func:`zeroshard.layer`)."""
+    _step_axes.append(axis_name)
+    try:
+        yield
+    finally:
+        _step_axes.pop()
+
+
+def axis_of_step(axis_name: str | None, caller: str) -> str:
+    """``axis_name``, else the axis of the zeroshard step being traced (``caller``: the
+    function asking, named in the error).
+
+    Raises:
+      ValueError: if ``axis_name`` is ``None`` outside any zeroshard step.
+    """
+    if axis_name is not None:
+        return axis_name
+    if not _step_axes:
+        raise ValueError(
+            f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "
+            "(zs.make_train_step, the Flax steps), and none is being traced here. Inside "
+            f"your own jax.shard_map, name the axis the pieces are spread over: "
+            f"{caller}(..., axis_name='data')."
+        )
+    return _step_axes[-1]
 
 
 def run_on_mesh(

@@ -139,10 +139,9 @@ class Sharded:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
         local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
         the new state out."""
-        plan = self.checked_plan(state, params)
-        route = Route.of(self.config, stage_of(params))
-        parts = route.arrival.bring(plan, grads)
-        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+        return self._local_update(
+            Route.of(self.config, stage_of(params)), grads, state, params, extra_args
+        )
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -154,17 +153,11 @@ class Sharded:
         axis, route = self.config.axis_name, Route(CutMean(self.config), AllGather(self.config))
         mesh = find_mesh(self.config, state)
         specs = self.state_specs(params, mesh.shape[axis])
-
-        def local(grads, state, params, extra_args):
-            plan = self.checked_plan(state, params)
-            parts = route.arrival.bring(plan, grads)
-            return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
-
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to
         # the parameters' own layout afterwards.
         step = jax.shard_map(
-            local,
+            functools.partial(self._local_update, route),
             mesh=mesh,
             in_specs=(P(), specs, P(), P()),
             out_specs=(P(), specs),
@@ -174,6 +167,14 @@ class Sharded:
         grads_in, params_in = (_with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
         new, state = step(grads_in, state, params_in, extra_args)
         return _with_layout(new, params), state
+
+    def _local_update(
+        self, route: Route, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
+    ) -> tuple[PyTree, ShardedState]:
+        """The update flow inside ``shard_map``, for gradients arriving by ``route``."""
+        plan = self.checked_plan(state, params)
+        parts = route.arrival.bring(plan, grads)
+        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
@@ -260,23 +261,23 @@ def _log_owned(plan: Plan) -> None:
 
 class ShardedTransformation(optax.GradientTransformationExtraArgs):
     """What :func:`sharded` returns: an optax transformation whose ``init`` and
-    ``update`` are the methods of a :class:`Sharded`, reachable as :attr:`sharding`.
+    ``update`` are the methods of a :class:`Sharded`, reachable as :attr:`optimizer`.
     It adds no fields and holds no attributes of its own."""
 
     __slots__ = ()
 
     @property
-    def sharding(self) -> Sharded:
-        """The frozen optimizer behind ``init`` and ``update``."""
+    def optimizer(self) -> Sharded:
+        """The frozen :class:`Sharded` optimizer behind ``init`` and ``update``."""
         return self.init.__self__
 
     @property
     def inner(self) -> optax.GradientTransformationExtraArgs:
-        return self.sharding.inner
+        return self.optimizer.inner
 
     @property
     def config(self) -> ShardConfig:
-        return self.sharding.config
+        return self.optimizer.config
 
     @property
     def axis_name(self) -> str:
@@ -284,11 +285,11 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """See :meth:`Sharded.plan`."""
-        return self.sharding.plan(params, num_shards)
+        return self.optimizer.plan(params, num_shards)
 
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """See :meth:`Sharded.state_specs`."""
-        return self.sharding.state_specs(params, num_shards)
+        return self.optimizer.state_specs(params, num_shards)
 
 
 def sharding_of(tx: Any) -> Sharded:
@@ -302,7 +303,7 @@ def sharding_of(tx: Any) -> Sharded:
             f"expected the optimizer returned by zs.sharded(...), got {type(tx).__name__}: "
             "wrap it, e.g. zs.sharded(optax.adamw(3e-4), axis_name='data')."
         )
-    return tx.sharding
+    return tx.optimizer
 
 
 def sharded(
