@@ -197,12 +197,7 @@ class NNXTrainStep:
                 "zs.sharded(inner), mesh), not a plain nnx.Optimizer."
             )
         graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-        state = TrainState(
-            optimizer.step[...],
-            nnx.as_pure(params),
-            nnx.as_pure(optimizer.opt_state),
-            nnx.as_pure(rest),
-        )
+        state = TrainState(*nnx.as_pure((optimizer.step[...], params, optimizer.opt_state, rest)))
         specs = jax.tree.map(_spec, state)
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:

@@ -59,14 +59,10 @@ class Sharded:
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan, axis = self.plan(params, num_shards), self.config.axis_name
-        kinds = [plan.state_kind(k) for k in range(len(plan.state_slots))]
+        other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
         specs = [
-            None
-            if kind == "owned"
-            else P()
-            if kind == "replicated"
-            else plan.layout.slots[plan.state_slots[k]].spec(axis)
-            for k, kind in enumerate(kinds)
+            other[plan.state_kind(k)] if i is None else plan.layout.slots[i].spec(axis)
+            for k, i in enumerate(plan.state_slots)
         ]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -189,14 +185,12 @@ class Sharded:
                 "returned by the same transformation's init."
             )
         plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
-        master = plan.master_tree([0] * len(plan.layout.slots))  # its structure
-        if jax.tree.structure(state.master) != jax.tree.structure(master) or len(
-            state.owned
-        ) != len(plan.storage.dtypes):
+        master = jax.tree.structure(plan.master_tree([0] * len(plan.layout.slots)))
+        mine = jax.tree.structure(state.master)
+        if mine != master or len(state.owned) != len(plan.storage.dtypes):
             raise ValueError(
                 "zs.sharded: the optimizer state was made for other parameters: its master "
-                f"weights have the structure {jax.tree.structure(state.master)}, these "
-                f"params need {jax.tree.structure(master)}."
+                f"weights have the structure {mine}, these params need {master}."
             )
         return plan
 
@@ -229,8 +223,7 @@ def _with_layout(tree: PyTree, like: Any) -> PyTree:
 
 def _explicit(aval: Any) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    types = () if mesh is None or mesh.empty else tuple(mesh.axis_types)
-    return jax.sharding.AxisType.Explicit in types
+    return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
 
 
 @functools.lru_cache(maxsize=256)

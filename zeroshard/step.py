@@ -26,12 +26,13 @@ from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.step_io import (
     across_devices,
-    call_loss,
     device_key,
     local_rows,
     mean_state,
     plain_outputs,
+    split_rows,
     stacked_aux,
+    step_loss,
     step_metrics,
     update_metrics,
 )
@@ -177,7 +178,7 @@ class TrainStep:
         update flow of :mod:`zeroshard.update`."""
         plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
-        value_and_grad = jax.value_and_grad(self._scaled_loss(scale), has_aux=True)
+        value_and_grad = self._value_and_grad(scale)
         if self.per_device_loss:  # computed before the shard_map: this device's part
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
@@ -199,29 +200,19 @@ class TrainStep:
             model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
-    def _scaled_loss(self, scale: Any) -> Callable[..., Any]:
-        """The user's loss in the step's convention; times the loss scale, if any
-        (dynamic loss scaling differentiates the scaled loss)."""
-
-        def loss_fn(params, batch, key, model_state):
-            loss, rest = call_loss(self.loss_fn, self.has_aux, params, batch, key, model_state)
-            if scale is not None:
-                loss = loss.astype(jnp.float32) * scale.scale
-            return loss, rest
-
-        return loss_fn
+    def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
+        """The loss (times the loss scale, if any) and its gradient, in the step's
+        convention (:func:`zeroshard.step_io.step_loss`)."""
+        return jax.value_and_grad(step_loss(self.loss_fn, self.has_aux, scale), has_aux=True)
 
     def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
         (see ``per_device_loss``), with a leading axis over devices, and the new model
         state: floating-point leaves averaged over the devices, others the first's."""
-        axis, n = self.axis_name, self.batch_parts
-        rows = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-        grad_fn = jax.value_and_grad(self._scaled_loss(state.opt_state.loss_scale), has_aux=True)
+        axis, grad_fn = self.axis_name, self._value_and_grad(state.opt_state.loss_scale)
         device = lambda r: grad_fn(state.params, r, device_key(key, axis), state.model_state)
-        (loss, (aux, model_state)), grads = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)(
-            rows
-        )
+        per_device = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)
+        (loss, (aux, model_state)), grads = per_device(split_rows(batch, self.batch_parts))
         with scope(MODEL_STATE):
             model_state = jax.tree.map(across_devices, model_state)
         return (loss, aux, grads), model_state
@@ -231,11 +222,10 @@ class TrainStep:
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
-        cast = lambda x, axes: x if not axes else jax.lax.pcast(x, axes, to="varying")
         config = self.opt.config
-        if self.stage < 3:
-            return cast(params, config.batch_axes)
-        return cast(params, () if config.replica_axis is None else (config.replica_axis,))
+        replica = () if config.replica_axis is None else (config.replica_axis,)
+        axes = config.batch_axes if self.stage < 3 else replica
+        return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
         """Loss, aux, model state and gradient parts over ``accum_steps`` micro-batches
@@ -248,14 +238,13 @@ class TrainStep:
         so no full-size gradient buffer lives across micro-batches.
         """
         k, axes, arrival = self.accum_steps, self.opt.config.batch_axes, self.route.arrival
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
         # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
         # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
         add = {
             1: lambda grads: grads,
-            2: partial(arrival.bring, plan),
-            3: partial(arrival.pieces, plan.layout),
+            2: lambda grads: arrival.bring(plan, grads),
+            3: lambda grads: arrival.pieces(plan.layout, grads),
         }[self.stage]
         accumulator = jax.tree.map(zeros, jax.eval_shape(add, params))
 
@@ -267,7 +256,7 @@ class TrainStep:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
             return (model_state, acc), (loss, aux)
 
-        xs = (micro, jnp.arange(k))
+        xs = (split_rows(batch, k), jnp.arange(k))
         (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
         rows = local_rows(batch) // k
         aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
@@ -289,12 +278,12 @@ class TrainStep:
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
         specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
-        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
+        split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
+        batch_specs = split(batch)
         if self.per_device_loss:
             computed, model_state = self._per_device(state, batch, key)
+            batch_specs = (batch_specs, (split(computed), P()))
             batch = (batch, (computed, model_state))
-            per_device = jax.tree.map(lambda _: P(self.batch_axes), computed)
-            batch_specs = (batch_specs, (per_device, P()))
         step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,

@@ -136,34 +136,34 @@ def local_rows(batch: PyTree) -> int:
     return jnp.shape(jax.tree.leaves(batch)[0])[0]
 
 
-def call_loss(
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: PyTree,
-    batch: PyTree,
-    key: jax.Array | None,
-    model_state: PyTree | None,
-) -> tuple[jax.Array, tuple[Any, PyTree | None]]:
-    """Calls a user's loss function in the step's convention; returns ``(loss, (aux,
-    new_model_state))``.
+def step_loss(loss_fn: Callable[..., Any], has_aux: bool, scale: Any) -> Callable[..., Any]:
+    """A user's loss in the step's convention: ``loss(params, batch, key, model_state)
+    -> (loss, (aux, new_model_state))``, the loss times ``scale.scale`` when there is a
+    loss scale (dynamic loss scaling differentiates the scaled loss).
 
     ``loss_fn(params, batch)`` gets ``key=`` when the step was given a key and
     ``model_state=`` when the state carries one. With a model state it returns
     ``(loss, new_model_state)``, or ``(loss, (new_model_state, aux))`` with
     ``has_aux`` (Flax's ``mutable=`` convention); otherwise ``loss`` or ``(loss, aux)``.
     """
-    kwargs = {}
-    if key is not None:
-        kwargs["key"] = key
-    if model_state is not None:
-        kwargs["model_state"] = model_state
-    out = loss_fn(params, batch, **kwargs)
-    if model_state is not None:
-        loss, rest = out
+
+    def loss(params, batch, key, model_state):
+        extras = {"key": key, "model_state": model_state}
+        out = loss_fn(params, batch, **{k: v for k, v in extras.items() if v is not None})
+        value, rest = out if has_aux or model_state is not None else (out, None)
+        if scale is not None:
+            value = value.astype(jnp.float32) * scale.scale
+        if model_state is None:
+            return value, (rest, None)
         new_state, aux = rest if has_aux else (rest, None)
-        return loss, (aux, new_state)
-    loss, aux = out if has_aux else (out, None)
-    return loss, (aux, None)
+        return value, (aux, new_state)
+
+    return loss
+
+
+def split_rows(tree: PyTree, k: int) -> PyTree:
+    """Every leaf of ``tree`` with its leading dimension split into ``(k, rows / k)``."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), tree)
 
 
 def auto_twin(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
