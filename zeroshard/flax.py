@@ -182,10 +182,8 @@ class NNXTrainStep:
                 _sync_nnx_batch_norm(model, axes)
             with _per_device_rngs(model, axes):
                 out = self.loss_fn(model, batch)
-            has_aux = self._options["has_aux"]
-            loss, aux = out if has_aux else (out, None)
             rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
-            return loss, (rest, aux) if has_aux else rest
+            return (out[0], (rest, out[1])) if self._options["has_aux"] else (out, rest)
 
         return loss
 

@@ -164,11 +164,9 @@ class TrainStep:
         self.loss_fn, self.tx, self.mesh, self.has_aux = loss_fn, tx, mesh, has_aux
         self.route = Route.of(self.opt.config, stage)
         self.stage, self.accum_steps = stage, accum_steps
-        self.num_shards = mesh.shape[self.axis_name]
         self.batch_axes = axes if len(axes) > 1 else self.axis_name
         self.batch_parts = math.prod(mesh.shape[a] for a in axes)
-        one_axis = len(axes) == 1
-        self.per_device_loss = per_device_loss and accum_steps == 1 and stage < 3 and one_axis
+        self.per_device_loss = per_device_loss and accum_steps == 1 and stage < 3 and len(axes) < 2
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
 
     def _local_step(
@@ -277,7 +275,7 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
+        specs = state_specs(self.tx, state.params, self.mesh.shape[self.axis_name], self.stage)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:
