@@ -123,17 +123,12 @@ def nnx_optimizer(
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
+    state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
     if stage == 3:  # the weights as pieces, from the same master weights
-        pieces = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=3)
-        nnx.update(model, pieces.params)
-        opt_state = pieces.opt_state
-    else:
-        replicated = NamedSharding(mesh, P())
-        params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
-        opt_state = tx.optimizer.init_global(params, mesh, jax.device_put(master, replicated))
+        nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
-    optimizer.opt_state = nnx.data(to_opt_state(opt_state))
+    optimizer.opt_state = nnx.data(to_opt_state(state.opt_state))
     return optimizer
 
 

@@ -54,13 +54,9 @@ def pmean(x: Any, axes: Axes) -> Any:
 def mean_state(tree: PyTree, axes: Axes) -> PyTree:
     """Floating-point leaves of ``tree`` averaged over ``axes``; other leaves as they are."""
 
-    def mean(x: Any) -> Any:
-        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            return pmean(x, axes)
-        return x
-
+    floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)
     with scope(MODEL_STATE):
-        return jax.tree.map(mean, tree)
+        return jax.tree.map(lambda x: pmean(x, axes) if floating(x) else x, tree)
 
 
 def across_devices(x: jax.Array) -> jax.Array:
