@@ -123,10 +123,9 @@ class Sharded:
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
         the mean gradient (:meth:`apply_global`)."""
-        if params is not None and bound_axis_size(self.config.axis_name) is None:
-            new, state = self.apply_global(updates, state, params, **extra_args)
-        else:
-            new, state = self.apply(updates, state, params, **extra_args)
+        local = params is None or bound_axis_size(self.config.axis_name) is not None
+        apply = self.apply if local else self.apply_global
+        new, state = apply(updates, state, params, **extra_args)
         return jax.tree.map(lambda n, p: n - p, new, params), state
 
     def apply(

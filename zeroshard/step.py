@@ -8,6 +8,7 @@ ZeRO stage, with optional gradient accumulation, that donates the state.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -115,8 +116,7 @@ def init_train_state(
         opt_state = tx.optimizer.init_local(params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
-            index = jax.lax.axis_index(axis_name)
-            params = to_shards(layout, layout.shard_pieces(params, index))
+            params = to_shards(layout, layout.shard_pieces(params, jax.lax.axis_index(axis_name)))
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
@@ -125,6 +125,7 @@ def init_train_state(
     return run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
 
 
+@dataclasses.dataclass(eq=False)
 class TrainStep:
     """A jitted data-parallel training step; see :func:`make_train_step`, which
     takes the same arguments and checks them.
@@ -141,33 +142,30 @@ class TrainStep:
     Elsewhere it is ``False``.
     """
 
-    def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        tx: ShardedTransformation,
-        mesh: jax.sharding.Mesh,
-        axis_name: str | None = None,
-        has_aux: bool = False,
-        donate: bool = True,
-        stage: int = 1,
-        accum_steps: int = 1,
-        *,
-        per_device_loss: bool = False,
-    ):
-        self.opt = sharding_of(tx)
-        axes = self.opt.config.batch_axes
-        self.axis_name = check_mesh(self.opt.config, mesh, axis_name)
+    loss_fn: Callable[..., Any]
+    tx: ShardedTransformation
+    mesh: jax.sharding.Mesh
+    axis_name: str | None = None
+    has_aux: bool = False
+    donate: bool = True
+    stage: int = 1
+    accum_steps: int = 1
+    _: dataclasses.KW_ONLY
+    per_device_loss: bool = False
+
+    def __post_init__(self) -> None:
+        self.opt = sharding_of(self.tx)
+        axes, stage, k = self.opt.config.batch_axes, self.stage, self.accum_steps
+        self.axis_name = check_mesh(self.opt.config, self.mesh, self.axis_name)
         check_stage(stage)
-        check_other_axes(mesh, axes)
-        if not isinstance(accum_steps, int) or accum_steps < 1:
-            raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
-        self.loss_fn, self.tx, self.mesh, self.has_aux = loss_fn, tx, mesh, has_aux
+        check_other_axes(self.mesh, axes)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         self.route = Route.of(self.opt.config, stage)
-        self.stage, self.accum_steps = stage, accum_steps
         self.batch_axes = axes if len(axes) > 1 else self.axis_name
-        self.batch_parts = math.prod(mesh.shape[a] for a in axes)
-        self.per_device_loss = per_device_loss and accum_steps == 1 and stage < 3 and len(axes) < 2
-        self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
+        self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
+        self.per_device_loss = self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2
+        self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
     def _local_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None

@@ -40,9 +40,7 @@ Axes = str | tuple[str, ...]
 
 def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
     """``key`` folded with this device's index over ``axes`` (``None`` stays ``None``)."""
-    if key is None:
-        return None
-    return jax.random.fold_in(key, jax.lax.axis_index(axes))
+    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axes))
 
 
 def pmean(x: Any, axes: Axes) -> Any:
@@ -162,10 +160,11 @@ def split_rows(tree: PyTree, k: int) -> PyTree:
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), tree)
 
 
-def auto_twin(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """``mesh`` with every axis ``AxisType.Auto``: the same devices and layouts."""
+def auto_twin(mesh: jax.sharding.Mesh, axis_types: Any = None) -> jax.sharding.Mesh:
+    """``mesh`` with every axis ``AxisType.Auto`` (or the given ``axis_types``): the
+    same devices and layouts."""
     auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axis_types or auto)
 
 
 def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -174,9 +173,8 @@ def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     there); outside any mesh context, all ``Auto`` (an Explicit type there makes
     single-device code, e.g. ``nnx.MultiMetric.reset()``, raise)."""
     context = jax.sharding.get_abstract_mesh()
-    if context.empty or tuple(context.axis_names) != tuple(mesh.axis_names):
-        return auto_twin(mesh)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=context.axis_types)
+    same = not context.empty and tuple(context.axis_names) == tuple(mesh.axis_names)
+    return auto_twin(mesh, context.axis_types if same else None)
 
 
 def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
