@@ -26,14 +26,13 @@ def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | No
     """The data-parallel axis: the optimizer's (said once, in ``zs.sharded``);
     ``axis_name``, the keyword the public entry points still accept, may only repeat
     it. Refuses a mesh without the optimizer's axes, naming the fix."""
-    axis_name = config.axis_name if axis_name is None else axis_name
-    if config.axis_name != axis_name:
+    if axis_name not in (None, config.axis_name):
         raise ValueError(
             f"the optimizer was built with axis_name={config.axis_name!r} but the step uses "
             f"axis_name={axis_name!r}; use the same axis for both."
         )
-    check_mesh_axes(mesh, axis_name, config.replica_axis)
-    return axis_name
+    check_mesh_axes(mesh, config.axis_name, config.replica_axis)
+    return config.axis_name
 
 
 def find_mesh(
