@@ -5,7 +5,9 @@ The data-parallel axis is said once, in :func:`zeroshard.sharded` (``axis_name``
 entry points that take ``axis_name=`` again accept only the optimizer's
 (:func:`check_mesh`). The mesh is the one given, else the optimizer's ``mesh=``, else
 the one set with ``jax.set_mesh``, else the one the arrays are laid out on
-(:func:`find_mesh`).
+(:func:`find_mesh`). While a step traces the user's loss, its axis is the one
+:func:`zeroshard.gather` and :func:`zeroshard.layer` gather over when not told
+(:func:`step_axis`, :func:`axis_of_step`).
 """
 
 from __future__ import annotations
@@ -111,16 +113,14 @@ def axis_of_step(axis_name: str | None, caller: str) -> str:
     Raises:
       ValueError: if ``axis_name`` is ``None`` outside any zeroshard step.
     """
-    if axis_name is not None:
-        return axis_name
-    if not _step_axes:
+    if axis_name is None and not _step_axes:
         raise ValueError(
             f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "
             "(zs.make_train_step, the Flax steps), and none is being traced here. Inside "
             f"your own jax.shard_map, name the axis the pieces are spread over: "
             f"{caller}(..., axis_name='data')."
         )
-    return _step_axes[-1]
+    return _step_axes[-1] if axis_name is None else axis_name
 
 
 def run_on_mesh(
