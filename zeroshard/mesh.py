@@ -13,6 +13,7 @@ the one set with ``jax.set_mesh``, else the one the arrays are laid out on
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,18 +93,18 @@ def bound_axis_size(axis_name: str) -> int | None:
         return None
 
 
-_step_axes: list[str] = []
+_step_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("step_axis", default=None)
 
 
 @contextlib.contextmanager
 def step_axis(axis_name: str) -> Iterator[None]:
     """Inside: a zeroshard step over ``axis_name`` is being traced (the default axis of
-    :func:`zeroshard.gather` and :func:`zeroshard.layer`)."""
-    _step_axes.append(axis_name)
+    :func:`zeroshard.gather` and :func:`zeroshard.layer`; per thread)."""
+    token = _step_axis.set(axis_name)
     try:
         yield
     finally:
-        _step_axes.pop()
+        _step_axis.reset(token)
 
 
 def axis_of_step(axis_name: str | None, caller: str) -> str:
@@ -113,14 +114,15 @@ def axis_of_step(axis_name: str | None, caller: str) -> str:
     Raises:
       ValueError: if ``axis_name`` is ``None`` outside any zeroshard step.
     """
-    if axis_name is None and not _step_axes:
+    current = _step_axis.get()
+    if axis_name is None and current is None:
         raise ValueError(
             f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "
             "(zs.make_train_step, the Flax steps), and none is being traced here. Inside "
             f"your own jax.shard_map, name the axis the pieces are spread over: "
             f"{caller}(..., axis_name='data')."
         )
-    return _step_axes[-1] if axis_name is None else axis_name
+    return current if axis_name is None else axis_name
 
 
 def run_on_mesh(
