@@ -3,6 +3,7 @@ and checkpoints that move between stages."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, make_mesh, reference_run
@@ -170,3 +171,31 @@ def test_stage3_keeps_no_full_copy_of_the_weights(rng):
     # Arguments: replicated weights in stage 1, 1/N pieces in stage 3.
     args_per_layer = {s: (memory[s, 8][0] - memory[s, 4][0]) / 4 for s in (1, 3)}
     assert args_per_layer[3] < args_per_layer[1] - layer_bytes * (1 - 1 / n) * 0.9
+
+
+def test_gather_and_layer_take_the_axis_of_the_step(rng):
+    """Without ``axis_name``, zs.gather and zs.layer gather over the axis of the step
+    whose loss calls them (here "batch"): the same run, bit for bit, as with the axis
+    named; outside any zeroshard step they refuse, naming the fix."""
+    params, batches, mesh = make_params(rng), data(rng, 2), make_mesh(8, "batch")
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="batch")
+
+    def named_loss(params, batch):
+        x = batch["x"]
+        for p in params["layers"]:
+            x = zs.layer(dense, axis_name="batch")(p, x)
+        return jnp.mean((zs.gather(params["scale"], axis_name="batch") * x - batch["y"]) ** 2)
+
+    runs = []
+    for loss in (stage3_loss, named_loss):
+        state = zs.init_train_state(params, tx, mesh, stage=3)
+        step = zs.make_train_step(loss, tx, mesh, stage=3, accum_steps=2)
+        for batch in batches:
+            state, metrics = step(state, batch)
+        runs.append((zs.to_optax_state(state, tx)[0], metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, *runs)
+    match = r"without axis_name= takes the axis of the zeroshard step"
+    with pytest.raises(ValueError, match="zs.gather " + match):
+        zs.gather(state.params["scale"])
+    with pytest.raises(ValueError, match="zs.layer " + match):
+        zs.layer(dense)(state.params["layers"][0], batches[0]["x"])

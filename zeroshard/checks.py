@@ -8,6 +8,7 @@ checks are in :mod:`zeroshard.mesh`.)
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -20,34 +21,28 @@ from zeroshard.layout import PyTree
 def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
     """Refuses, with the fix, a mesh whose other Explicit axes this jax cannot lower a
     reduce-scatter next to (jax 0.12.0.1 fails to lower it); probed, not assumed."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     explicit = [
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if a not in axes and t == jax.sharding.AxisType.Explicit
+        a for a, t in types.items() if a not in axes and t == jax.sharding.AxisType.Explicit
     ]
     if not explicit:
         return
     n = math.prod(mesh.shape[a] for a in axes)
+    scatter = partial(jax.lax.psum_scatter, axis_name=axes, tiled=True)
     probe = jax.shard_map(
-        lambda x: jax.lax.psum_scatter(x, axes, tiled=True),
-        mesh=mesh,
-        in_specs=P(axes),
-        out_specs=P(axes),
-        axis_names=set(axes),
+        scatter, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes)
     )
     try:
         x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
         jax.jit(probe).lower(x)
     except ValueError as e:
-        types = ", ".join(
-            "AxisType.Auto" if a in explicit else f"AxisType.{t.name}"
-            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        )
+        auto = {a: "Auto" if a in explicit else t.name for a, t in types.items()}
+        fixed = ", ".join(f"AxisType.{name}" for name in auto.values())
         raise ValueError(
             f"mesh axes {explicit} are AxisType.Explicit, and jax {jax.__version__} cannot "
             f"lower a reduce-scatter over {axes} inside shard_map while another axis is "
             "Explicit. Make the other axes Auto: jax.make_mesh(shape, names, "
-            f"axis_types=({types}))."
+            f"axis_types=({fixed}))."
         ) from e
 
 

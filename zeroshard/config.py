@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -83,14 +84,11 @@ class ShardConfig:
             _check_loss_scale(self.loss_scale, self.skip_nonfinite)
         if self.mesh is not None:
             check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
-        normal = {
-            "master_dtype": _dtype(self.master_dtype),
-            "reduce_dtype": _dtype(self.reduce_dtype),
-            "skip_nonfinite": bool(self.skip_nonfinite),
-            "stacked": _stacked(self.stacked),
-        }
-        for name, value in normal.items():
-            object.__setattr__(self, name, value)
+        normal = functools.partial(object.__setattr__, self)  # (frozen: set once, here)
+        normal("master_dtype", _dtype(self.master_dtype))
+        normal("reduce_dtype", _dtype(self.reduce_dtype))
+        normal("skip_nonfinite", bool(self.skip_nonfinite))
+        normal("stacked", _stacked(self.stacked))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, sharding_of
 from zeroshard.stage3 import layer
-from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
+from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import auto_twin, output_mesh, plain_outputs
 
 
@@ -71,13 +71,10 @@ def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTre
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
             return P()
-        drop = lambda e: tuple(a for a in e if a != axis_name) or None
-        return P(
-            *(
-                drop(e) if isinstance(e, tuple) else None if e == axis_name else e
-                for e in sharding.spec
-            )
+        drop = lambda e: (
+            tuple(a for a in e if a != axis_name) or None if isinstance(e, tuple) else e
         )
+        return P(*(None if e == axis_name else drop(e) for e in sharding.spec))
 
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
@@ -126,17 +123,12 @@ def nnx_optimizer(
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
+    state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
     if stage == 3:  # the weights as pieces, from the same master weights
-        pieces = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=3)
-        nnx.update(model, pieces.params)
-        opt_state = pieces.opt_state
-    else:
-        replicated = NamedSharding(mesh, P())
-        params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
-        opt_state = tx.sharding.init_global(params, mesh, jax.device_put(master, replicated))
+        nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
-    optimizer.opt_state = nnx.data(to_opt_state(opt_state))
+    optimizer.opt_state = nnx.data(to_opt_state(state.opt_state))
     return optimizer
 
 
@@ -167,9 +159,9 @@ def _sync_nnx_batch_norm(model: nnx.Module, axis_name: str) -> None:
 class NNXTrainStep:
     """``metrics = train_step(model, optimizer, batch)``; see :func:`nnx_train_step`."""
 
-    def __init__(self, loss_fn, mesh, axis_name, has_aux: bool, sync: bool, options: dict):
-        self.loss_fn, self.mesh, self.axis_name, self.has_aux = loss_fn, mesh, axis_name, has_aux
-        self._sync, self._options = sync, options
+    def __init__(self, loss_fn: Callable[..., Any], mesh: Any, sync: bool, options: dict):
+        # options: the TrainStep's (axis_name, has_aux, donate, stage, accum_steps).
+        self.loss_fn, self.mesh, self._sync, self._options = loss_fn, mesh, sync, options
         # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
         # no copies): the model's own sharding calls work there.
         self._auto_mesh = auto_twin(mesh)
@@ -185,9 +177,8 @@ class NNXTrainStep:
                 _sync_nnx_batch_norm(model, axes)
             with _per_device_rngs(model, axes):
                 out = self.loss_fn(model, batch)
-            loss, aux = out if self.has_aux else (out, None)
             rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
-            return loss, (rest, aux) if self.has_aux else rest
+            return (out[0], (rest, out[1])) if self._options["has_aux"] else (out, rest)
 
         return loss
 
@@ -199,26 +190,14 @@ class NNXTrainStep:
                 "zs.sharded(inner), mesh), not a plain nnx.Optimizer."
             )
         graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-        state = TrainState(
-            optimizer.step[...],
-            nnx.as_pure(params),
-            nnx.as_pure(optimizer.opt_state),
-            nnx.as_pure(rest),
-        )
+        state = TrainState(*nnx.as_pure((optimizer.step[...], params, optimizer.opt_state, rest)))
         specs = jax.tree.map(_spec, state)
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
             axes = tx.config.batch_axes
             loss = self._loss(graphdef, optimizer.wrt, axes if len(axes) > 1 else axes[0])
-            step = make_train_step(
-                loss,
-                tx,
-                self._auto_mesh,
-                axis_name=self.axis_name,
-                has_aux=self.has_aux,
-                **self._options,
-            )
-            step.per_device_loss = True  # where it can: the model's sharding calls work
+            # per_device_loss where it can: the model's sharding calls work.
+            step = TrainStep(loss, tx, self._auto_mesh, per_device_loss=True, **self._options)
             self._compiled[key] = step
         on = lambda mesh: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
         state = jax.device_put(state, on(self._auto_mesh))
@@ -288,8 +267,10 @@ def nnx_train_step(
     """
     if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}).")
-    options = {"donate": donate, "stage": stage, "accum_steps": accum_steps}
-    return NNXTrainStep(loss_fn, mesh, axis_name, has_aux, sync_batch_stats, options)
+    options = dict(
+        axis_name=axis_name, has_aux=has_aux, donate=donate, stage=stage, accum_steps=accum_steps
+    )
+    return NNXTrainStep(loss_fn, mesh, sync_batch_stats, options)
 
 
 # Linen (flax.training.train_state.TrainState).
@@ -410,22 +391,13 @@ def linen_train_step(
       :func:`zeroshard.make_train_step` reports them. ``train_step.jitted`` is the
       underlying ``jax.jit`` function.
     """
-    axes = sharding_of(tx).config.batch_axes
 
     def synced_loss(*args: Any, **kwargs: Any) -> Any:
-        with _synced_linen_batch_norm(axes if len(axes) > 1 else axes[0]):
+        with _synced_linen_batch_norm(step.batch_axes):  # (called once the step is built)
             return loss_fn(*args, **kwargs)
 
-    step = make_train_step(
-        synced_loss if sync_batch_stats else loss_fn,
-        tx,
-        mesh,
-        axis_name=axis_name,
-        has_aux=has_aux,
-        donate=donate,
-        stage=stage,
-        accum_steps=accum_steps,
-    )
+    loss = synced_loss if sync_batch_stats else loss_fn
+    step = TrainStep(loss, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
 
     def train_step(state: Any, batch: PyTree, key: jax.Array | None = None) -> tuple[Any, dict]:
         model_state = getattr(state, "model_state", None)
@@ -444,12 +416,13 @@ def linen_train_step(
 # Stage 3: per-layer gathering.
 
 
-def linen_layer(module: Any, axis_name: str = "data") -> Callable[..., Any]:
+def linen_layer(module: Any, axis_name: str | None = None) -> Callable[..., Any]:
     """``fn(layer_params, *args)``: applies a Linen module to gathered weights (stage 3).
 
     Args:
       module: an (unbound) Linen module, e.g. ``nn.Dense(256)``.
-      axis_name: the axis the pieces are spread over.
+      axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
+        the zeroshard step the layer runs in (see :func:`zeroshard.gather`).
 
     Returns:
       ``module.apply({"params": gather(layer_params)}, *args)`` as a function of the
@@ -459,13 +432,14 @@ def linen_layer(module: Any, axis_name: str = "data") -> Callable[..., Any]:
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
 
 
-def nnx_layer(module: nnx.Module, axis_name: str = "data") -> Callable[..., Any]:
+def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[..., Any]:
     """``fn(layer_params, *args)``: runs an NNX module on gathered weights (stage 3).
 
     Args:
       module: the NNX module (its own parameter values are not used: only its
         structure and non-parameter state).
-      axis_name: the axis the pieces are spread over.
+      axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
+        the zeroshard step the layer runs in (see :func:`zeroshard.gather`).
 
     Returns:
       A function of the module's ``Shard`` parameters (the pure-dict subtree, as in

@@ -5,12 +5,16 @@ The data-parallel axis is said once, in :func:`zeroshard.sharded` (``axis_name``
 entry points that take ``axis_name=`` again accept only the optimizer's
 (:func:`check_mesh`). The mesh is the one given, else the optimizer's ``mesh=``, else
 the one set with ``jax.set_mesh``, else the one the arrays are laid out on
-(:func:`find_mesh`).
+(:func:`find_mesh`). While a step traces the user's loss, its axis is the one
+:func:`zeroshard.gather` and :func:`zeroshard.layer` gather over when not told
+(:func:`step_axis`, :func:`axis_of_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -25,14 +29,13 @@ def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | No
     """The data-parallel axis: the optimizer's (said once, in ``zs.sharded``);
     ``axis_name``, the keyword the public entry points still accept, may only repeat
     it. Refuses a mesh without the optimizer's axes, naming the fix."""
-    axis_name = config.axis_name if axis_name is None else axis_name
-    if config.axis_name != axis_name:
+    if axis_name not in (None, config.axis_name):
         raise ValueError(
             f"the optimizer was built with axis_name={config.axis_name!r} but the step uses "
             f"axis_name={axis_name!r}; use the same axis for both."
         )
-    check_mesh_axes(mesh, axis_name, config.replica_axis)
-    return axis_name
+    check_mesh_axes(mesh, config.axis_name, config.replica_axis)
+    return config.axis_name
 
 
 def find_mesh(
@@ -88,6 +91,38 @@ def bound_axis_size(axis_name: str) -> int | None:
         return jax.lax.axis_size(axis_name)
     except NameError:
         return None
+
+
+_step_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("step_axis", default=None)
+
+
+@contextlib.contextmanager
+def step_axis(axis_name: str) -> Iterator[None]:
+    """Inside: a zeroshard step over ``axis_name`` is being traced (the default axis of
+    :func:`zeroshard.gather` and :func:`zeroshard.layer`; per thread)."""
+    token = _step_axis.set(axis_name)
+    try:
+        yield
+    finally:
+        _step_axis.reset(token)
+
+
+def axis_of_step(axis_name: str | None, caller: str) -> str:
+    """``axis_name``, else the axis of the zeroshard step being traced (``caller``: the
+    function asking, named in the error).
+
+    Raises:
+      ValueError: if ``axis_name`` is ``None`` outside any zeroshard step.
+    """
+    current = _step_axis.get()
+    if axis_name is None and current is None:
+        raise ValueError(
+            f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "
+            "(zs.make_train_step, the Flax steps), and none is being traced here. Inside "
+            f"your own jax.shard_map, name the axis the pieces are spread over: "
+            f"{caller}(..., axis_name='data')."
+        )
+    return current if axis_name is None else axis_name
 
 
 def run_on_mesh(

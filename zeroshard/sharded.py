@@ -59,14 +59,10 @@ class Sharded:
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan, axis = self.plan(params, num_shards), self.config.axis_name
-        kinds = [plan.state_kind(k) for k in range(len(plan.state_slots))]
+        other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
         specs = [
-            None
-            if kind == "owned"
-            else P()
-            if kind == "replicated"
-            else plan.layout.slots[plan.state_slots[k]].spec(axis)
-            for k, kind in enumerate(kinds)
+            other[plan.state_kind(k)] if i is None else plan.layout.slots[i].spec(axis)
+            for k, i in enumerate(plan.state_slots)
         ]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -127,10 +123,9 @@ class Sharded:
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
         the mean gradient (:meth:`apply_global`)."""
-        if params is not None and bound_axis_size(self.config.axis_name) is None:
-            new, state = self.apply_global(updates, state, params, **extra_args)
-        else:
-            new, state = self.apply(updates, state, params, **extra_args)
+        local = params is None or bound_axis_size(self.config.axis_name) is not None
+        apply = self.apply if local else self.apply_global
+        new, state = apply(updates, state, params, **extra_args)
         return jax.tree.map(lambda n, p: n - p, new, params), state
 
     def apply(
@@ -139,10 +134,9 @@ class Sharded:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
         local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
         the new state out."""
-        plan = self.checked_plan(state, params)
-        route = Route.of(self.config, stage_of(params))
-        parts = route.arrival.bring(plan, grads)
-        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+        return self._local_update(
+            Route.of(self.config, stage_of(params)), grads, state, params, extra_args
+        )
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -154,17 +148,11 @@ class Sharded:
         axis, route = self.config.axis_name, Route(CutMean(self.config), AllGather(self.config))
         mesh = find_mesh(self.config, state)
         specs = self.state_specs(params, mesh.shape[axis])
-
-        def local(grads, state, params, extra_args):
-            plan = self.checked_plan(state, params)
-            parts = route.arrival.bring(plan, grads)
-            return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
-
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to
         # the parameters' own layout afterwards.
         step = jax.shard_map(
-            local,
+            functools.partial(self._local_update, route),
             mesh=mesh,
             in_specs=(P(), specs, P(), P()),
             out_specs=(P(), specs),
@@ -174,6 +162,14 @@ class Sharded:
         grads_in, params_in = (_with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
         new, state = step(grads_in, state, params_in, extra_args)
         return _with_layout(new, params), state
+
+    def _local_update(
+        self, route: Route, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
+    ) -> tuple[PyTree, ShardedState]:
+        """The update flow inside ``shard_map``, for gradients arriving by ``route``."""
+        plan = self.checked_plan(state, params)
+        parts = route.arrival.bring(plan, grads)
+        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
@@ -188,14 +184,12 @@ class Sharded:
                 "returned by the same transformation's init."
             )
         plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
-        master = plan.master_tree([0] * len(plan.layout.slots))  # its structure
-        if jax.tree.structure(state.master) != jax.tree.structure(master) or len(
-            state.owned
-        ) != len(plan.storage.dtypes):
+        master = jax.tree.structure(plan.master_tree([0] * len(plan.layout.slots)))
+        mine = jax.tree.structure(state.master)
+        if mine != master or len(state.owned) != len(plan.storage.dtypes):
             raise ValueError(
                 "zs.sharded: the optimizer state was made for other parameters: its master "
-                f"weights have the structure {jax.tree.structure(state.master)}, these "
-                f"params need {jax.tree.structure(master)}."
+                f"weights have the structure {mine}, these params need {master}."
             )
         return plan
 
@@ -228,8 +222,7 @@ def _with_layout(tree: PyTree, like: Any) -> PyTree:
 
 def _explicit(aval: Any) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    types = () if mesh is None or mesh.empty else tuple(mesh.axis_types)
-    return jax.sharding.AxisType.Explicit in types
+    return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -260,23 +253,23 @@ def _log_owned(plan: Plan) -> None:
 
 class ShardedTransformation(optax.GradientTransformationExtraArgs):
     """What :func:`sharded` returns: an optax transformation whose ``init`` and
-    ``update`` are the methods of a :class:`Sharded`, reachable as :attr:`sharding`.
+    ``update`` are the methods of a :class:`Sharded`, reachable as :attr:`optimizer`.
     It adds no fields and holds no attributes of its own."""
 
     __slots__ = ()
 
     @property
-    def sharding(self) -> Sharded:
-        """The frozen optimizer behind ``init`` and ``update``."""
+    def optimizer(self) -> Sharded:
+        """The frozen :class:`Sharded` optimizer behind ``init`` and ``update``."""
         return self.init.__self__
 
     @property
     def inner(self) -> optax.GradientTransformationExtraArgs:
-        return self.sharding.inner
+        return self.optimizer.inner
 
     @property
     def config(self) -> ShardConfig:
-        return self.sharding.config
+        return self.optimizer.config
 
     @property
     def axis_name(self) -> str:
@@ -284,11 +277,11 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """See :meth:`Sharded.plan`."""
-        return self.sharding.plan(params, num_shards)
+        return self.optimizer.plan(params, num_shards)
 
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """See :meth:`Sharded.state_specs`."""
-        return self.sharding.state_specs(params, num_shards)
+        return self.optimizer.state_specs(params, num_shards)
 
 
 def sharding_of(tx: Any) -> Sharded:
@@ -302,7 +295,7 @@ def sharding_of(tx: Any) -> Sharded:
             f"expected the optimizer returned by zs.sharded(...), got {type(tx).__name__}: "
             "wrap it, e.g. zs.sharded(optax.adamw(3e-4), axis_name='data')."
         )
-    return tx.sharding
+    return tx.optimizer
 
 
 def sharded(

@@ -37,6 +37,7 @@ import numpy as np
 
 from zeroshard.collectives import is_identity
 from zeroshard.layout import Layout, PyTree, Slot
+from zeroshard.mesh import axis_of_step
 from zeroshard.rows import pack, spans
 from zeroshard.scopes import GATHER, scope
 
@@ -149,7 +150,7 @@ def shard_specs(layout: Layout, axis_name: str) -> PyTree:
     )
 
 
-def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
+def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     """Replaces every :class:`Shard` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
@@ -158,7 +159,9 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
 
     Args:
       tree: a pytree whose leaves are ``Shard`` (other leaves pass through).
-      axis_name: the axis the pieces are spread over.
+      axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
+        the zeroshard step whose loss calls it (:func:`zeroshard.make_train_step`, the
+        Flax steps). In a hand-written ``shard_map``, name it.
 
     Returns:
       The same tree with full arrays for the shards. Differentiating through it
@@ -168,8 +171,10 @@ def gather(tree: PyTree, axis_name: str = "data") -> PyTree:
 
     Raises:
       ValueError: if a piece cannot be gathered in the layout it has here (e.g. a
-        parameter not marked stacked was scanned over).
+        parameter not marked stacked was scanned over); if ``axis_name`` is ``None``
+        outside a zeroshard step.
     """
+    axis_name = axis_of_step(axis_name, "zs.gather")
     with scope(GATHER):
         return _gather(tree, axis_name)
 
@@ -194,12 +199,13 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     return treedef.unflatten(out)
 
 
-def layer(fn: Callable[..., Any], axis_name: str = "data") -> Callable[..., Any]:
+def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[..., Any]:
     """``fn(gather(params), *args)``, with the weights gathered again in the backward pass.
 
     Args:
       fn: ``fn(full_params, *args)``: one layer's computation.
-      axis_name: the axis the pieces are spread over.
+      axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
+        the zeroshard step the layer runs in (see :func:`gather`).
 
     Returns:
       ``wrapped(params, *args)`` taking the layer's ``Shard`` tree. Only the pieces
@@ -208,7 +214,7 @@ def layer(fn: Callable[..., Any], axis_name: str = "data") -> Callable[..., Any]
     """
 
     def run(params: PyTree, *args: Any) -> Any:
-        return fn(gather(params, axis_name), *args)
+        return fn(gather(params, axis_of_step(axis_name, "zs.layer")), *args)
 
     @jax.custom_vjp
     def wrapped(params: PyTree, *args: Any) -> Any:

@@ -8,8 +8,10 @@ ZeRO stage, with optional gradient accumulation, that donates the state.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -19,18 +21,19 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.checks import check_batch, check_other_axes, check_stage
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh, run_on_mesh
+from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.step_io import (
     across_devices,
-    call_loss,
     device_key,
     local_rows,
     mean_state,
     plain_outputs,
+    split_rows,
     stacked_aux,
+    step_loss,
     step_metrics,
     update_metrics,
 )
@@ -62,11 +65,9 @@ def state_specs(
 ) -> TrainState:
     """``PartitionSpec``s of a :class:`TrainState` for ``params`` (full or ``Shard``)."""
     structs = full_structs(params)
-    opt_specs = tx.state_specs(structs, num_shards)
-    if stage < 3:
-        return TrainState(P(), P(), opt_specs, P())
     layout = tx.plan(structs, num_shards).layout
-    return TrainState(P(), shard_specs(layout, tx.axis_name), opt_specs, P())
+    param_specs = P() if stage < 3 else shard_specs(layout, tx.axis_name)
+    return TrainState(P(), param_specs, tx.state_specs(structs, num_shards), P())
 
 
 def init_train_state(
@@ -108,64 +109,63 @@ def init_train_state(
     axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
     check_stage(stage)
     num_shards = mesh.shape[axis_name]
+    cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
 
     def local_init(master_params: PyTree, model_state: PyTree) -> TrainState:
-        cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
         params = jax.tree.map(cast, master_params)
-        opt_state = tx.sharding.init_local(params, master_params)
+        opt_state = tx.optimizer.init_local(params, master_params)
         if stage == 3:
             layout = tx.plan(params, num_shards).layout
-            index = jax.lax.axis_index(axis_name)
-            params = to_shards(layout, layout.shard_pieces(params, index))
+            params = to_shards(layout, layout.shard_pieces(params, jax.lax.axis_index(axis_name)))
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
-    compute = jax.eval_shape(
-        lambda p: jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), p), params
-    )
-    specs = state_specs(tx, compute, num_shards, stage)
+    specs = state_specs(tx, jax.eval_shape(partial(jax.tree.map, cast), params), num_shards, stage)
     # The same out_specs as the step's, so the first step sees the shardings it returns.
     return run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
 
 
+@dataclasses.dataclass(eq=False)
 class TrainStep:
-    """A jitted data-parallel training step; see :func:`make_train_step`.
+    """A jitted data-parallel training step; see :func:`make_train_step`, which
+    takes the same arguments and checks them.
 
     Call it as ``state, metrics = train_step(state, batch)``; ``lower(state, batch)``
     gives the ``jax.stages.Lowered`` program (for HLO inspection) and ``jitted`` the
     underlying ``jax.jit`` function.
 
-    ``per_device_loss`` (set before the first call): where the step has no
+    ``per_device_loss`` (keyword; the NNX step's): where the step has no
     micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
     computed before the ``shard_map``, once per device under ``jax.vmap`` over the
     batch axis, so that a model's own sharding calls (``out_sharding=``,
     ``auto_axes``), which a manual axis refuses, work; the update flow is the same.
+    Elsewhere it is ``False``.
     """
 
-    per_device_loss = False
+    loss_fn: Callable[..., Any]
+    tx: ShardedTransformation
+    mesh: jax.sharding.Mesh
+    axis_name: str | None = None
+    has_aux: bool = False
+    donate: bool = True
+    stage: int = 1
+    accum_steps: int = 1
+    _: dataclasses.KW_ONLY
+    per_device_loss: bool = False
 
-    def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        tx: ShardedTransformation,
-        mesh: jax.sharding.Mesh,
-        axis_name: str,
-        has_aux: bool,
-        donate: bool,
-        stage: int = 1,
-        accum_steps: int = 1,
-    ):
-        self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
-        self.opt = sharding_of(tx)
+    def __post_init__(self) -> None:
+        self.opt = sharding_of(self.tx)
+        axes, stage, k = self.opt.config.batch_axes, self.stage, self.accum_steps
+        self.axis_name = check_mesh(self.opt.config, self.mesh, self.axis_name)
+        check_stage(stage)
+        check_other_axes(self.mesh, axes)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         self.route = Route.of(self.opt.config, stage)
-        self.axis_name, self.has_aux = axis_name, has_aux
-        self.stage, self.accum_steps = stage, accum_steps
-        self.num_shards = mesh.shape[axis_name]
-        axes = self.opt.config.batch_axes
-        self.batch_axes = axes if len(axes) > 1 else axis_name
-        self.batch_parts = math.prod(mesh.shape[a] for a in axes)
-        self._batch_sharding = NamedSharding(mesh, P(self.batch_axes))
-        self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if donate else ())
+        self.batch_axes = axes if len(axes) > 1 else self.axis_name
+        self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
+        self.per_device_loss = self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2
+        self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
     def _local_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
@@ -174,8 +174,8 @@ class TrainStep:
         update flow of :mod:`zeroshard.update`."""
         plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
-        value_and_grad = jax.value_and_grad(self._scaled_loss(scale), has_aux=True)
-        if self._loss_per_device():  # computed before the shard_map: this device's part
+        value_and_grad = self._value_and_grad(scale)
+        if self.per_device_loss:  # computed before the shard_map: this device's part
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
@@ -192,38 +192,23 @@ class TrainStep:
         params, opt_state = update(*opt, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
-        if not self._loss_per_device():  # (averaged already)
+        if not self.per_device_loss:  # (averaged already)
             model_state = mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
-    def _scaled_loss(self, scale: Any) -> Callable[..., Any]:
-        """The user's loss in the step's convention; times the loss scale, if any
-        (dynamic loss scaling differentiates the scaled loss)."""
-
-        def loss_fn(params, batch, key, model_state):
-            loss, rest = call_loss(self.loss_fn, self.has_aux, params, batch, key, model_state)
-            if scale is not None:
-                loss = loss.astype(jnp.float32) * scale.scale
-            return loss, rest
-
-        return loss_fn
-
-    def _loss_per_device(self) -> bool:
-        """Whether the loss runs before the ``shard_map`` (see ``per_device_loss``)."""
-        one_axis = len(self.opt.config.batch_axes) == 1
-        return self.per_device_loss and self.accum_steps == 1 and self.stage < 3 and one_axis
+    def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
+        """The loss (times the loss scale, if any) and its gradient, in the step's
+        convention (:func:`zeroshard.step_io.step_loss`)."""
+        return jax.value_and_grad(step_loss(self.loss_fn, self.has_aux, scale), has_aux=True)
 
     def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
         (see ``per_device_loss``), with a leading axis over devices, and the new model
         state: floating-point leaves averaged over the devices, others the first's."""
-        axis, n = self.axis_name, self.batch_parts
-        rows = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-        grad_fn = jax.value_and_grad(self._scaled_loss(state.opt_state.loss_scale), has_aux=True)
+        axis, grad_fn = self.axis_name, self._value_and_grad(state.opt_state.loss_scale)
         device = lambda r: grad_fn(state.params, r, device_key(key, axis), state.model_state)
-        (loss, (aux, model_state)), grads = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)(
-            rows
-        )
+        per_device = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)
+        (loss, (aux, model_state)), grads = per_device(split_rows(batch, self.batch_parts))
         with scope(MODEL_STATE):
             model_state = jax.tree.map(across_devices, model_state)
         return (loss, aux, grads), model_state
@@ -233,11 +218,10 @@ class TrainStep:
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
-        cast = lambda x, axes: x if not axes else jax.lax.pcast(x, axes, to="varying")
         config = self.opt.config
-        if self.stage < 3:
-            return cast(params, config.batch_axes)
-        return cast(params, () if config.replica_axis is None else (config.replica_axis,))
+        replica = () if config.replica_axis is None else (config.replica_axis,)
+        axes = config.batch_axes if self.stage < 3 else replica
+        return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
         """Loss, aux, model state and gradient parts over ``accum_steps`` micro-batches
@@ -249,62 +233,53 @@ class TrainStep:
         Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
         so no full-size gradient buffer lives across micro-batches.
         """
-        k, axes = self.accum_steps, self.opt.config.batch_axes
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        k, axes, arrival = self.accum_steps, self.opt.config.batch_axes, self.route.arrival
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
-        layout = plan.layout
-        f32 = lambda n: zeros(jax.ShapeDtypeStruct((n,), jnp.float32))
-        if self.stage == 1:
-            accumulator = jax.tree.map(zeros, params)
-        elif self.stage == 2:
-            accumulator = (
-                [None if s.owned else f32(s.piece_size) for s in layout.slots],
-                tuple(f32(b.owned_width) if b.owned_width else None for b in layout.buckets),
-            )
-        else:  # every leaf's gradient piece; the owned ones go to their owners once
-            accumulator = [f32(s.piece_size) for s in layout.slots]
+        # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
+        # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
+        add = {
+            1: lambda grads: grads,
+            2: lambda grads: arrival.bring(plan, grads),
+            3: lambda grads: arrival.pieces(plan.layout, grads),
+        }[self.stage]
+        accumulator = jax.tree.map(zeros, jax.eval_shape(add, params))
 
         def body(carry, xs):
             model_state, acc = carry
             mb, i = xs
             mb_key = None if key is None else jax.random.fold_in(key, i)
             (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            if self.stage == 2:
-                grads = self.route.arrival.bring(plan, grads)
-            elif self.stage == 3:
-                grads = self.route.arrival.pieces(layout, grads)
-            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
             return (model_state, acc), (loss, aux)
 
-        xs = (micro, jnp.arange(k))
+        xs = (split_rows(batch, k), jnp.arange(k))
         (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
         rows = local_rows(batch) // k
         aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         acc = jax.tree.map(lambda a: a / k, acc)
         if self.stage == 1:
-            return out, self.route.arrival.bring(plan, acc)
-        return out, self.route.arrival.to_owners(plan, acc) if self.stage == 3 else acc
+            return out, arrival.bring(plan, acc)
+        return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
 
     def _global_step(
         self, state: TrainState, batch: PyTree, key: jax.Array | None
     ) -> tuple[TrainState, dict]:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
-        layout = self.tx.plan(full_structs(state.params), self.num_shards).layout
-        pieces = [is_shard(x) for x in layout.treedef.flatten_up_to(state.params)]
-        if pieces != [self.stage == 3] * len(layout.slots):
+        leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
+        if any(is_shard(x) != (self.stage == 3) for x in leaves):
             raise ValueError(
                 f"this is a stage-{self.stage} step, but the state's params are "
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = state_specs(self.tx, state.params, self.num_shards, self.stage)
-        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
-        if self._loss_per_device():
+        specs = state_specs(self.tx, state.params, self.mesh.shape[self.axis_name], self.stage)
+        split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
+        batch_specs = split(batch)
+        if self.per_device_loss:
             computed, model_state = self._per_device(state, batch, key)
+            batch_specs = (batch_specs, (split(computed), P()))
             batch = (batch, (computed, model_state))
-            per_device = jax.tree.map(lambda _: P(self.batch_axes), computed)
-            batch_specs = (batch_specs, (per_device, P()))
         step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
@@ -315,11 +290,12 @@ class TrainStep:
             # the gradients are not all-reduced for us and the collectives are left out.
             check_vma=self.batch_parts > 1,
         )
-        return step(state, batch, key)
+        with step_axis(self.axis_name):  # zs.gather and zs.layer's default axis
+            return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
-        return jax.device_put(batch, self._batch_sharding)
+        return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
     def __call__(
         self, state: TrainState, batch: PyTree, key: jax.Array | None = None
@@ -442,10 +418,4 @@ def make_train_step(
       >>> sorted(metrics), int(metrics["skipped"])
       (['grad_norm', 'loss', 'skipped'], 0)
     """
-    config = sharding_of(tx).config
-    axis_name = check_mesh(config, mesh, axis_name)
-    check_stage(stage)
-    check_other_axes(mesh, config.batch_axes)
-    if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}.")
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)

@@ -40,9 +40,7 @@ Axes = str | tuple[str, ...]
 
 def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
     """``key`` folded with this device's index over ``axes`` (``None`` stays ``None``)."""
-    if key is None:
-        return None
-    return jax.random.fold_in(key, jax.lax.axis_index(axes))
+    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axes))
 
 
 def pmean(x: Any, axes: Axes) -> Any:
@@ -54,13 +52,9 @@ def pmean(x: Any, axes: Axes) -> Any:
 def mean_state(tree: PyTree, axes: Axes) -> PyTree:
     """Floating-point leaves of ``tree`` averaged over ``axes``; other leaves as they are."""
 
-    def mean(x: Any) -> Any:
-        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            return pmean(x, axes)
-        return x
-
+    floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)
     with scope(MODEL_STATE):
-        return jax.tree.map(mean, tree)
+        return jax.tree.map(lambda x: pmean(x, axes) if floating(x) else x, tree)
 
 
 def across_devices(x: jax.Array) -> jax.Array:
@@ -136,40 +130,41 @@ def local_rows(batch: PyTree) -> int:
     return jnp.shape(jax.tree.leaves(batch)[0])[0]
 
 
-def call_loss(
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: PyTree,
-    batch: PyTree,
-    key: jax.Array | None,
-    model_state: PyTree | None,
-) -> tuple[jax.Array, tuple[Any, PyTree | None]]:
-    """Calls a user's loss function in the step's convention; returns ``(loss, (aux,
-    new_model_state))``.
+def step_loss(loss_fn: Callable[..., Any], has_aux: bool, scale: Any) -> Callable[..., Any]:
+    """A user's loss in the step's convention: ``loss(params, batch, key, model_state)
+    -> (loss, (aux, new_model_state))``, the loss times ``scale.scale`` when there is a
+    loss scale (dynamic loss scaling differentiates the scaled loss).
 
     ``loss_fn(params, batch)`` gets ``key=`` when the step was given a key and
     ``model_state=`` when the state carries one. With a model state it returns
     ``(loss, new_model_state)``, or ``(loss, (new_model_state, aux))`` with
     ``has_aux`` (Flax's ``mutable=`` convention); otherwise ``loss`` or ``(loss, aux)``.
     """
-    kwargs = {}
-    if key is not None:
-        kwargs["key"] = key
-    if model_state is not None:
-        kwargs["model_state"] = model_state
-    out = loss_fn(params, batch, **kwargs)
-    if model_state is not None:
-        loss, rest = out
+
+    def loss(params, batch, key, model_state):
+        extras = {"key": key, "model_state": model_state}
+        out = loss_fn(params, batch, **{k: v for k, v in extras.items() if v is not None})
+        value, rest = out if has_aux or model_state is not None else (out, None)
+        if scale is not None:
+            value = value.astype(jnp.float32) * scale.scale
+        if model_state is None:
+            return value, (rest, None)
         new_state, aux = rest if has_aux else (rest, None)
-        return loss, (aux, new_state)
-    loss, aux = out if has_aux else (out, None)
-    return loss, (aux, None)
+        return value, (aux, new_state)
+
+    return loss
 
 
-def auto_twin(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """``mesh`` with every axis ``AxisType.Auto``: the same devices and layouts."""
+def split_rows(tree: PyTree, k: int) -> PyTree:
+    """Every leaf of ``tree`` with its leading dimension split into ``(k, rows / k)``."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), tree)
+
+
+def auto_twin(mesh: jax.sharding.Mesh, axis_types: Any = None) -> jax.sharding.Mesh:
+    """``mesh`` with every axis ``AxisType.Auto`` (or the given ``axis_types``): the
+    same devices and layouts."""
     auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axis_types or auto)
 
 
 def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -178,9 +173,8 @@ def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     there); outside any mesh context, all ``Auto`` (an Explicit type there makes
     single-device code, e.g. ``nnx.MultiMetric.reset()``, raise)."""
     context = jax.sharding.get_abstract_mesh()
-    if context.empty or tuple(context.axis_names) != tuple(mesh.axis_names):
-        return auto_twin(mesh)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=context.axis_types)
+    same = not context.empty and tuple(context.axis_names) == tuple(mesh.axis_names)
+    return auto_twin(mesh, context.axis_types if same else None)
 
 
 def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
