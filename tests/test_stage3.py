@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, make_mesh, reference_run
+from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
 
@@ -194,6 +195,15 @@ def test_gather_and_layer_take_the_axis_of_the_step(rng):
             state, metrics = step(state, batch)
         runs.append((zs.to_optax_state(state, tx)[0], metrics["loss"]))
     jax.tree.map(np.testing.assert_array_equal, *runs)
+    # In the user's own shard_map, manual over one axis, that axis is the default.
+    shard = state.params["scale"]
+    specs = (jax.tree.map(lambda x: x.sharding.spec, shard),)
+    mapped = lambda f: jax.jit(
+        jax.shard_map(lambda p: f(p)[None], mesh=mesh, in_specs=specs, out_specs=P("batch"))
+    )
+    whole = mapped(zs.gather)(shard)  # every device's gathered leaf, one row each
+    assert whole.shape[0] == 8 and whole.shape[1:] == shard.shape, (whole.shape, shard.shape)
+    np.testing.assert_array_equal(whole, mapped(lambda p: zs.gather(p, axis_name="batch"))(shard))
     match = r"without axis_name= takes the axis of the zeroshard step"
     with pytest.raises(ValueError, match="zs.gather " + match):
         zs.gather(state.params["scale"])

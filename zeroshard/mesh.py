@@ -108,21 +108,26 @@ def step_axis(axis_name: str) -> Iterator[None]:
 
 
 def axis_of_step(axis_name: str | None, caller: str) -> str:
-    """``axis_name``, else the axis of the zeroshard step being traced (``caller``: the
-    function asking, named in the error).
+    """``axis_name``, else the axis of the zeroshard step being traced, else the one
+    manual axis of the user's own ``jax.shard_map`` (``caller``: the function asking,
+    named in the error).
 
     Raises:
-      ValueError: if ``axis_name`` is ``None`` outside any zeroshard step.
+      ValueError: if ``axis_name`` is ``None`` outside any zeroshard step, and not in a
+        ``shard_map`` with exactly one manual axis.
     """
-    current = _step_axis.get()
-    if axis_name is None and current is None:
+    if axis_name is not None:
+        return axis_name
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    current = _step_axis.get() or (manual[0] if len(manual) == 1 else None)
+    if current is None:
         raise ValueError(
             f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "
-            "(zs.make_train_step, the Flax steps), and none is being traced here. Inside "
-            f"your own jax.shard_map, name the axis the pieces are spread over: "
-            f"{caller}(..., axis_name='data')."
+            "(zs.make_train_step, the Flax steps), or of a jax.shard_map manual over one "
+            f"axis; here it is {manual or 'neither'}. Name the axis the pieces are spread "
+            f"over: {caller}(..., axis_name='data')."
         )
-    return current if axis_name is None else axis_name
+    return current
 
 
 def run_on_mesh(
