@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.layout import Layout, PyTree, logical_block, logical_gather, logical_spec
+from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
 from zeroshard.placement import Key, Plan
@@ -50,6 +50,60 @@ from zeroshard.step import TrainState, state_specs
 from zeroshard.update import Route, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
+
+
+def logical_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
+    """The first dimension of a logical leaf that divides by ``num_shards``, if any."""
+    return next((k for k, d in enumerate(shape) if d > 0 and d % num_shards == 0), None)
+
+
+def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
+    """Splits a logical leaf's first dimension that divides by ``num_shards``; else
+    replicates it."""
+    k = logical_dim(shape, num_shards)
+    return P() if k is None else P(*(None,) * k, axis_name)
+
+
+def logical_gather(block: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """The full logical leaf of ``shape`` from this device's block of it."""
+    k = logical_dim(shape, jax.lax.axis_size(axis_name))
+    if k is None:
+        return block
+    return jax.lax.all_gather(block, axis_name, axis=k, tiled=True, to="invarying")
+
+
+def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
+    """This device's block of a full logical leaf (all of it if no dimension divides)."""
+    n = jax.lax.axis_size(axis_name)
+    k = logical_dim(full.shape, n)
+    if k is None:
+        return full
+    block = full.shape[k] // n
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
+
+
+def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
+    """This device's piece of a sliced leaf -> its block of the logical leaf (inside
+    ``shard_map``).
+
+    Split along the first dimension, a sliced leaf's piece *is* the device's block
+    of rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time)
+    and the device keeps its block, or all of it when no dimension divides.
+    """
+    n, shape = slot.num_shards, slot.shape
+    if logical_dim(shape, n) == 0 and not slot.stacked:
+        return piece.reshape((shape[0] // n, *shape[1:]))
+    full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
+    return logical_block(full, axis_name)
+
+
+def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
+    """This device's block of the logical leaf -> its piece, shaped ``slot.piece_shape``."""
+    if logical_dim(slot.shape, slot.num_shards) == 0 and not slot.stacked:
+        return block.reshape(slot.piece_shape)
+    full = logical_gather(block, slot.shape, axis_name)
+    return slot.cut(full, jax.lax.axis_index(axis_name)).reshape(slot.piece_shape)
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
@@ -98,7 +152,7 @@ def _owned_weights(x: Any, slot: Any, axis_name: str, stage: int) -> jax.Array:
     """This device's block of an owned leaf's logical weights: cut from the full leaf,
     or from its stage-3 piece as a sliced leaf's is."""
     if stage == 3:
-        return slot.to_logical(x.piece.reshape(-1), axis_name)
+        return to_logical(slot, x.piece.reshape(-1), axis_name)
     return logical_block(x.astype(slot.dtype), axis_name)
 
 
@@ -190,7 +244,7 @@ def _to_optax_converter(
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
         pieces = master_pieces(plan, opt_state, departure.own_pieces(plan, params))
         master = [
-            s.to_logical(p, axis)
+            to_logical(s, p, axis)
             if not s.owned
             else logical_block(_owned_full(plan, opt_state.owned, ("master", i), axis), axis)
             if plan.master_dtypes[s.bucket] is not None
@@ -201,7 +255,7 @@ def _to_optax_converter(
         ]
         inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
         inner = [
-            layout.slots[plan.state_slots[k]].to_logical(x, axis)
+            to_logical(layout.slots[plan.state_slots[k]], x, axis)
             if plan.state_kind(k) == "sliced"
             else logical_block(_owned_full(plan, opt_state.owned, ("state", k), axis), axis)
             if plan.state_kind(k) == "owned"
@@ -296,7 +350,7 @@ def _from_logical_local(
     def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
         pieces = [
-            None if s.owned else s.from_logical(x, axis)
+            None if s.owned else from_logical(s, x, axis)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
         master = plan.master_tree(pieces)
@@ -321,7 +375,7 @@ def _from_logical_local(
         kept = plan.state_treedef.flatten_up_to(inner_state)
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
             if plan.state_kind(k) == "sliced":
-                kept[k] = layout.slots[plan.state_slots[k]].from_logical(x, axis)
+                kept[k] = from_logical(layout.slots[plan.state_slots[k]], x, axis)
             elif plan.state_kind(k) == "replicated":
                 kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
             else:
