@@ -179,18 +179,14 @@ def checksums(tree: PyTree) -> PyTree:
     """
     leaves, treedef = jax.tree.flatten(tree)
     meshes = {x.sharding.mesh for x in leaves if _on_mesh(x)}
-    mesh = next(iter(meshes)) if len(meshes) == 1 else None
-    placed = [i for i, x in enumerate(leaves) if mesh is not None and _on_mesh(x)]
-    sums: list[Any] = [None] * len(leaves)
+    placed = [i for i, x in enumerate(leaves) if len(meshes) == 1 and _on_mesh(x)]
+    sums = {}
     if placed:
         arrays = [leaves[i] for i in placed]
-        totals = _read(checksum_program(mesh, arrays)(*arrays))
-        for i, total in zip(placed, totals, strict=True):
-            sums[i] = int(total)
-    for i, x in enumerate(leaves):
-        if sums[i] is None:
-            sums[i] = int(_read(_whole(jnp.asarray(x))))
-    return treedef.unflatten(sums)
+        totals = _read(checksum_program(meshes.pop(), arrays)(*arrays))
+        sums = {i: int(total) for i, total in zip(placed, totals, strict=True)}
+    whole = lambda x: int(_read(_whole(jnp.asarray(x))))
+    return treedef.unflatten(sums[i] if i in sums else whole(x) for i, x in enumerate(leaves))
 
 
 def _on_mesh(x: Any) -> bool:

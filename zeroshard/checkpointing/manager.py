@@ -45,22 +45,8 @@ from typing import Any, Literal
 
 import jax
 
-from zeroshard.checkpointing.integrity import (
-    CheckpointCorruptedError,
-    Where,
-    by_parts,
-    leaf_count,
-    read_or_refuse,
-    record,
-)
-from zeroshard.checkpointing.metadata import (
-    check_checksums,
-    check_digest,
-    placed,
-    require_checksums,
-    restore_item,
-    save_item,
-)
+from zeroshard.checkpointing.integrity import CheckpointCorruptedError, Where, read_or_refuse
+from zeroshard.checkpointing.metadata import check_digest, restore_item, save_item, verify_item
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation
 from zeroshard.step import TrainState
@@ -301,18 +287,10 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         step = self._resolve(step)
-        saved, where = self.metadata(step), self._where(step)
-        require_checksums(saved, where)
-        if mesh is None:
-            mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        stored = ocp.StandardCheckpointHandler().metadata(
-            pathlib.Path(self.directory) / str(step) / STATE_ITEM
-        )
-        target = placed(getattr(stored, "tree", stored), mesh)
-        restored = read_or_refuse(lambda: self._read(step, target), where)
-        recorded = by_parts(saved["checksums"])
-        check_checksums({"checksums": recorded}, by_parts(record(restored)), where)
-        return leaf_count(recorded)
+        path = pathlib.Path(self.directory) / str(step) / STATE_ITEM
+        tree = lambda: ocp.StandardCheckpointHandler().metadata(path)
+        read = functools.partial(self._read, step)
+        return verify_item(self.metadata(step), self._where(step), read, tree, mesh)
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save in flight is finalised."""

@@ -7,11 +7,12 @@ The item (:func:`save_item`) is ``{"step", "params", "opt_state"}`` (and
 ``"model_state"``) in the logical layout of :func:`zeroshard.to_optax_state`; the
 handler adds ``"extra"`` (the other fields of a Flax state). Its leaves are read back
 split over the axis where :func:`zeroshard.logical.logical_spec` splits them, so each
-device reads its own block (:func:`restore_item`).
+device reads its own block (:func:`restore_item`; :func:`verify_item` reads them
+without the model or optimizer, only to check their checksums).
 
 :class:`zeroshard.CheckpointManager` stores the record as the orbax item ``zeroshard``
 of every step, readable without loading arrays (``python -m zeroshard inspect DIR``).
-Its fields, in the order they are written (:func:`build_metadata`):
+Its fields, in the order they are written (:func:`save_item`):
 
 - ``format`` (:data:`FORMAT`), ``zeroshard_version``, ``jax_version``,
   ``optax_version``, ``saved_at``, ``step``;
@@ -51,8 +52,10 @@ from zeroshard.checkpointing.integrity import (
     RECORD_DIGEST,
     CheckpointCorruptedError,
     Where,
+    by_parts,
     digest,
     first_mismatch,
+    leaf_count,
     read_or_refuse,
     record,
 )
@@ -89,19 +92,32 @@ def check_leaves(what: str, saved: dict, expected: dict, hint: str) -> None:
         )
 
 
-def build_metadata(
-    state: TrainState, tx: ShardedTransformation, item: dict[str, Any], *, checksums: bool
-) -> dict[str, Any]:
-    """The record of a step saved from ``state``.
+def save_item(
+    state: TrainState,
+    tx: ShardedTransformation,
+    *,
+    checksums: bool,
+    extra: dict[str, PyTree] | None = None,
+) -> tuple[dict[str, PyTree], dict[str, Any]]:
+    """What a step stores of ``state``, and its record (checksums computed on device,
+    now: ``state`` may be donated once this returns).
 
     Args:
       state: the training state being saved, laid out on its mesh.
       tx: its optimizer.
-      item: what is written as the ``state`` item: ``{"step", "params", "opt_state"}``
-        in the logical layout (and ``"model_state"``, when the state has one;
-        ``"extra"``, described as ``extra``, for the other fields of a Flax state).
-      checksums: add ``checksums`` of ``item`` and the record's SHA-256.
+      checksums: add ``checksums`` of the item and the record's SHA-256.
+      extra: the other fields of a Flax state, as stored
+        (:mod:`zeroshard.checkpointing.handler`), described as ``extra``.
+
+    Returns:
+      ``(item, record)``: the item is ``{"step", "params", "opt_state"}`` in the
+      logical layout, with ``"model_state"`` when the state has one and ``"extra"``
+      when ``extra`` has leaves.
     """
+    params, opt_state = to_optax_state(state, tx)
+    item = {"step": state.step, "params": params, "opt_state": opt_state}
+    if state.model_state is not None:
+        item["model_state"] = state.model_state
     scale, mesh, compute = state.opt_state.loss_scale, mesh_of(state), full_structs(state.params)
     metadata = {
         "format": FORMAT,
@@ -118,16 +134,17 @@ def build_metadata(
         "master_dtype": None if tx.config.master_dtype is None else tx.config.master_dtype.name,
         "param_tree": str(jax.tree.structure(compute)),
         "param_dtypes": {k: v["dtype"] for k, v in describe(compute).items()},
-        "params": describe(item["params"]),
-        "opt_state": describe(item["opt_state"]),
+        "params": describe(params),
+        "opt_state": describe(opt_state),
         "model_state": None if state.model_state is None else describe(state.model_state),
     }
-    if "extra" in item:  # the other fields of a Flax state (zeroshard.checkpointing.handler)
-        metadata["extra"] = describe(item["extra"])
+    if extra:
+        item["extra"] = extra
+        metadata["extra"] = describe(extra)
     if checksums:
         metadata["checksums"] = record(item)
         metadata[RECORD_DIGEST] = digest(metadata)
-    return metadata
+    return item, metadata
 
 
 def check_digest(metadata: dict[str, Any], where: Where) -> None:
@@ -214,38 +231,6 @@ def check_checksums(saved: dict[str, Any], got: dict[str, Any], where: Where) ->
         )
 
 
-def require_checksums(saved: dict[str, Any], where: Where) -> None:
-    """Raises a ``ValueError`` if the record has no checksums to verify against."""
-    if saved.get("checksums") is None:
-        raise ValueError(
-            f"{where} has no checksums (saved by zeroshard {saved.get('zeroshard_version')} "
-            "before they were recorded): it cannot be verified."
-        )
-
-
-def save_item(
-    state: TrainState,
-    tx: ShardedTransformation,
-    *,
-    checksums: bool,
-    extra: dict[str, PyTree] | None = None,
-) -> tuple[dict[str, PyTree], dict[str, Any]]:
-    """What a step stores of ``state`` and its metadata record (checksums computed on
-    device, now: ``state`` may be donated once this returns).
-
-    The item is ``{"step", "params", "opt_state"}`` in the logical layout, with
-    ``"model_state"`` when the state has one and ``"extra"`` when ``extra`` has leaves
-    (the other fields of a Flax state, as stored).
-    """
-    params, opt_state = to_optax_state(state, tx)
-    item = {"step": state.step, "params": params, "opt_state": opt_state}
-    if state.model_state is not None:
-        item["model_state"] = state.model_state
-    if extra:
-        item["extra"] = extra
-    return item, build_metadata(state, tx, item, checksums=checksums)
-
-
 def restore_item(
     saved: dict[str, Any],
     where: Where,
@@ -324,6 +309,44 @@ def restore_item(
         model_state=restored.get("model_state"),
     )
     return state, restored.get("extra", {})
+
+
+def verify_item(
+    saved: dict[str, Any],
+    where: Where,
+    read: Callable[[dict[str, PyTree]], dict[str, PyTree]],
+    tree: Callable[[], Any],
+    mesh: jax.sharding.Mesh | None = None,
+) -> int:
+    """Reads every array of a step and checks it against the record's checksums,
+    without the model or optimizer; returns how many leaves it verified.
+
+    Args:
+      saved: the step's metadata record (its digest already checked).
+      where: the step, for the messages.
+      read: reads the item into a tree of ``ShapeDtypeStruct`` (an orbax restore).
+      tree: the item's tree of shapes and dtypes as orbax describes it (called once
+        the record is known to have checksums).
+      mesh: where to read the arrays; default: a 1-D mesh over all devices.
+
+    Raises:
+      ValueError: if the record has no checksums (saved before they were recorded).
+      CheckpointCorruptedError: if a leaf differs from its checksum or a file is
+        unreadable.
+    """
+    if saved.get("checksums") is None:
+        raise ValueError(
+            f"{where} has no checksums (saved by zeroshard {saved.get('zeroshard_version')} "
+            "before they were recorded): it cannot be verified."
+        )
+    if mesh is None:
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    stored = tree()
+    target = placed(getattr(stored, "tree", stored), mesh)  # orbax's metadata, or the tree
+    restored = read_or_refuse(lambda: read(target), where)
+    recorded = by_parts(saved["checksums"])
+    check_checksums({"checksums": recorded}, by_parts(record(restored)), where)
+    return leaf_count(recorded)
 
 
 def placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> PyTree:

@@ -81,9 +81,10 @@ def kind_of(state: Any) -> str:
 
 def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
     """``state``'s kind and its parts as they are: its step, params and opt_state as a
-    :class:`zeroshard.TrainState`, the other leaves, and ``tx``, else the optimizer the
-    state carries (a Linen state's ``tx``, an NNX optimizer's ``tx``), which must be
-    from :func:`zeroshard.sharded`."""
+    :class:`zeroshard.TrainState`; the other leaves by name (a Linen state's other
+    pytree fields that hold arrays, an NNX model's variables outside ``wrt`` as
+    ``"model"``); and ``tx``, else the optimizer the state carries (a Linen state's
+    ``tx``, an NNX optimizer's ``tx``), which must be from :func:`zeroshard.sharded`."""
     kind = kind_of(state)
     if kind == "zeroshard":
         if tx is None:
@@ -95,7 +96,9 @@ def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
     elif kind == "linen":
         tx = state.tx if tx is None else tx
         core = TrainState(state.step, state.params, state.opt_state)
-        extra = _linen_extra(state)
+        fields = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+        extra = {name: getattr(state, name) for name in fields if name not in _LINEN_CORE}
+        extra = {name: value for name, value in extra.items() if _has_leaves(value)}
     else:
         from flax import nnx
 
@@ -162,15 +165,6 @@ def target_parts(
     tree = (core.step, core.opt_state) if kind == "zeroshard" else core.opt_state
     mesh = find_mesh(tx.config, tree, mesh, context=False)
     return Parts(core, _structs(extra, mesh), tx), mesh, stage_of(core.params)
-
-
-def _linen_extra(state: Any) -> dict[str, PyTree]:
-    """A Linen state's pytree fields other than step, params and opt_state, by name
-    (those with array leaves)."""
-    fields = dataclasses.fields(state)
-    names = [f.name for f in fields if f.metadata.get("pytree_node", True)]
-    extra = {name: getattr(state, name) for name in names if name not in _LINEN_CORE}
-    return {name: value for name, value in extra.items() if _has_leaves(value)}
 
 
 def _structs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
