@@ -235,60 +235,6 @@ class Slot:
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
         return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
 
-    # The logical (checkpoint) form: the full leaf split along its first dimension that
-    # divides by num_shards (see zeroshard.logical).
-
-    def to_logical(self, piece: jax.Array, axis_name: str) -> jax.Array:
-        """This device's piece -> its block of the logical leaf (inside ``shard_map``).
-
-        Split along the first dimension, a sliced leaf's piece *is* the device's block
-        of rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time)
-        and the device keeps its block, or all of it when no dimension divides.
-        """
-        n, shape = self.num_shards, self.shape
-        if logical_dim(shape, n) == 0 and not self.stacked:
-            return piece.reshape((shape[0] // n, *shape[1:]))
-        full = self.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
-        return logical_block(full, axis_name)
-
-    def from_logical(self, block: jax.Array, axis_name: str) -> jax.Array:
-        """This device's block of the logical leaf -> its piece, shaped ``piece_shape``."""
-        if logical_dim(self.shape, self.num_shards) == 0 and not self.stacked:
-            return block.reshape(self.piece_shape)
-        full = logical_gather(block, self.shape, axis_name)
-        return self.cut(full, jax.lax.axis_index(axis_name)).reshape(self.piece_shape)
-
-
-def logical_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
-    """The first dimension of a logical leaf that divides by ``num_shards``, if any."""
-    return next((k for k, d in enumerate(shape) if d > 0 and d % num_shards == 0), None)
-
-
-def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
-    """Splits a logical leaf's first dimension that divides by ``num_shards``; else
-    replicates it."""
-    k = logical_dim(shape, num_shards)
-    return P() if k is None else P(*(None,) * k, axis_name)
-
-
-def logical_gather(block: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
-    """The full logical leaf of ``shape`` from this device's block of it."""
-    k = logical_dim(shape, jax.lax.axis_size(axis_name))
-    if k is None:
-        return block
-    return jax.lax.all_gather(block, axis_name, axis=k, tiled=True, to="invarying")
-
-
-def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
-    """This device's block of a full logical leaf (all of it if no dimension divides)."""
-    n = jax.lax.axis_size(axis_name)
-    k = logical_dim(full.shape, n)
-    if k is None:
-        return full
-    block = full.shape[k] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
-
 
 def stacked_dims(tree: PyTree, stacked: Stacked) -> tuple[int, ...]:
     """The number of leading layer axes of each leaf of ``tree`` (see :data:`Stacked`).

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.layout import Layout, PyTree, logical_block, logical_gather, logical_spec
+from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
 from zeroshard.placement import Key, Plan
@@ -50,6 +50,60 @@ from zeroshard.step import TrainState, state_specs
 from zeroshard.update import Route, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
+
+
+def logical_dim(shape: tuple[int, ...], num_shards: int) -> int | None:
+    """The first dimension of a logical leaf that divides by ``num_shards``, if any."""
+    return next((k for k, d in enumerate(shape) if d > 0 and d % num_shards == 0), None)
+
+
+def logical_spec(shape: tuple[int, ...], num_shards: int, axis_name: str) -> P:
+    """Splits a logical leaf's first dimension that divides by ``num_shards``; else
+    replicates it."""
+    k = logical_dim(shape, num_shards)
+    return P() if k is None else P(*(None,) * k, axis_name)
+
+
+def logical_gather(block: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """The full logical leaf of ``shape`` from this device's block of it."""
+    k = logical_dim(shape, jax.lax.axis_size(axis_name))
+    if k is None:
+        return block
+    return jax.lax.all_gather(block, axis_name, axis=k, tiled=True, to="invarying")
+
+
+def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
+    """This device's block of a full logical leaf (all of it if no dimension divides)."""
+    n = jax.lax.axis_size(axis_name)
+    k = logical_dim(full.shape, n)
+    if k is None:
+        return full
+    block = full.shape[k] // n
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
+
+
+def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
+    """This device's piece of a sliced leaf -> its block of the logical leaf (inside
+    ``shard_map``).
+
+    Split along the first dimension, a sliced leaf's piece *is* the device's block
+    of rows: a local reshape. Otherwise the leaf is gathered (one leaf at a time)
+    and the device keeps its block, or all of it when no dimension divides.
+    """
+    n, shape = slot.num_shards, slot.shape
+    if logical_dim(shape, n) == 0 and not slot.stacked:
+        return piece.reshape((shape[0] // n, *shape[1:]))
+    full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
+    return logical_block(full, axis_name)
+
+
+def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
+    """This device's block of the logical leaf -> its piece, shaped ``slot.piece_shape``."""
+    if logical_dim(slot.shape, slot.num_shards) == 0 and not slot.stacked:
+        return block.reshape(slot.piece_shape)
+    full = logical_gather(block, slot.shape, axis_name)
+    return slot.cut(full, jax.lax.axis_index(axis_name)).reshape(slot.piece_shape)
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
@@ -71,48 +125,35 @@ def _stored(plan: Plan, rows: tuple[jax.Array, ...], key: Key, device: int, axis
     return _from_device(value, device, axis_name).reshape(shape)
 
 
-def _owned_full(plan: Plan, rows: tuple[jax.Array, ...], key: Key, axis_name: str) -> jax.Array:
-    """The full value stored under ``key`` (an owned leaf's state or master), on every
-    device: from the leaf's owner, or each layer from that layer's owner."""
-    slot = _layers_of(plan, key)
+def _holders(plan: Plan, key: Key) -> tuple[Any, list[int]]:
+    """The slot of the layer-owned leaf whose layers ``key``'s value holds (``None``
+    where one device holds it whole), and the devices that store it."""
+    kind, k = key
+    leaf = k if kind == "master" else plan.state_layers[k]
+    slot = None if leaf is None else plan.layout.slots[leaf]
+    if slot is not None and slot.placement == "layer-owned":
+        return slot, list(dict.fromkeys(slot.owners))
+    return None, [plan.layout.slots[k].owner if kind == "master" else plan.state_sources[k]]
+
+
+def _owned_block(plan: Plan, rows: tuple[jax.Array, ...], key: Key, axis_name: str):
+    """This device's block of the logical value stored under ``key`` (an owned leaf's
+    state or master): the value from the leaf's owner, or each layer from that
+    layer's owner, on every device."""
+    slot, devices = _holders(plan, key)
+    held = {d: _stored(plan, rows, key, d, axis_name) for d in devices}
     if slot is None:
-        return _stored(plan, rows, key, _device_of(plan, key), axis_name)
-    layers = {}
-    for d in dict.fromkeys(slot.owners):
-        held = _stored(plan, rows, key, d, axis_name)
-        layers.update((u, held[j]) for j, u in enumerate(slot.units_of(d)))
-    return jnp.stack([layers[u] for u in range(len(slot.owners))])
+        return logical_block(held[devices[0]], axis_name)
+    layers = {u: held[d][j] for d in devices for j, u in enumerate(slot.units_of(d))}
+    return logical_block(jnp.stack([layers[u] for u in range(len(slot.owners))]), axis_name)
 
 
 def _store_full(plan: Plan, rows, key: Key, full: jax.Array, axis_name: str) -> tuple:
     """``rows`` with the full ``value`` of ``key`` written where its owners store it."""
-    slot = _layers_of(plan, key)
-    if slot is None:
-        return _store(plan, rows, key, _device_of(plan, key), full, axis_name)
-    for d in dict.fromkeys(slot.owners):
-        rows = _store(plan, rows, key, d, slot.local(full, d), axis_name)
+    slot, devices = _holders(plan, key)
+    for d in devices:
+        rows = _store(plan, rows, key, d, full if slot is None else slot.local(full, d), axis_name)
     return rows
-
-
-def _owned_weights(x: Any, slot: Any, axis_name: str, stage: int) -> jax.Array:
-    """This device's block of an owned leaf's logical weights: cut from the full leaf,
-    or from its stage-3 piece as a sliced leaf's is."""
-    if stage == 3:
-        return slot.to_logical(x.piece.reshape(-1), axis_name)
-    return logical_block(x.astype(slot.dtype), axis_name)
-
-
-def _layers_of(plan: Plan, key: Key) -> Any:
-    """The slot of the layer-owned leaf whose layers ``key``'s value holds, if any."""
-    kind, k = key
-    leaf = k if kind == "master" else plan.state_layers[k]
-    slot = None if leaf is None else plan.layout.slots[leaf]
-    return slot if slot is not None and slot.placement == "layer-owned" else None
-
-
-def _device_of(plan: Plan, key: Key) -> int:
-    kind, k = key
-    return plan.layout.slots[k].owner if kind == "master" else plan.state_sources[k]
 
 
 def _store(plan, rows, key, device, value, axis_name) -> tuple[jax.Array, ...]:
@@ -135,26 +176,36 @@ def _specs(structs: PyTree, num_shards: int, axis_name: str) -> PyTree:
     return jax.tree.map(lambda x: logical_spec(x.shape, num_shards, axis_name), structs)
 
 
+def describe(tree: PyTree) -> dict[str, dict[str, Any]]:
+    """Every leaf of ``tree`` as ``{keystr(path): {"shape": [...], "dtype": name}}``."""
+    return {
+        jax.tree_util.keystr(path): {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def first_difference(got: dict, want: dict) -> tuple[str, str, str] | None:
+    """The first path where two :func:`describe` records differ, with the leaf each
+    shows there (``dtype[shape]``, or ``missing``); ``None`` if they agree."""
+    show = lambda d: "missing" if d is None else f"{d['dtype']}{d['shape']}"
+    for path in dict.fromkeys([*got, *want]):
+        if got.get(path) != want.get(path):
+            return path, show(got.get(path)), show(want.get(path))
+    return None
+
+
 def _check_tree(tree: PyTree, expected: PyTree, what: str) -> None:
-    """Raises a ``ValueError`` naming the first leaf where ``tree`` and ``expected`` differ."""
-    got = jax.tree_util.tree_flatten_with_path(tree)[0]
-    want = jax.tree_util.tree_flatten_with_path(expected)[0]
-    for (path, a), (wpath, b) in zip(got, want, strict=False):
-        name = jax.tree_util.keystr(wpath)
-        if path != wpath:
-            raise ValueError(
-                f"{what}: expected a leaf at {name}, found {jax.tree_util.keystr(path)}."
-            )
-        if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
-            raise ValueError(
-                f"{what}: leaf {name} is {jnp.dtype(a.dtype).name}{list(a.shape)}, expected "
-                f"{jnp.dtype(b.dtype).name}{list(b.shape)}."
-            )
-    if len(got) != len(want) or jax.tree.structure(tree) != jax.tree.structure(expected):
+    """Raises a ``ValueError`` if ``tree`` and ``expected`` differ in structure (showing
+    both), else naming the first leaf whose shape or dtype differs."""
+    structure, want = jax.tree.structure(tree), jax.tree.structure(expected)
+    if structure != want:
         raise ValueError(
-            f"{what}: tree structure differs ({len(got)} leaves, expected {len(want)}):\n"
-            f"  {jax.tree.structure(tree)}\nexpected\n  {jax.tree.structure(expected)}"
+            f"{what}: tree structure differs ({structure.num_leaves} leaves, expected "
+            f"{want.num_leaves}):\n  {structure}\nexpected\n  {want}"
         )
+    found = first_difference(describe(tree), describe(expected))
+    if found is not None:
+        raise ValueError(f"{what}: leaf {found[0]} is {found[1]}, expected {found[2]}.")
 
 
 def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree, PyTree]:
@@ -184,26 +235,27 @@ def _to_optax_converter(
     stage and layout (a checkpoint save does not trace it again)."""
     num_shards, axis = layout.num_shards, tx.axis_name
     plan = tx.plan(layout.full_structs(), num_shards)
-    params_structs, opt_structs = logical_structs(plan, tx)
     departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
         pieces = master_pieces(plan, opt_state, departure.own_pieces(plan, params))
-        master = [
-            s.to_logical(p, axis)
-            if not s.owned
-            else logical_block(_owned_full(plan, opt_state.owned, ("master", i), axis), axis)
-            if plan.master_dtypes[s.bucket] is not None
-            else _owned_weights(x, s, axis, stage)
-            for i, (p, s, x) in enumerate(
-                zip(pieces, layout.slots, layout.treedef.flatten_up_to(params), strict=True)
-            )
-        ]
+
+        def block(i: int, s: Slot, x: Any) -> jax.Array:  # of leaf i's master weights
+            if not s.owned:
+                return to_logical(s, pieces[i], axis)
+            if plan.master_dtypes[s.bucket] is not None:  # its owners keep them
+                return _owned_block(plan, opt_state.owned, ("master", i), axis)
+            if stage == 3:  # the parameters themselves, a piece on every device
+                return to_logical(s, x.piece.reshape(-1), axis)
+            return logical_block(x.astype(s.dtype), axis)
+
+        leaves = layout.treedef.flatten_up_to(params)
+        master = [block(i, s, x) for i, (s, x) in enumerate(zip(layout.slots, leaves, strict=True))]
         inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
         inner = [
-            layout.slots[plan.state_slots[k]].to_logical(x, axis)
+            to_logical(layout.slots[plan.state_slots[k]], x, axis)
             if plan.state_kind(k) == "sliced"
-            else logical_block(_owned_full(plan, opt_state.owned, ("state", k), axis), axis)
+            else _owned_block(plan, opt_state.owned, ("state", k), axis)
             if plan.state_kind(k) == "owned"
             else x
             for k, x in enumerate(inner)
@@ -212,7 +264,7 @@ def _to_optax_converter(
 
     specs = state_specs(tx, layout.full_structs(), num_shards, stage)
     in_specs = (specs.params, specs.opt_state)
-    out_specs = (_specs(params_structs, num_shards, axis), _specs(opt_structs, num_shards, axis))
+    out_specs = _specs(logical_structs(plan, tx), num_shards, axis)
     convert = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
     )
@@ -270,14 +322,7 @@ def from_optax_state(
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
     local = _from_logical_local(tx, plan, stage, jax.tree.leaves(opt_structs))
-    in_specs = (
-        _specs(params_structs, num_shards, axis_name),
-        _specs(opt_structs, num_shards, axis_name),
-        P(),
-        P(),
-        P(),
-        P(),
-    )
+    in_specs = (*_specs((params_structs, opt_structs), num_shards, axis_name), P(), P(), P(), P())
     out_specs = state_specs(tx, compute_structs, num_shards, stage)
     if tx.config.loss_scale is not None and loss_scale is None:
         loss_scale = tx.config.loss_scale.init()
@@ -296,7 +341,7 @@ def _from_logical_local(
     def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
         pieces = [
-            None if s.owned else s.from_logical(x, axis)
+            None if s.owned else from_logical(s, x, axis)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
         master = plan.master_tree(pieces)
@@ -321,7 +366,7 @@ def _from_logical_local(
         kept = plan.state_treedef.flatten_up_to(inner_state)
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
             if plan.state_kind(k) == "sliced":
-                kept[k] = layout.slots[plan.state_slots[k]].from_logical(x, axis)
+                kept[k] = from_logical(layout.slots[plan.state_slots[k]], x, axis)
             elif plan.state_kind(k) == "replicated":
                 kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
             else:

@@ -3,17 +3,17 @@
 - :mod:`~zeroshard.checkpointing.manager`: :class:`CheckpointManager`, saving, restoring
   and verifying steps with orbax (async saves, ``max_to_keep``,
   ``step="latest_valid"``).
-- :mod:`~zeroshard.checkpointing.metadata`: the JSON metadata record of a step: its
-  schema, built at save, and the checks of a saved record against the state to
-  restore.
+- :mod:`~zeroshard.checkpointing.metadata`: a step's logical item and its JSON metadata
+  record (the record's schema), built at save, and at restore the checks of a saved
+  record against the state to restore and the state read and laid out again (shared by
+  the manager and the handler).
 - :mod:`~zeroshard.checkpointing.integrity`: :func:`checksums` of logical leaves, computed
   on device and the same on any device count; the checksum record and the record's
   SHA-256; :class:`CheckpointCorruptedError`.
 - :mod:`~zeroshard.checkpointing.handler`: :class:`ShardedSave` and
   :class:`ShardedRestore`, orbax ``CheckpointArgs`` that save a zeroshard, Linen or NNX
   state as an item of the user's own ``ocp.CheckpointManager`` (imported on first use:
-  orbax stays optional), with :mod:`~zeroshard.checkpointing.states` and the item shared
-  with the manager (:mod:`~zeroshard.checkpointing.item`).
+  orbax stays optional), with :mod:`~zeroshard.checkpointing.states`.
 """
 
 from zeroshard.checkpointing.integrity import CheckpointCorruptedError, checksums

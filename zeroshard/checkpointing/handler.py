@@ -9,17 +9,17 @@ orbax's own manager, sync or async. The states they take
 NNX ``(model, optimizer)`` pair.
 
 The item is an ordinary orbax pytree checkpoint in the logical layout (see
-:mod:`zeroshard.checkpointing.item`): ``{"step", "params", "opt_state"}`` as plain optax
-would hold them (master-dtype parameters, the inner optimizer's state), and
-``"extra"`` for the other fields, so it restores on any device count, and a plain
-optax user can read it with ``ocp.args.StandardRestore``. The metadata record of
-:mod:`zeroshard.checkpointing.metadata` (the skipped-step count, the loss scale, every
-leaf's shape and checksum, the record's SHA-256) is the item's orbax custom metadata.
-Restoring checks the record against the target (another model or optimizer is a
-``ValueError`` naming the first differing leaf), reads each device's block onto the
-target's mesh, verifies every checksum (:class:`~zeroshard.CheckpointCorruptedError`
-naming the leaf), and lays the state out as the optimizer does. A failed restore
-changes nothing, on disk or in the target.
+:func:`zeroshard.checkpointing.metadata.save_item`): ``{"step", "params",
+"opt_state"}`` as plain optax would hold them (master-dtype parameters, the inner
+optimizer's state), and ``"extra"`` for the other fields, so it restores on any
+device count, and a plain optax user can read it with ``ocp.args.StandardRestore``.
+The metadata record of :mod:`zeroshard.checkpointing.metadata` (the skipped-step
+count, the loss scale, every leaf's shape and checksum, the record's SHA-256) is the
+item's orbax custom metadata. Restoring checks the record against the target (another
+model or optimizer is a ``ValueError`` naming the first differing leaf), reads each
+device's block onto the target's mesh, verifies every checksum
+(:class:`~zeroshard.CheckpointCorruptedError` naming the leaf), and lays the state out
+as the optimizer does. A failed restore changes nothing, on disk or in the target.
 
 Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp
@@ -48,36 +48,15 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zeroshard.checkpointing.integrity import CheckpointCorruptedError, read_or_refuse, record
-from zeroshard.checkpointing.item import from_item, logical_item, read_target
-from zeroshard.checkpointing.metadata import (
-    build_metadata,
-    check_checksums,
-    check_digest,
-    describe,
-    first_difference,
-)
+from zeroshard.checkpointing.integrity import Where, read_or_refuse
+from zeroshard.checkpointing.metadata import check_digest, restore_item, save_item
 from zeroshard.checkpointing.states import parts_of, rebuilt, target_parts
-from zeroshard.logical import mesh_of
 from zeroshard.sharded import ShardedTransformation
-from zeroshard.stage3 import full_structs
 
 RECORD_KEY = "zeroshard"
 """The key of the metadata record in the item's orbax custom metadata."""
 
 _UNCHANGED = "Nothing on disk was changed."
-
-
-def save_item(state: Any, tx: ShardedTransformation | None, checksums: bool = True):
-    """The logical item of ``state`` and its metadata record (checksums computed on
-    device, now: ``state`` may be donated once this returns)."""
-    parts = parts_of(state, tx)
-    item = logical_item(parts.state, parts.tx)
-    if parts.extra:
-        item["extra"] = parts.extra
-    mesh = mesh_of(parts.state)
-    metadata = build_metadata(parts.state, parts.tx, mesh, item, checksums=checksums)
-    return item, metadata
 
 
 def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
@@ -88,6 +67,10 @@ def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
     if path.exists():
         return json.loads(path.read_text()).get("custom_metadata")
     return impl.metadata(directory).custom_metadata
+
+
+def _where(directory: Any, step: int | None = None) -> Where:
+    return Where(str(directory), step, lambda: _UNCHANGED)
 
 
 class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
@@ -101,17 +84,21 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def __init__(self) -> None:
         self._impl = ocp.StandardCheckpointHandler()
 
+    def _standard(self, args: ShardedSave) -> ocp.args.StandardSave:
+        """orbax's save args for ``args.state``: its logical item, with its metadata
+        record as their custom metadata (checksums computed on device, now: the state
+        may be donated once this returns)."""
+        state, extra, tx = parts_of(args.state, args.tx)
+        item, metadata = save_item(state, tx, checksums=args.checksums, extra=extra)
+        return ocp.args.StandardSave(item, custom_metadata={RECORD_KEY: metadata})
+
     async def async_save(self, directory: Any, args: ShardedSave) -> Any:
         """Starts writing ``args.state``; returns orbax's commit futures."""
-        item, metadata = save_item(args.state, args.tx, args.checksums)
-        standard = ocp.args.StandardSave(item, custom_metadata={RECORD_KEY: metadata})
-        return await self._impl.async_save(directory, args=standard)
+        return await self._impl.async_save(directory, args=self._standard(args))
 
     def save(self, directory: epath.Path, args: ShardedSave) -> None:
         """Writes ``args.state`` and waits until it is written."""
-        item, metadata = save_item(args.state, args.tx, args.checksums)
-        standard = ocp.args.StandardSave(item, custom_metadata={RECORD_KEY: metadata})
-        self._impl.save(directory, args=standard)
+        self._impl.save(directory, args=self._standard(args))
 
     def metadata(self, directory: epath.Path) -> dict[str, Any]:
         """The item's metadata record (checked against its SHA-256), without arrays.
@@ -120,20 +107,15 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
           CheckpointCorruptedError: if it is unreadable or does not match its SHA-256.
           ValueError: if the item was not saved by this handler.
         """
-        try:
-            custom = _custom_metadata(self._impl, epath.Path(directory))
-        except Exception as e:  # a damaged metadata file: orbax raises what json raises
-            raise CheckpointCorruptedError(
-                f"could not read the metadata of {directory}: the checkpoint is corrupted "
-                f"({type(e).__name__}: {str(e)[:200]}). {_UNCHANGED}"
-            ) from e
+        read = lambda: _custom_metadata(self._impl, epath.Path(directory))
+        custom = read_or_refuse(read, _where(directory), "the metadata of ")
         if not isinstance(custom, dict) or RECORD_KEY not in custom:
             raise ValueError(
                 f"{directory} was not saved with zs.ShardedSave (no zeroshard "
                 "record in its metadata); restore it with ocp.args.StandardRestore."
             )
         saved = dict(custom[RECORD_KEY])
-        check_digest(saved, saved.get("step"), str(directory), lambda: _UNCHANGED)
+        check_digest(saved, _where(directory, saved.get("step")))
         return saved
 
     def restore(self, directory: epath.Path, args: ShardedRestore | None = None) -> Any:
@@ -151,23 +133,12 @@ class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 "zs.ShardedRestore(target, tx, mesh))."
             )
         saved = self.metadata(directory)
-        parts, mesh, stage = target_parts(args.target, args.tx, args.mesh)
-        where = (saved.get("step"), str(directory))
-        like = full_structs(parts.state.params)
-        model_state = full_structs(parts.state.model_state)
-        target = read_target(saved, where, parts.tx, mesh, like, model_state)
-        hint = "Restore into a state with the fields the checkpoint was saved with."
-        first_difference("extra leaf", saved.get("extra") or {}, describe(parts.extra), hint)
-        if parts.extra:
-            target["extra"] = parts.extra
-        restored = self._read(directory, target)
-        check_checksums(saved, record(restored), *where, lambda: _UNCHANGED)
-        state = from_item(restored, saved, parts.tx, mesh, like, stage)
-        return rebuilt(args.target, state, restored.get("extra", {}))
-
-    def _read(self, directory: epath.Path, target: dict[str, Any]) -> dict[str, Any]:
-        read = lambda: self._impl.restore(directory, args=ocp.args.StandardRestore(target))
-        return read_or_refuse(read, str(directory), _UNCHANGED)
+        (state, extra, tx), mesh, stage = target_parts(args.target, args.tx, args.mesh)
+        read = lambda target: self._impl.restore(directory, args=ocp.args.StandardRestore(target))
+        where = _where(directory, saved.get("step"))
+        options = {"model_state": state.model_state, "stage": stage, "extra": extra}
+        state, extra = restore_item(saved, where, read, tx, mesh, state.params, **options)
+        return rebuilt(args.target, state, extra)
 
     def finalize(self, directory: epath.Path) -> None:
         self._impl.finalize(directory)

@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -92,10 +93,8 @@ def _words(x: jax.Array) -> jax.Array:
         return x.astype(jnp.uint32)
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return _fmix32(_words(jnp.real(x))) ^ _words(jnp.imag(x))
-    if dtype.itemsize == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if dtype.itemsize < 4:
-        unsigned = {1: jnp.uint8, 2: jnp.uint16}[dtype.itemsize]
+    if dtype.itemsize <= 4:
+        unsigned = jnp.dtype(f"uint{8 * dtype.itemsize}")
         return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
     halves = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., itemsize // 4)
     words = halves[..., 0]
@@ -115,12 +114,6 @@ def _block_sum(block: jax.Array, shape: tuple[int, ...], offsets: list[jax.Array
     return jnp.sum(hashed, dtype=jnp.uint32)
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 @functools.lru_cache(maxsize=64)
 def _program(mesh: jax.sharding.Mesh, leaves: tuple[tuple[tuple[int, ...], Any, P], ...]):
     """One jitted ``shard_map`` hashing every leaf on its own devices."""
@@ -130,7 +123,7 @@ def _program(mesh: jax.sharding.Mesh, leaves: tuple[tuple[tuple[int, ...], Any, 
         for block, (shape, _, spec) in zip(blocks, leaves, strict=True):
             offsets, axes = [], []
             for k, entry in enumerate(spec):
-                names = _names(entry)
+                names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
                 axes += names
                 index = jax.lax.axis_index(names).astype(jnp.uint32) if names else jnp.uint32(0)
                 offsets.append(index * jnp.uint32(block.shape[k]))
@@ -186,52 +179,40 @@ def checksums(tree: PyTree) -> PyTree:
     """
     leaves, treedef = jax.tree.flatten(tree)
     meshes = {x.sharding.mesh for x in leaves if _on_mesh(x)}
-    mesh = next(iter(meshes)) if len(meshes) == 1 else None
-    placed = [i for i, x in enumerate(leaves) if mesh is not None and _on_mesh(x)]
-    sums: list[Any] = [None] * len(leaves)
+    placed = [i for i, x in enumerate(leaves) if len(meshes) == 1 and _on_mesh(x)]
+    sums = {}
     if placed:
         arrays = [leaves[i] for i in placed]
-        totals = _read(checksum_program(mesh, arrays)(*arrays))
-        for i, total in zip(placed, totals, strict=True):
-            sums[i] = int(total)
-    for i, x in enumerate(leaves):
-        if sums[i] is None:
-            sums[i] = int(_read(_whole(jnp.asarray(x))))
-    return treedef.unflatten(sums)
+        totals = _read(checksum_program(meshes.pop(), arrays)(*arrays))
+        sums = {i: int(total) for i, total in zip(placed, totals, strict=True)}
+    whole = lambda x: int(_read(_whole(jnp.asarray(x))))
+    return treedef.unflatten(sums[i] if i in sums else whole(x) for i, x in enumerate(leaves))
 
 
 def _on_mesh(x: Any) -> bool:
     return isinstance(getattr(x, "sharding", None), NamedSharding)
 
 
-def hexdigest(value: int) -> str:
-    """How a checksum is written in a checkpoint's metadata: 8 hex digits."""
-    return f"{value:08x}"
-
-
-def record(
-    item: dict[str, Any], key: Callable[[Any], str] = jax.tree_util.keystr
-) -> dict[str, Any]:
+def record(item: dict[str, Any]) -> dict[str, Any]:
     """The checksums of a step's logical item (``{"step", "params", "opt_state", ...}``),
     as stored.
 
     Args:
       item: the arrays by name (any sharding; under jax.distributed every process
         calls it).
-      key: how a leaf's path becomes its key (default: ``jax.tree_util.keystr``).
 
     Returns:
       ``{"algorithm": ..., name: checksum}`` for a single array (the step) and
-      ``{name: {key(path): checksum}}`` for a tree; checksums as 8 hex digits.
+      ``{name: {keystr(path): checksum}}`` for a tree; checksums as 8 hex digits.
     """
     sums = checksums(item)
     out: dict[str, Any] = {"algorithm": ALGORITHM}
     for what, tree in sums.items():
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         if len(flat) == 1 and flat[0][0] == ():
-            out[what] = hexdigest(flat[0][1])
+            out[what] = f"{flat[0][1]:08x}"
         else:
-            out[what] = {key(path): hexdigest(x) for path, x in flat}
+            out[what] = {jax.tree_util.keystr(path): f"{x:08x}" for path, x in flat}
     return out
 
 
@@ -288,15 +269,34 @@ def leaf_count(recorded: dict[str, Any]) -> int:
     return sum(len(_leaves(v)) for k, v in recorded.items() if k != "algorithm")
 
 
-def read_or_refuse(read: Callable[[], Any], what: str, then: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """A checkpoint's step as messages name it, and how a corruption message ends.
+
+    Attributes:
+      directory: the checkpoint's directory (or the item's, in an orbax checkpoint).
+      step: the step, or ``None`` where it is not known yet (the directory alone).
+      others: the last sentence of a corruption message (the other steps to restore
+        instead, or that nothing on disk changed), called only then.
+    """
+
+    directory: str
+    step: int | None
+    others: Callable[[], str]
+
+    def __str__(self) -> str:
+        return self.directory if self.step is None else f"step {self.step} of {self.directory}"
+
+
+def read_or_refuse(read: Callable[[], Any], where: Where, what: str = "") -> Any:
     """``read()`` (an orbax restore), waited for; any error reading damaged or truncated
-    files (orbax and tensorstore raise many types) becomes a
-    :class:`CheckpointCorruptedError` naming ``what``, followed by ``then``."""
+    files (orbax and tensorstore raise many types, json its own) becomes a
+    :class:`CheckpointCorruptedError` naming ``what`` of ``where``."""
     try:
         return jax.block_until_ready(read())
     except Exception as e:
         reason = str(e).split(" [tensorstore_spec")[0][:400]
         raise CheckpointCorruptedError(
-            f"could not read {what}: the checkpoint is truncated or corrupted "
-            f"({type(e).__name__}: {reason}). {then}"
+            f"could not read {what}{where}: the checkpoint is truncated or corrupted "
+            f"({type(e).__name__}: {reason}). {where.others()}"
         ) from e

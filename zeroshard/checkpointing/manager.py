@@ -37,6 +37,7 @@ saving leaves the previous steps intact.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -44,25 +45,10 @@ from typing import Any, Literal
 
 import jax
 
-from zeroshard.checkpointing.integrity import (
-    CheckpointCorruptedError,
-    by_parts,
-    leaf_count,
-    parts,
-    read_or_refuse,
-    record,
-)
-from zeroshard.checkpointing.item import from_item, logical_item, placed, read_target
-from zeroshard.checkpointing.metadata import (
-    build_metadata,
-    check_checksums,
-    check_digest,
-    require_checksums,
-)
+from zeroshard.checkpointing.integrity import CheckpointCorruptedError, Where, read_or_refuse
+from zeroshard.checkpointing.metadata import check_digest, restore_item, save_item, verify_item
 from zeroshard.layout import PyTree
-from zeroshard.logical import mesh_of
 from zeroshard.sharded import ShardedTransformation
-from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -111,22 +97,15 @@ class CheckpointManager:
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.tx = tx
-        self._max_to_keep = max_to_keep
-        self._async_save = async_save
+        self._options = {"max_to_keep": max_to_keep, "enable_async_checkpointing": async_save}
         self._checksums = checksums
         self._manager = None
 
     def _orbax(self, create: bool = False):
         import orbax.checkpoint as ocp
 
-        if self._manager is None:
-            if not create and not os.path.isdir(self.directory):
-                raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self._max_to_keep,
-                enable_async_checkpointing=self._async_save,
-                create=create,
-            )
+        if self._manager is None:  # callers check the directory first (_resolve)
+            options = ocp.CheckpointManagerOptions(**self._options, create=create)
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         return self._manager
 
@@ -170,15 +149,10 @@ class CheckpointManager:
 
         step = self._resolve(step)
         args = ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        try:
-            meta = dict(self._orbax().restore(step, args=args)[METADATA_ITEM])
-        except Exception as e:  # a damaged JSON file: orbax raises what json raises
-            raise CheckpointCorruptedError(
-                f"could not read the metadata record of step {step} of {self.directory}: the "
-                f"checkpoint is corrupted ({type(e).__name__}: {str(e)[:200]}). "
-                f"{self._others(step)}"
-            ) from e
-        check_digest(meta, step, self.directory, lambda: self._others(step))
+        read = lambda: self._orbax().restore(step, args=args)[METADATA_ITEM]
+        where = self._where(step)
+        meta = dict(read_or_refuse(read, where, "the metadata record of "))
+        check_digest(meta, where)
         return meta
 
     def save(self, state: TrainState, *, force: bool = False) -> bool:
@@ -202,13 +176,9 @@ class CheckpointManager:
             raise ValueError(
                 f"step {step} is already saved in {self.directory}; nothing was overwritten."
             )
-        item = logical_item(state, tx)
-        metadata = build_metadata(state, tx, mesh_of(state), item, checksums=self._checksums)
+        item, metadata = save_item(state, tx, checksums=self._checksums)
         args = ocp.args.Composite(
-            **{
-                STATE_ITEM: ocp.args.StandardSave(item),
-                METADATA_ITEM: ocp.args.JsonSave(metadata),
-            }
+            **{STATE_ITEM: ocp.args.StandardSave(item), METADATA_ITEM: ocp.args.JsonSave(metadata)}
         )
         return self._orbax(create=True).save(step, args=args, force=force)
 
@@ -249,8 +219,9 @@ class CheckpointManager:
         """
         if step != LATEST_VALID:
             return self._restore(mesh, like, self._resolve(step), stage, model_state)
+        self._resolve(None)  # raises the error that says why there is no step
         errors = []
-        for candidate in reversed(self._resolve_all()):
+        for candidate in reversed(self.all_steps()):
             try:
                 state = self._restore(mesh, like, candidate, stage, model_state)
             except CheckpointCorruptedError as e:
@@ -268,41 +239,32 @@ class CheckpointManager:
             f"no step of {self.directory} verifies: " + " | ".join(map(str, errors))
         )
 
-    def _resolve_all(self) -> list[int]:
-        steps = self.all_steps()
-        if not steps:
-            self._resolve(None)  # raises the error that says why
-        return steps
-
     def _restore(
         self, mesh: jax.sharding.Mesh, like: PyTree, step: int, stage: int, model_state: PyTree
     ) -> TrainState:
         tx = self._require_tx()
-        like = full_structs(like)
-        saved = self.metadata(step)
-        where = (step, self.directory)
-        target = read_target(saved, where, tx, mesh, like, full_structs(model_state))
-        restored = self._read(step, target)
-        if self._checksums:
-            check_checksums(
-                saved, record(restored), step, self.directory, lambda: self._others(step)
-            )
-        return from_item(restored, saved, tx, mesh, like, stage)
+        saved, read = self.metadata(step), functools.partial(self._read, step)
+        options = {"model_state": model_state, "stage": stage, "verify": self._checksums}
+        return restore_item(saved, self._where(step), read, tx, mesh, like, **options)[0]
 
     def _read(self, step: int, target: PyTree) -> PyTree:
-        """The ``state`` item of ``step`` read into ``target``; unreadable -> corrupted."""
+        """The ``state`` item of ``step`` read into ``target``."""
         import orbax.checkpoint as ocp
 
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
-        read = lambda: self._orbax().restore(step, args=args)[STATE_ITEM]
-        return read_or_refuse(read, f"step {step} of {self.directory}", self._others(step))
+        return self._orbax().restore(step, args=args)[STATE_ITEM]
 
-    def _others(self, step: int) -> str:
-        others = [s for s in self.all_steps() if s != step]
-        return (
-            f"Nothing on disk was changed. Other steps: {others}; restore one with "
-            f"step=K, or step={LATEST_VALID!r} for the newest step that verifies."
-        )
+    def _where(self, step: int) -> Where:
+        """``step``, for messages: a corruption message ends naming the other steps."""
+
+        def others() -> str:
+            steps = [s for s in self.all_steps() if s != step]
+            return (
+                f"Nothing on disk was changed. Other steps: {steps}; restore one with "
+                f"step=K, or step={LATEST_VALID!r} for the newest step that verifies."
+            )
+
+        return Where(self.directory, step, others)
 
     def verify(self, step: int | None = None, mesh: jax.sharding.Mesh | None = None) -> int:
         """Reads every array of a step and checks it against the recorded checksums,
@@ -325,20 +287,10 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         step = self._resolve(step)
-        saved = self.metadata(step)
-        require_checksums(saved, step, self.directory)
-        if mesh is None:
-            mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        stored = ocp.StandardCheckpointHandler().metadata(
-            pathlib.Path(self.directory) / str(step) / STATE_ITEM
-        )
-        restored = self._read(step, placed(getattr(stored, "tree", stored), mesh))
-        recorded = by_parts(saved["checksums"])
-        got = record(restored, key=parts)
-        check_checksums(
-            {"checksums": recorded}, got, step, self.directory, lambda: self._others(step)
-        )
-        return leaf_count(recorded)
+        path = pathlib.Path(self.directory) / str(step) / STATE_ITEM
+        tree = lambda: ocp.StandardCheckpointHandler().metadata(path)
+        read = functools.partial(self._read, step)
+        return verify_item(self.metadata(step), self._where(step), read, tree, mesh)
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save in flight is finalised."""

@@ -55,19 +55,12 @@ class Parts(NamedTuple):
     tx: ShardedTransformation
 
 
-def _nnx_pair(state: Any) -> bool:
-    if not (isinstance(state, (tuple, list)) and len(state) == 2):
-        return False
+def _nnx_optimizer(x: Any) -> bool:
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is optional
         return False
-    return isinstance(state[1], nnx.Optimizer)
-
-
-def _linen(state: Any) -> bool:
-    names = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) else ()
-    return all(name in names for name in _LINEN_CORE)
+    return isinstance(x, nnx.Optimizer)
 
 
 def kind_of(state: Any) -> str:
@@ -78,40 +71,45 @@ def kind_of(state: Any) -> str:
     """
     if isinstance(state, TrainState):
         return "zeroshard"
-    if _nnx_pair(state):
+    if isinstance(state, (tuple, list)) and len(state) == 2 and _nnx_optimizer(state[1]):
         return "nnx"
-    if _linen(state):
+    names = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) else ()
+    if all(name in names for name in _LINEN_CORE):
         return "linen"
     raise TypeError(f"zeroshard saves and restores {KINDS}; got a {type(state).__name__}.")
 
 
-def state_tx(state: Any, tx: ShardedTransformation | None) -> ShardedTransformation:
-    """``tx``, else the optimizer the state carries (a Linen state's ``tx``, an NNX
-    optimizer's ``tx``); it must be from :func:`zeroshard.sharded`."""
-    if tx is None:
-        kind = kind_of(state)
-        if kind == "zeroshard":
+def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
+    """``state``'s kind and its parts as they are: its step, params and opt_state as a
+    :class:`zeroshard.TrainState`; the other leaves by name (a Linen state's other
+    pytree fields that hold arrays, an NNX model's variables outside ``wrt`` as
+    ``"model"``); and ``tx``, else the optimizer the state carries (a Linen state's
+    ``tx``, an NNX optimizer's ``tx``), which must be from :func:`zeroshard.sharded`."""
+    kind = kind_of(state)
+    if kind == "zeroshard":
+        if tx is None:
             raise ValueError(
                 "a zs.TrainState does not carry its optimizer: pass tx, the zs.sharded(...) "
                 "it was made with."
             )
-        tx = state.tx if kind == "linen" else state[1].tx
+        core, extra = state, {}
+    elif kind == "linen":
+        tx = state.tx if tx is None else tx
+        core = TrainState(state.step, state.params, state.opt_state)
+        fields = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+        extra = {name: getattr(state, name) for name in fields if name not in _LINEN_CORE}
+        extra = {name: value for name, value in extra.items() if _has_leaves(value)}
+    else:
+        from flax import nnx
+
+        model, optimizer = state
+        tx = optimizer.tx if tx is None else tx
+        params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+        rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+        core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
+        extra = {"model": rest} if _has_leaves(rest) else {}
     sharding_of(tx)  # a TypeError with the fix for a plain optax optimizer
-    return tx
-
-
-def _sharded_state(opt_state: Any, where: str) -> ShardedState:
-    if not isinstance(opt_state, ShardedState):
-        raise TypeError(
-            f"{where} is a {type(opt_state).__name__}, not a zs.ShardedState: build the state "
-            "with the optimizer from zs.sharded(...), e.g. tx=zs.sharded(optax.adamw(1e-3), "
-            "mesh=mesh)."
-        )
-    return opt_state
-
-
-def _on_mesh(step: Any, mesh: jax.sharding.Mesh) -> jax.Array:
-    return jax.device_put(jnp.asarray(step, jnp.int32), NamedSharding(mesh, P()))
+    return kind, Parts(core, extra, tx)
 
 
 def _has_leaves(tree: PyTree) -> bool:
@@ -119,30 +117,27 @@ def _has_leaves(tree: PyTree) -> bool:
 
 
 def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
-    """``state`` (any of the kinds above) taken apart.
+    """``state`` (any of the kinds above) taken apart, the step on the state's mesh and
+    the extra leaves as stored.
 
     Raises:
       TypeError: for another kind of state, or a state without a
         :class:`zeroshard.ShardedState`.
     """
-    kind, tx = kind_of(state), state_tx(state, tx)
+    kind, (core, extra, tx) = _split(state, tx)
     if kind == "zeroshard":
         mesh_of(state)  # a TypeError unless it is laid out on a mesh
         return Parts(state, {}, tx)
-    if kind == "linen":
-        opt_state = _sharded_state(state.opt_state, "the TrainState's opt_state")
-        mesh = find_mesh(tx.config, opt_state, context=False)
-        core = TrainState(_on_mesh(state.step, mesh), state.params, opt_state)
-        return Parts(core, stored(_linen_extra(state)), tx)
-    from flax import nnx
-
-    model, optimizer = state
-    opt_state = _sharded_state(nnx.as_pure(optimizer.opt_state), "the optimizer's opt_state")
-    mesh = find_mesh(tx.config, opt_state, context=False)
-    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-    rest = stored(nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt))))
-    core = TrainState(_on_mesh(optimizer.step[...], mesh), params, opt_state)
-    return Parts(core, {"model": rest} if _has_leaves(rest) else {}, tx)
+    if not isinstance(core.opt_state, ShardedState):
+        owner = "the TrainState" if kind == "linen" else "the optimizer"
+        raise TypeError(
+            f"{owner}'s opt_state is a {type(core.opt_state).__name__}, not a "
+            "zs.ShardedState: build the state with the optimizer from zs.sharded(...), "
+            "e.g. tx=zs.sharded(optax.adamw(1e-3), mesh=mesh)."
+        )
+    mesh = find_mesh(tx.config, core.opt_state, context=False)
+    step = jax.device_put(jnp.asarray(core.step, jnp.int32), NamedSharding(mesh, P()))
+    return Parts(core._replace(step=step), stored(extra), tx)
 
 
 def _is_key(x: Any) -> bool:
@@ -157,41 +152,19 @@ def stored(tree: PyTree) -> PyTree:
 def target_parts(
     target: Any, tx: ShardedTransformation | None, mesh: jax.sharding.Mesh | None
 ) -> tuple[Parts, jax.sharding.Mesh, int]:
-    """What a restore reads into: the target's parts as ``ShapeDtypeStruct`` (the extra
-    leaves placed where the target has them, else replicated), its mesh and its stage.
+    """What a restore reads into: the target's parts (the extra leaves as
+    ``ShapeDtypeStruct``, placed where the target has them, else replicated), its mesh
+    and its stage (3 where its params are ``Shard`` pieces).
 
     Args:
       target: a state of the kind to restore (arrays or ``jax.ShapeDtypeStruct``).
       tx: the optimizer (default: the one the target carries).
       mesh: the mesh to restore onto (default: the optimizer's, else the target's).
     """
-    kind, tx = kind_of(target), state_tx(target, tx)
-    if kind == "zeroshard":
-        tree = (target.step, target.opt_state)
-        mesh = find_mesh(tx.config, tree, mesh, context=False)
-        return Parts(target, {}, tx), mesh, stage_of(target.params)
-    if kind == "linen":
-        mesh = find_mesh(tx.config, target.opt_state, mesh, context=False)
-        core = TrainState(target.step, target.params, target.opt_state)
-        return Parts(core, _structs(_linen_extra(target), mesh), tx), mesh, 1
-    from flax import nnx
-
-    model, optimizer = target
-    mesh = find_mesh(tx.config, nnx.as_pure(optimizer.opt_state), mesh, context=False)
-    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-    rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
-    extra = {"model": rest} if _has_leaves(rest) else {}
-    core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
-    return Parts(core, _structs(extra, mesh), tx), mesh, 1
-
-
-def _linen_extra(state: Any) -> dict[str, PyTree]:
-    """A Linen state's pytree fields other than step, params and opt_state, by name
-    (those with array leaves)."""
-    fields = dataclasses.fields(state)
-    names = [f.name for f in fields if f.metadata.get("pytree_node", True)]
-    extra = {name: getattr(state, name) for name in names if name not in _LINEN_CORE}
-    return {name: value for name, value in extra.items() if _has_leaves(value)}
+    kind, (core, extra, tx) = _split(target, tx)
+    tree = (core.step, core.opt_state) if kind == "zeroshard" else core.opt_state
+    mesh = find_mesh(tx.config, tree, mesh, context=False)
+    return Parts(core, _structs(extra, mesh), tx), mesh, stage_of(core.params)
 
 
 def _structs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
