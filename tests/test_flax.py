@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from helpers import (
@@ -17,6 +18,7 @@ from helpers import (
 
 import zeroshard as zs
 import zeroshard.flax as zf
+from zeroshard.checkpointing import ShardedRestore, ShardedSave
 
 
 class NNXModel(nnx.Module):
@@ -238,7 +240,7 @@ class LinenStack(nn.Module):
         return x
 
 
-def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng):
+def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng, tmp_path):
     plain = LinenStack()
     params = plain.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
     data = stage3_data(rng)
@@ -261,6 +263,24 @@ def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng):
     functional = zs.TrainState(state.step, state.params, state.opt_state)
     expected = reference_run(plain_loss, optax.adamw(1e-2), params, data)
     assert_trees_close(zs.to_optax_state(functional, tx)[0], expected, 1e-5)
+    # The user's orbax manager restores a stage-3 Linen state as stage-3 pieces.
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, args=ocp.args.Composite(train_state=ShardedSave(state)))
+        mngr.wait_until_finished()
+        target = zf.linen_train_state(plain.apply, params, tx, mesh, stage=3)
+        args = ocp.args.Composite(train_state=ShardedRestore(target))
+        restored = mngr.restore(1, args=args).train_state
+    assert all(isinstance(x, zs.Shard) for x in _shards(restored.params))
+    restored = zs.TrainState(restored.step, restored.params, restored.opt_state)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        zs.to_optax_state(restored, tx),
+        zs.to_optax_state(functional, tx),
+    )
+
+
+def _shards(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zs.Shard))
 
 
 class NNXStack(nnx.Module):
