@@ -83,12 +83,9 @@ class Collective:
         all-reduce of B bytes: 2(n-1)/n B; reduce-scatter to B: (n-1) B; all-gather to
         B: (n-1)/n B.
         """
-        n, b = self.group_size, self.result_bytes
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * b
-        if self.kind == "reduce-scatter":
-            return (n - 1) * b
-        return (n - 1) / n * b
+        n = self.group_size
+        factors = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1}
+        return factors.get(self.kind, (n - 1) / n) * self.result_bytes
 
 
 def collectives(

@@ -19,24 +19,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard import step_io
 from zeroshard.checks import check_batch, check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
-from zeroshard.step_io import (
-    across_devices,
-    device_key,
-    local_rows,
-    mean_state,
-    plain_outputs,
-    split_rows,
-    stacked_aux,
-    step_loss,
-    step_metrics,
-    update_metrics,
-)
 from zeroshard.update import Route, update
 
 
@@ -179,7 +168,7 @@ class TrainStep:
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        args = (self._varying(state.params), batch, device_key(key, self.batch_axes))
+        args = (self._varying(state.params), batch, step_io.device_key(key, self.batch_axes))
         if self.accum_steps > 1:
             out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
         else:
@@ -190,27 +179,30 @@ class TrainStep:
             loss = loss / scale.scale
         opt = (self.opt.inner, self.opt.config, plan, self.route)
         params, opt_state = update(*opt, parts, state.opt_state, state.params)
-        metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
-        metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
+        states = (state.opt_state, opt_state)
+        metrics = step_io.step_metrics(self.opt.config, loss, aux, batch, self.batch_axes, states)
         if not self.per_device_loss:  # (averaged already)
-            model_state = mean_state(model_state, self.batch_axes)
+            model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.step_io.step_loss`)."""
-        return jax.value_and_grad(step_loss(self.loss_fn, self.has_aux, scale), has_aux=True)
+        loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        return jax.value_and_grad(loss, has_aux=True)
 
     def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
         (see ``per_device_loss``), with a leading axis over devices, and the new model
         state: floating-point leaves averaged over the devices, others the first's."""
         axis, grad_fn = self.axis_name, self._value_and_grad(state.opt_state.loss_scale)
-        device = lambda r: grad_fn(state.params, r, device_key(key, axis), state.model_state)
+        device = lambda r: grad_fn(
+            state.params, r, step_io.device_key(key, axis), state.model_state
+        )
         per_device = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)
-        (loss, (aux, model_state)), grads = per_device(split_rows(batch, self.batch_parts))
+        (loss, (aux, model_state)), grads = per_device(step_io.split_rows(batch, self.batch_parts))
         with scope(MODEL_STATE):
-            model_state = jax.tree.map(across_devices, model_state)
+            model_state = jax.tree.map(step_io.across_devices, model_state)
         return (loss, aux, grads), model_state
 
     def _varying(self, params: PyTree) -> PyTree:
@@ -252,10 +244,10 @@ class TrainStep:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
             return (model_state, acc), (loss, aux)
 
-        xs = (split_rows(batch, k), jnp.arange(k))
+        xs = (step_io.split_rows(batch, k), jnp.arange(k))
         (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
-        rows = local_rows(batch) // k
-        aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
+        rows = step_io.local_rows(batch) // k
+        aux = jax.tree.map(lambda x: step_io.stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         acc = jax.tree.map(lambda a: a / k, acc)
         if self.stage == 1:
@@ -301,7 +293,7 @@ class TrainStep:
         self, state: TrainState, batch: PyTree, key: jax.Array | None = None
     ) -> tuple[TrainState, dict]:
         state, metrics = self.jitted(state, self._place(batch), key)
-        return state, plain_outputs(metrics, self.mesh)
+        return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(
         self, state: TrainState, batch: PyTree, key: jax.Array | None = None
