@@ -291,12 +291,10 @@ def report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at):
     print(f"\nPer-device memory on {n} devices (bytes):\n")
     print("| component | replicated optax | zeroshard | ratio |")
     print("|---|---:|---:|---:|")
+    sizes = lambda attr: (getattr(base_mem, attr), getattr(ours_mem, attr))
     compiled = {
-        f"compiled step: {name}": (getattr(base_mem, attr), getattr(ours_mem, attr))
-        for name, attr in [
-            ("arguments", "argument_size_in_bytes"),
-            ("temporaries", "temp_size_in_bytes"),
-        ]
+        "compiled step: arguments": sizes("argument_size_in_bytes"),
+        "compiled step: temporaries": sizes("temp_size_in_bytes"),
     }
     for name, (a, b) in {**table, **compiled}.items():
         print(f"| {name} | {a:,} | {b:,} | {b / a:.3f} |")

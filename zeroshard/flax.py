@@ -400,14 +400,10 @@ def linen_train_step(
     step = TrainStep(loss, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
 
     def train_step(state: Any, batch: PyTree, key: jax.Array | None = None) -> tuple[Any, dict]:
-        model_state = getattr(state, "model_state", None)
-        new, metrics = step(
-            TrainState(state.step, state.params, state.opt_state, model_state), batch, key
-        )
-        fields = new._asdict()
-        if not hasattr(state, "model_state"):  # a plain flax TrainState
-            del fields["model_state"]
-        return state.replace(**fields), metrics
+        # The TrainState fields the Flax state has (a plain TrainState: no model_state).
+        fields = [f for f in TrainState._fields if hasattr(state, f)]
+        new, metrics = step(TrainState(*(getattr(state, f) for f in fields)), batch, key)
+        return state.replace(**{f: getattr(new, f) for f in fields}), metrics
 
     train_step.jitted = step.jitted
     return train_step

@@ -240,14 +240,10 @@ def _log_owned(plan: Plan) -> None:
     nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     mean = sum(costs) / len(costs)
     logger.info(
-        "zeroshard: %d of %d leaves owned (their update needs whole tensors or layers) over "
-        "%d devices: owned state %s..%s bytes per device, update cost max/mean %.2f",
-        len(owned),
-        len(plan.layout.slots),
-        plan.layout.num_shards,
-        f"{min(nbytes):,}",
-        f"{max(nbytes):,}",
-        max(costs) / mean if mean else 1.0,
+        f"zeroshard: {len(owned)} of {len(plan.layout.slots)} leaves owned (their update needs "
+        f"whole tensors or layers) over {plan.layout.num_shards} devices: owned state "
+        f"{min(nbytes):,}..{max(nbytes):,} bytes per device, update cost max/mean "
+        f"{max(costs) / mean if mean else 1.0:.2f}"
     )
 
 

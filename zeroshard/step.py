@@ -210,9 +210,8 @@ class TrainStep:
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
-        config = self.opt.config
-        replica = () if config.replica_axis is None else (config.replica_axis,)
-        axes = config.batch_axes if self.stage < 3 else replica
+        axes = self.opt.config.batch_axes  # (the replica axis, if any, then the sharding axis)
+        axes = axes if self.stage < 3 else axes[:-1]
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
