@@ -75,11 +75,9 @@ def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
     the global batch, in its order; other leaves averaged over ``axes``."""
 
     def combine(x: Any) -> Any:
-        if is_identity(x, axes):
-            return x
-        if is_per_example(x, rows):
+        if is_per_example(x, rows) and not is_identity(x, axes):
             return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
-        return jax.lax.pmean(x, axes)
+        return pmean(x, axes)
 
     return jax.tree.map(combine, aux)
 
