@@ -27,11 +27,10 @@ def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
         return
     n = math.prod(mesh.shape[a] for a in axes)
     scatter = partial(jax.lax.psum_scatter, axis_name=axes, tiled=True)
-    probe = jax.shard_map(
-        scatter, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes)
-    )
+    spec = P(axes)
+    probe = jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(axes))
     try:
-        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
+        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, spec))
         jax.jit(probe).lower(x)
     except ValueError as e:
         fixed = ", ".join(

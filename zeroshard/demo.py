@@ -96,11 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     save_at = args.steps // 2
     state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
     train_step = zs.make_train_step(loss_fn, tx, mesh)
-    state, losses, ours_mem, preempted_at = train(
-        args, mesh, state, train_step, batch_at, ckpt, save_at
-    )
-    if preempted_at is not None:
-        return {"losses": losses, "preempted_at": preempted_at}
+    state, losses, ours_mem, stopped = train(args, mesh, state, train_step, batch_at, ckpt, save_at)
+    if stopped is not None:  # preempted: the step saved
+        return {"losses": losses, "preempted_at": stopped}
     resumed, m = resume_on_half(ckpt, tx, loss_fn, state.params, batch_at, losses, save_at)
     ckpt.close()
 

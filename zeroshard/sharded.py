@@ -134,9 +134,8 @@ class Sharded:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
         local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
         the new state out."""
-        return self._local_update(
-            Route.of(self.config, stage_of(params)), grads, state, params, extra_args
-        )
+        route = Route.of(self.config, stage_of(params))
+        return self._local_update(route, grads, state, params, extra_args)
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
