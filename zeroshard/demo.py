@@ -77,10 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     graphdef, params, loss_fn = transformer(args, len(vocab))
     # optax.clip_by_global_norm as it is: inside zs.sharded its global norm is summed
     # across devices (the replicated baseline runs the same optimizer).
-    inner = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01),
-    )
+    schedule = optax.cosine_decay_schedule(args.lr, args.steps, 0.1)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     tx = zs.sharded(inner, axis_name="data")
     mesh = jax.make_mesh((n,), ("data",))
     size = sum(x.size for x in jax.tree.leaves(params))
@@ -260,10 +258,8 @@ def replicated_optax(params, inner, loss_fn, mesh, batch_at):
         return to_bf16(master), master, opt_state
 
     specs = (P(), P(), P(), P("data"))
-    baseline = jax.jit(
-        jax.shard_map(replicated_step, mesh=mesh, in_specs=specs, out_specs=specs[:3]),
-        donate_argnums=(0, 1, 2),
-    )
+    step = jax.shard_map(replicated_step, mesh=mesh, in_specs=specs, out_specs=specs[:3])
+    baseline = jax.jit(step, donate_argnums=(0, 1, 2))
     batch = jax.device_put(batch_at(0), NamedSharding(mesh, P("data")))
     return state, baseline.lower(*state, batch).compile().memory_analysis()
 
