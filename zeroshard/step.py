@@ -49,6 +49,12 @@ class TrainState(NamedTuple):
     model_state: PyTree = None
 
 
+Key = jax.Array | None
+"""A step's random key (``None``: none)."""
+Result = tuple[TrainState, dict]
+"""What a step returns: the new state and the metrics."""
+
+
 def state_specs(
     tx: ShardedTransformation, params: PyTree, num_shards: int, stage: int
 ) -> TrainState:
@@ -156,9 +162,7 @@ class TrainStep:
         self.per_device_loss = self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
-    def _local_step(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None
-    ) -> tuple[TrainState, dict]:
+    def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
         plan = self.opt.checked_plan(state.opt_state, state.params)
@@ -191,7 +195,7 @@ class TrainStep:
         loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
         return jax.value_and_grad(loss, has_aux=True)
 
-    def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
+    def _per_device(self, state: TrainState, batch: PyTree, key: Key) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
         (see ``per_device_loss``), with a leading axis over devices, and the new model
         state: floating-point leaves averaged over the devices, others the first's."""
@@ -253,9 +257,7 @@ class TrainStep:
             return out, arrival.bring(plan, acc)
         return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
 
-    def _global_step(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None
-    ) -> tuple[TrainState, dict]:
+    def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         if any(is_shard(x) != (self.stage == 3) for x in leaves):
@@ -288,15 +290,11 @@ class TrainStep:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
-    def __call__(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
-    ) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
         state, metrics = self.jitted(state, self._place(batch), key)
         return state, step_io.plain_outputs(metrics, self.mesh)
 
-    def lower(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
-    ) -> jax.stages.Lowered:
+    def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it."""
         return self.jitted.lower(state, self._place(batch), key)
 
