@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,16 +41,15 @@ def state_bytes_per_device(tree: PyTree) -> int:
       >>> state_bytes_per_device({"a": jnp.zeros(10), "b": jnp.zeros((), jnp.int8)})
       41
     """
-    total = 0
-    for x in jax.tree.leaves(tree):
-        itemsize = np.dtype(x.dtype).itemsize
+
+    def nbytes(x: Any) -> int:
         if isinstance(x, jax.Array):
-            total += max(s.data.nbytes for s in x.addressable_shards)
-        elif getattr(x, "sharding", None) is not None:
-            total += math.prod(x.sharding.shard_shape(x.shape)) * itemsize
-        else:
-            total += math.prod(np.shape(x)) * itemsize
-    return total
+            return max(s.data.nbytes for s in x.addressable_shards)
+        sharding = getattr(x, "sharding", None)
+        shape = np.shape(x) if sharding is None else sharding.shard_shape(x.shape)
+        return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+    return sum(map(nbytes, jax.tree.leaves(tree)))
 
 
 @dataclasses.dataclass(frozen=True)
