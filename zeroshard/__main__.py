@@ -92,8 +92,7 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     )
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
     if not isinstance(tree, float) and hasattr(tx, "init"):
-        print("\nplacement (zs.sharded):\n")
-        print(placement_table(tree, devices, tx, param_dtype))
+        print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, devices, tx, param_dtype)}")
     return 0
 
 

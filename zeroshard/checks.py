@@ -22,22 +22,20 @@ def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
     """Refuses, with the fix, a mesh whose other Explicit axes this jax cannot lower a
     reduce-scatter next to (jax 0.12.0.1 fails to lower it); probed, not assumed."""
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = [
-        a for a, t in types.items() if a not in axes and t == jax.sharding.AxisType.Explicit
-    ]
+    explicit = [a for a, t in types.items() if a not in axes and t.name == "Explicit"]
     if not explicit:
         return
     n = math.prod(mesh.shape[a] for a in axes)
     scatter = partial(jax.lax.psum_scatter, axis_name=axes, tiled=True)
-    probe = jax.shard_map(
-        scatter, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes)
-    )
+    spec = P(axes)
+    probe = jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(axes))
     try:
-        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
+        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, spec))
         jax.jit(probe).lower(x)
     except ValueError as e:
-        auto = {a: "Auto" if a in explicit else t.name for a, t in types.items()}
-        fixed = ", ".join(f"AxisType.{name}" for name in auto.values())
+        fixed = ", ".join(
+            f"AxisType.{'Auto' if a in explicit else t.name}" for a, t in types.items()
+        )
         raise ValueError(
             f"mesh axes {explicit} are AxisType.Explicit, and jax {jax.__version__} cannot "
             f"lower a reduce-scatter over {axes} inside shard_map while another axis is "

@@ -94,9 +94,7 @@ class ShardConfig:
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (the replica axis, if any, then the
         sharding axis)."""
-        if self.replica_axis is None:
-            return (self.axis_name,)
-        return (self.replica_axis, self.axis_name)
+        return tuple(a for a in (self.replica_axis, self.axis_name) if a is not None)
 
 
 def _dtype(dtype: Any) -> np.dtype | None:

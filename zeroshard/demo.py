@@ -77,10 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     graphdef, params, loss_fn = transformer(args, len(vocab))
     # optax.clip_by_global_norm as it is: inside zs.sharded its global norm is summed
     # across devices (the replicated baseline runs the same optimizer).
-    inner = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01),
-    )
+    schedule = optax.cosine_decay_schedule(args.lr, args.steps, 0.1)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     tx = zs.sharded(inner, axis_name="data")
     mesh = jax.make_mesh((n,), ("data",))
     size = sum(x.size for x in jax.tree.leaves(params))
@@ -96,11 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     save_at = args.steps // 2
     state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16)
     train_step = zs.make_train_step(loss_fn, tx, mesh)
-    state, losses, ours_mem, preempted_at = train(
-        args, mesh, state, train_step, batch_at, ckpt, save_at
-    )
-    if preempted_at is not None:
-        return {"losses": losses, "preempted_at": preempted_at}
+    state, losses, ours_mem, stopped = train(args, mesh, state, train_step, batch_at, ckpt, save_at)
+    if stopped is not None:  # preempted: the step saved
+        return {"losses": losses, "preempted_at": stopped}
     resumed, m = resume_on_half(ckpt, tx, loss_fn, state.params, batch_at, losses, save_at)
     ckpt.close()
 
@@ -262,10 +258,8 @@ def replicated_optax(params, inner, loss_fn, mesh, batch_at):
         return to_bf16(master), master, opt_state
 
     specs = (P(), P(), P(), P("data"))
-    baseline = jax.jit(
-        jax.shard_map(replicated_step, mesh=mesh, in_specs=specs, out_specs=specs[:3]),
-        donate_argnums=(0, 1, 2),
-    )
+    step = jax.shard_map(replicated_step, mesh=mesh, in_specs=specs, out_specs=specs[:3])
+    baseline = jax.jit(step, donate_argnums=(0, 1, 2))
     batch = jax.device_put(batch_at(0), NamedSharding(mesh, P("data")))
     return state, baseline.lower(*state, batch).compile().memory_analysis()
 
@@ -291,12 +285,10 @@ def report_memory(replicated, base_mem, state, ours_mem, loss_fn, batch_at):
     print(f"\nPer-device memory on {n} devices (bytes):\n")
     print("| component | replicated optax | zeroshard | ratio |")
     print("|---|---:|---:|---:|")
+    sizes = lambda attr: (getattr(base_mem, attr), getattr(ours_mem, attr))
     compiled = {
-        f"compiled step: {name}": (getattr(base_mem, attr), getattr(ours_mem, attr))
-        for name, attr in [
-            ("arguments", "argument_size_in_bytes"),
-            ("temporaries", "temp_size_in_bytes"),
-        ]
+        "compiled step: arguments": sizes("argument_size_in_bytes"),
+        "compiled step: temporaries": sizes("temp_size_in_bytes"),
     }
     for name, (a, b) in {**table, **compiled}.items():
         print(f"| {name} | {a:,} | {b:,} | {b / a:.3f} |")

@@ -138,22 +138,21 @@ def _spec(x: Any) -> P:
 
 
 @contextlib.contextmanager
-def _per_device_rngs(model: nnx.Module, axis_name: str) -> Iterator[None]:
-    """Inside: every ``nnx.Rngs`` stream of ``model`` folded with the device index, so
+def _per_device(model: nnx.Module, axis_name: str, sync: bool) -> Iterator[None]:
+    """Inside: ``model`` as it runs on one device of the step. With ``sync``, every
+    ``nnx.BatchNorm`` without an ``axis_name`` uses global-batch statistics (over
+    ``axis_name``). Every ``nnx.Rngs`` stream is folded with the device index, so
     dropout masks differ across devices; afterwards the keys are the shared ones again
     (their counts advance as usual)."""
+    if sync:
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+                module.axis_name = axis_name
     keys = nnx.as_pure(nnx.state(model, nnx.RngKey))
     index = jax.lax.axis_index(axis_name)
     nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
     yield
     nnx.update(model, keys)
-
-
-def _sync_nnx_batch_norm(model: nnx.Module, axis_name: str) -> None:
-    """Makes every ``nnx.BatchNorm`` without an ``axis_name`` use global-batch statistics."""
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-            module.axis_name = axis_name
 
 
 class NNXTrainStep:
@@ -173,9 +172,7 @@ class NNXTrainStep:
 
         def loss(params, batch, model_state):
             model = nnx.merge(graphdef, params, model_state)
-            if self._sync:
-                _sync_nnx_batch_norm(model, axes)
-            with _per_device_rngs(model, axes):
+            with _per_device(model, axes, self._sync):
                 out = self.loss_fn(model, batch)
             rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
             return (out[0], (rest, out[1])) if self._options["has_aux"] else (out, rest)
@@ -400,14 +397,10 @@ def linen_train_step(
     step = TrainStep(loss, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
 
     def train_step(state: Any, batch: PyTree, key: jax.Array | None = None) -> tuple[Any, dict]:
-        model_state = getattr(state, "model_state", None)
-        new, metrics = step(
-            TrainState(state.step, state.params, state.opt_state, model_state), batch, key
-        )
-        fields = new._asdict()
-        if not hasattr(state, "model_state"):  # a plain flax TrainState
-            del fields["model_state"]
-        return state.replace(**fields), metrics
+        # The TrainState fields the Flax state has (a plain TrainState: no model_state).
+        fields = [f for f in TrainState._fields if hasattr(state, f)]
+        new, metrics = step(TrainState(*(getattr(state, f) for f in fields)), batch, key)
+        return state.replace(**{f: getattr(new, f) for f in fields}), metrics
 
     train_step.jitted = step.jitted
     return train_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,16 +41,15 @@ def state_bytes_per_device(tree: PyTree) -> int:
       >>> state_bytes_per_device({"a": jnp.zeros(10), "b": jnp.zeros((), jnp.int8)})
       41
     """
-    total = 0
-    for x in jax.tree.leaves(tree):
-        itemsize = np.dtype(x.dtype).itemsize
+
+    def nbytes(x: Any) -> int:
         if isinstance(x, jax.Array):
-            total += max(s.data.nbytes for s in x.addressable_shards)
-        elif getattr(x, "sharding", None) is not None:
-            total += math.prod(x.sharding.shard_shape(x.shape)) * itemsize
-        else:
-            total += math.prod(np.shape(x)) * itemsize
-    return total
+            return max(s.data.nbytes for s in x.addressable_shards)
+        sharding = getattr(x, "sharding", None)
+        shape = np.shape(x) if sharding is None else sharding.shard_shape(x.shape)
+        return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+    return sum(map(nbytes, jax.tree.leaves(tree)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +83,9 @@ class Collective:
         all-reduce of B bytes: 2(n-1)/n B; reduce-scatter to B: (n-1) B; all-gather to
         B: (n-1)/n B.
         """
-        n, b = self.group_size, self.result_bytes
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * b
-        if self.kind == "reduce-scatter":
-            return (n - 1) * b
-        return (n - 1) / n * b
+        n = self.group_size
+        factors = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1}
+        return factors.get(self.kind, (n - 1) / n) * self.result_bytes
 
 
 def collectives(

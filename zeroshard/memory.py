@@ -144,9 +144,8 @@ def estimate_memory(
     shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
         if stage:
-            return _placed(params_or_count, n, param_dtype, master_dtype, optimizer)._replace(
-                params=shard(p, 3), grads=shard(p, 2)
-            )
+            placed = _placed(params_or_count, n, param_dtype, master_dtype, optimizer)
+            return placed._replace(params=shard(p, 3), grads=shard(p, 2))
         # stage 0: plain optax's state, on every device
         dtype = master_dtype if has_master else param_dtype
         state = jax.eval_shape(_inner(optimizer).init, _structs(params_or_count, dtype))
@@ -162,14 +161,10 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimiz
     tx, plan = _plan(params, n, optimizer, param_dtype, master_dtype)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(tx.inner.init, plan.view_structs(0)))
     shared = sum(_nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
-    master = sum(
-        b.row_size * jnp.dtype(m).itemsize
-        for b, m in zip(plan.layout.buckets, plan.master_dtypes, strict=True)
-        if m is not None
-    )
-    rows = sum(
-        w * d.itemsize for w, d in zip(plan.storage.widths, plan.storage.dtypes, strict=True)
-    )
+    masters = zip(plan.layout.buckets, plan.master_dtypes, strict=True)
+    master = sum(b.row_size * jnp.dtype(m).itemsize for b, m in masters if m is not None)
+    widths = zip(plan.storage.widths, plan.storage.dtypes, strict=True)
+    rows = sum(w * d.itemsize for w, d in widths)
     used = shared + master + sum(plan.owned_bytes()) / n
     costs = plan.owned_costs()
     imbalance = (shared + rows + master) / used if used else 1.0

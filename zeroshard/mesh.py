@@ -138,12 +138,8 @@ def run_on_mesh(
     ``in_specs`` say: how a state is first laid out, each device building its part."""
     in_specs, out_specs = specs
     named = lambda spec: NamedSharding(mesh, spec)
-    placed = jax.device_put(args, jax.tree.map(named, in_specs, is_leaf=_is_spec))
+    placed = jax.device_put(args, jax.tree.map(named, in_specs, is_leaf=lambda x: isinstance(x, P)))
     run = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
     )
     return jax.jit(run)(*placed)
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)

@@ -134,9 +134,8 @@ class Sharded:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
         local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
         the new state out."""
-        return self._local_update(
-            Route.of(self.config, stage_of(params)), grads, state, params, extra_args
-        )
+        route = Route.of(self.config, stage_of(params))
+        return self._local_update(route, grads, state, params, extra_args)
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -240,14 +239,10 @@ def _log_owned(plan: Plan) -> None:
     nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     mean = sum(costs) / len(costs)
     logger.info(
-        "zeroshard: %d of %d leaves owned (their update needs whole tensors or layers) over "
-        "%d devices: owned state %s..%s bytes per device, update cost max/mean %.2f",
-        len(owned),
-        len(plan.layout.slots),
-        plan.layout.num_shards,
-        f"{min(nbytes):,}",
-        f"{max(nbytes):,}",
-        max(costs) / mean if mean else 1.0,
+        f"zeroshard: {len(owned)} of {len(plan.layout.slots)} leaves owned (their update needs "
+        f"whole tensors or layers) over {plan.layout.num_shards} devices: owned state "
+        f"{min(nbytes):,}..{max(nbytes):,} bytes per device, update cost max/mean "
+        f"{max(costs) / mean if mean else 1.0:.2f}"
     )
 
 
@@ -263,17 +258,10 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         """The frozen :class:`Sharded` optimizer behind ``init`` and ``update``."""
         return self.init.__self__
 
-    @property
-    def inner(self) -> optax.GradientTransformationExtraArgs:
-        return self.optimizer.inner
-
-    @property
-    def config(self) -> ShardConfig:
-        return self.optimizer.config
-
-    @property
-    def axis_name(self) -> str:
-        return self.config.axis_name
+    # The optimizer's inner transformation and options, and its data-parallel axis.
+    inner = property(lambda self: self.optimizer.inner)
+    config = property(lambda self: self.optimizer.config)
+    axis_name = property(lambda self: self.optimizer.config.axis_name)
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """See :meth:`Sharded.plan`."""

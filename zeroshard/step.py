@@ -19,24 +19,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard import step_io
 from zeroshard.checks import check_batch, check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
-from zeroshard.step_io import (
-    across_devices,
-    device_key,
-    local_rows,
-    mean_state,
-    plain_outputs,
-    split_rows,
-    stacked_aux,
-    step_loss,
-    step_metrics,
-    update_metrics,
-)
 from zeroshard.update import Route, update
 
 
@@ -58,6 +47,12 @@ class TrainState(NamedTuple):
     params: PyTree
     opt_state: ShardedState
     model_state: PyTree = None
+
+
+Key = jax.Array | None
+"""A step's random key (``None``: none)."""
+Result = tuple[TrainState, dict]
+"""What a step returns: the new state and the metrics."""
 
 
 def state_specs(
@@ -167,9 +162,7 @@ class TrainStep:
         self.per_device_loss = self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
-    def _local_step(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None
-    ) -> tuple[TrainState, dict]:
+    def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
         plan = self.opt.checked_plan(state.opt_state, state.params)
@@ -179,7 +172,7 @@ class TrainStep:
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        args = (self._varying(state.params), batch, device_key(key, self.batch_axes))
+        args = (self._varying(state.params), batch, step_io.device_key(key, self.batch_axes))
         if self.accum_steps > 1:
             out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
         else:
@@ -190,27 +183,30 @@ class TrainStep:
             loss = loss / scale.scale
         opt = (self.opt.inner, self.opt.config, plan, self.route)
         params, opt_state = update(*opt, parts, state.opt_state, state.params)
-        metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
-        metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
+        states = (state.opt_state, opt_state)
+        metrics = step_io.step_metrics(self.opt.config, loss, aux, batch, self.batch_axes, states)
         if not self.per_device_loss:  # (averaged already)
-            model_state = mean_state(model_state, self.batch_axes)
+            model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.step_io.step_loss`)."""
-        return jax.value_and_grad(step_loss(self.loss_fn, self.has_aux, scale), has_aux=True)
+        loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        return jax.value_and_grad(loss, has_aux=True)
 
-    def _per_device(self, state: TrainState, batch: PyTree, key: jax.Array | None) -> Any:
+    def _per_device(self, state: TrainState, batch: PyTree, key: Key) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
         (see ``per_device_loss``), with a leading axis over devices, and the new model
         state: floating-point leaves averaged over the devices, others the first's."""
         axis, grad_fn = self.axis_name, self._value_and_grad(state.opt_state.loss_scale)
-        device = lambda r: grad_fn(state.params, r, device_key(key, axis), state.model_state)
+        device = lambda r: grad_fn(
+            state.params, r, step_io.device_key(key, axis), state.model_state
+        )
         per_device = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)
-        (loss, (aux, model_state)), grads = per_device(split_rows(batch, self.batch_parts))
+        (loss, (aux, model_state)), grads = per_device(step_io.split_rows(batch, self.batch_parts))
         with scope(MODEL_STATE):
-            model_state = jax.tree.map(across_devices, model_state)
+            model_state = jax.tree.map(step_io.across_devices, model_state)
         return (loss, aux, grads), model_state
 
     def _varying(self, params: PyTree) -> PyTree:
@@ -218,9 +214,8 @@ class TrainStep:
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
-        config = self.opt.config
-        replica = () if config.replica_axis is None else (config.replica_axis,)
-        axes = config.batch_axes if self.stage < 3 else replica
+        axes = self.opt.config.batch_axes  # (the replica axis, if any, then the sharding axis)
+        axes = axes if self.stage < 3 else axes[:-1]
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
@@ -252,19 +247,17 @@ class TrainStep:
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
             return (model_state, acc), (loss, aux)
 
-        xs = (split_rows(batch, k), jnp.arange(k))
+        xs = (step_io.split_rows(batch, k), jnp.arange(k))
         (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
-        rows = local_rows(batch) // k
-        aux = jax.tree.map(lambda x: stacked_aux(x, rows), auxes)
+        rows = step_io.local_rows(batch) // k
+        aux = jax.tree.map(lambda x: step_io.stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         acc = jax.tree.map(lambda a: a / k, acc)
         if self.stage == 1:
             return out, arrival.bring(plan, acc)
         return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
 
-    def _global_step(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None
-    ) -> tuple[TrainState, dict]:
+    def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         if any(is_shard(x) != (self.stage == 3) for x in leaves):
@@ -297,15 +290,11 @@ class TrainStep:
         check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
         return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
-    def __call__(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
-    ) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
         state, metrics = self.jitted(state, self._place(batch), key)
-        return state, plain_outputs(metrics, self.mesh)
+        return state, step_io.plain_outputs(metrics, self.mesh)
 
-    def lower(
-        self, state: TrainState, batch: PyTree, key: jax.Array | None = None
-    ) -> jax.stages.Lowered:
+    def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it."""
         return self.jitted.lower(state, self._place(batch), key)
 

@@ -33,7 +33,6 @@ from zeroshard.scopes import METRICS, MODEL_STATE, scope
 
 if TYPE_CHECKING:
     from zeroshard.config import ShardConfig
-    from zeroshard.sharded import ShardedState
 
 Axes = str | tuple[str, ...]
 
@@ -76,11 +75,9 @@ def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
     the global batch, in its order; other leaves averaged over ``axes``."""
 
     def combine(x: Any) -> Any:
-        if is_identity(x, axes):
-            return x
-        if is_per_example(x, rows):
+        if is_per_example(x, rows) and not is_identity(x, axes):
             return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
-        return jax.lax.pmean(x, axes)
+        return pmean(x, axes)
 
     return jax.tree.map(combine, aux)
 
@@ -94,19 +91,13 @@ def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
     return jnp.mean(x.astype(jnp.float32), axis=0)
 
 
-def step_metrics(loss: jax.Array, aux: Any, grad_norm: jax.Array, axes: Axes, rows: int) -> dict:
-    """A step's metrics: the global mean ``loss``, the gradient norm and, when there is
-    one, ``aux`` as :func:`global_aux` returns it (``rows``: the local batch size)."""
-    with scope(METRICS):
-        metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": grad_norm}
-        if aux is not None:
-            metrics["aux"] = global_aux(aux, rows, axes)
-    return metrics
-
-
-def update_metrics(config: ShardConfig, before: ShardedState, after: ShardedState) -> dict:
-    """What a step's sharded update did, from its optimizer state ``before`` and
-    ``after`` it (``config``: the optimizer's options); every value is a replicated
+def step_metrics(
+    config: ShardConfig, loss: jax.Array, aux: Any, batch: PyTree, axes: Axes, states: tuple
+) -> dict:
+    """A step's metrics: the global mean ``loss``, the gradient norm, ``aux`` (when there
+    is one) as :func:`global_aux` returns it for this device's ``batch``, and what the
+    sharded update did, from its optimizer state before and after it (``states``;
+    ``config``: the optimizer's options). Every value but ``aux`` is a replicated
     scalar, the same on every device:
 
     - ``"skipped"`` (when ``config.skip_nonfinite``, the default): int32, 1 when this
@@ -117,7 +108,11 @@ def update_metrics(config: ShardConfig, before: ShardedState, after: ShardedStat
       step's loss was multiplied by. After a skipped step the next step's is smaller;
       after ``growth_interval`` finite steps, larger.
     """
-    metrics = {}
+    before, after = states
+    with scope(METRICS):
+        metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": after.grad_norm}
+        if aux is not None:
+            metrics["aux"] = global_aux(aux, local_rows(batch), axes)
     if config.skip_nonfinite:
         metrics["skipped"] = after.skipped - before.skipped
     if config.loss_scale is not None:
