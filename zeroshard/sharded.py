@@ -258,10 +258,17 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         """The frozen :class:`Sharded` optimizer behind ``init`` and ``update``."""
         return self.init.__self__
 
-    # The optimizer's inner transformation and options, and its data-parallel axis.
-    inner = property(lambda self: self.optimizer.inner)
-    config = property(lambda self: self.optimizer.config)
-    axis_name = property(lambda self: self.optimizer.config.axis_name)
+    @property
+    def inner(self) -> optax.GradientTransformationExtraArgs:
+        return self.optimizer.inner
+
+    @property
+    def config(self) -> ShardConfig:
+        return self.optimizer.config
+
+    @property
+    def axis_name(self) -> str:
+        return self.config.axis_name
 
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """See :meth:`Sharded.plan`."""
