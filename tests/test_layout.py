@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zeroshard.layout import Layout
-from zeroshard.stage3 import owner_blocks, piece_blocks, piece_from_owners, units_from_pieces
+from zeroshard.stage3 import piece_blocks, piece_from_owners, units_from_pieces
 
 
 def tree(rng):
@@ -101,8 +101,8 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
     layout = Layout.from_tree(t, n, dims, owned=owned, layered={index["stack"]})
     leaves = jax.tree.leaves(t)
     sent = [  # per device: (num_shards, owned_chunk), row d for device d
-        owner_blocks(
-            layout, [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32
+        layout.owned_blocks(
+            [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32, True
         )
         for d in range(n)
     ]

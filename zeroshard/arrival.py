@@ -17,7 +17,7 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 A new kind of arrival (a quantized reduce-scatter over ``all_to_all``, a sum in a
 fixed order) is one more subclass of :class:`Arrival` defining :meth:`Arrival.bring`
 and :meth:`Arrival.nbytes` (and :meth:`Arrival.owned` if its owned part is not one
-row per bucket); :func:`zeroshard.update.update` takes any of them unchanged.
+row per bucket); :func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class Arrival:
         """The dtype a bucket's gradients travel in."""
         return self.config.reduce_dtype or bucket.dtype
 
+    def cast(self, x: jax.Array) -> jax.Array:
+        """``x`` in the dtype gradients travel in."""
+        return x.astype(self.config.reduce_dtype or x.dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatter(Arrival):
@@ -95,51 +99,34 @@ class ReduceScatter(Arrival):
         leaves = layout.treedef.flatten_up_to(grads)
         check_local(leaves, layout, self.config.axis_name)
         with scope(REDUCE_SCATTER):
-            return self.scatter_sliced(layout, leaves), self.scatter_owned(layout, leaves)
+            return self.scatter(layout, [self.cast(x) for x in leaves])
 
-    def scatter_sliced(self, layout: Layout, leaves: list) -> list[jax.Array | None]:
-        """This device's piece of each sliced leaf's mean gradient."""
+    def scatter(self, layout: Layout, leaves: list) -> GradParts:
+        """This device's piece of each sliced leaf's mean gradient, and per bucket its
+        row of the mean gradient of the leaves it owns."""
         axis, n = self.config.axis_name, layout.num_shards
-        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
-        if is_identity(leaves, axis):  # one device: each piece is the whole leaf
-            return [
-                None if s.owned else s.cut(cast(x), 0)
-                for x, s in zip(leaves, layout.slots, strict=True)
-            ]
+        one = is_identity(leaves, axis)  # one device: its row holds every piece
+        mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
+            matrix[0]
+            if one
+            else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+        )
         pieces: list[jax.Array | None] = [None] * len(leaves)
         for group in layout.groups(self.config.pack_bytes):
-            blocks = [layout.slots[i].blocks(cast(leaves[i])) for i in group]
-            matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
-            row = jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+            row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
             for i, start, stop in layout.columns(group):
                 pieces[i] = row[start:stop]
-        return pieces
-
-    def scatter_owned(self, layout: Layout, leaves: list) -> tuple[jax.Array | None, ...]:
-        """Per bucket, this device's row of the mean gradient of the leaves it owns."""
-        axis, n = self.config.axis_name, layout.num_shards
-        one = is_identity(leaves, axis)  # one device: its row holds every owned leaf
-        rows = []
-        for b, bucket in enumerate(layout.buckets):
-            if not bucket.owned_width:
-                rows.append(None)
-                continue
-            blocks = layout.owned_blocks(leaves, b, self.dtype(bucket))
-            rows.append(blocks[0] if one else jax.lax.psum_scatter(blocks, axis, tiled=True)[0] / n)
-        return tuple(rows)
+        rows = layout.per_owned_bucket(
+            lambda b, bucket: mean(layout.owned_blocks(leaves, b, self.dtype(bucket)))
+        )
+        return pieces, rows
 
     def nbytes(self, plan: Plan) -> int:
-        layout = plan.layout
-        if layout.num_shards == 1:
+        if plan.layout.num_shards == 1:
             return 0
-        size = lambda i: jnp.dtype(self.dtype(layout.buckets[layout.slots[i].bucket])).itemsize
-        sliced = sum(
-            layout.slots[i].piece_size * size(i)
-            for group in layout.groups(self.config.pack_bytes)
-            for i in group
-        )
-        return sliced + sum(
-            b.owned_width * jnp.dtype(self.dtype(b)).itemsize for b in layout.buckets
+        return sum(
+            (b.row_size + b.owned_width) * jnp.dtype(self.dtype(b)).itemsize
+            for b in plan.layout.buckets
         )
 
 
@@ -167,10 +154,11 @@ class Pieces(Arrival):
     def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
         every device holds of the units it owns."""
-        layout, config = plan.layout, self.config
+        layout = plan.layout
         with scope(TO_OWNERS):
-            owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
-        return [None if s.owned else p for p, s in zip(pieces, layout.slots, strict=True)], owned
+            dtypes = [self.dtype(b) for b in layout.buckets]
+            owned = to_owners(pieces, layout, self.config.axis_name, dtypes)
+        return layout.sliced(lambda s, p: p, pieces), owned
 
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
         return units_from_pieces(layout, part, i, device)
@@ -198,18 +186,11 @@ class CutMean(Arrival):
         layout = plan.layout
         layout.check_matches(grads, "gradients")
         index = jax.lax.axis_index(self.config.axis_name)
-        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
         with scope(CUT):
-            leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
-            pieces = [
-                None if s.owned else s.cut(g, index)
-                for g, s in zip(leaves, layout.slots, strict=True)
-            ]
-            rows = tuple(
-                layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
-                if bucket.owned_width
-                else None
-                for b, bucket in enumerate(layout.buckets)
+            leaves = [self.cast(g) for g in layout.treedef.flatten_up_to(grads)]
+            pieces = layout.sliced(lambda s, g: s.cut(g, index), leaves)
+            rows = layout.per_owned_bucket(
+                lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
             )
         return pieces, rows
 

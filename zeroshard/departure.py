@@ -13,7 +13,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
 
 A new kind (a quantized all-gather, say) is one more subclass of :class:`Departure`;
-:func:`zeroshard.update.update` takes any of them unchanged.
+:func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from zeroshard.placement import Plan
 from zeroshard.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
 from zeroshard.stage3 import (
     exchange,
-    owner_blocks,
     piece_blocks,
     piece_from_owners,
+    to_owners,
     to_shards,
     units_from_pieces,
 )
@@ -116,42 +116,24 @@ class AllGather(Departure):
         this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
         and its row of owned leaves per bucket (``None`` where it owns nothing)."""
         axis = self.config.axis_name
+        every = lambda row: (  # (num_shards, row): every device's row
+            row[None] if is_identity(row, axis) else jax.lax.all_gather(row, axis, to="invarying")
+        )
         leaves: list[jax.Array | None] = [None] * len(layout.slots)
-        groups = layout.groups(self.config.pack_bytes)
-        if is_identity([p for p in pieces if p is not None], axis):  # one device
-            leaves = [
-                None if s.owned else s.uncut(p.astype(s.dtype))
-                for p, s in zip(pieces, layout.slots, strict=True)
-            ]
-            groups = ()
-        for group in groups:
-            own = [pieces[i].astype(layout.slots[i].dtype) for i in group]
-            row = own[0] if len(own) == 1 else jnp.concatenate(own)
-            full = jax.lax.all_gather(row, axis, tiled=False, to="invarying")  # (N, row)
+        for group in layout.groups(self.config.pack_bytes):
+            full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
             for i, start, stop in layout.columns(group):
                 leaves[i] = layout.slots[i].uncut(full[:, start:stop])
         for b, row in enumerate(rows):
-            if row is None:
-                continue
-            row = row.astype(layout.buckets[b].dtype)
-            every = (
-                row[None]
-                if is_identity(row, axis)
-                else jax.lax.all_gather(row, axis, to="invarying")
-            )
-            for i, s in enumerate(layout.slots):
-                if s.owned and s.bucket == b:
-                    leaves[i] = layout.owned_full(every, i)
+            if row is not None:
+                full = every(row.astype(layout.buckets[b].dtype))
+                for i in (i for i in layout.buckets[b].slots if layout.slots[i].owned):
+                    leaves[i] = layout.owned_full(full, i)
         return layout.treedef.unflatten(leaves)
 
     def nbytes(self, plan: Plan) -> int:
-        layout, n = plan.layout, plan.layout.num_shards
-        sliced = sum(
-            n * layout.slots[i].piece_size * layout.slots[i].dtype.itemsize
-            for group in layout.groups(self.config.pack_bytes)
-            for i in group
-        )
-        return sliced + sum(n * b.owned_width * b.dtype.itemsize for b in layout.buckets)
+        n = plan.layout.num_shards
+        return sum(n * (b.row_size + b.owned_width) * b.dtype.itemsize for b in plan.layout.buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,30 +145,17 @@ class ToPieces(Departure):
     each way."""
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
-        return [
-            None if s.owned else x.piece.reshape(-1)
-            for x, s in zip(
-                plan.layout.treedef.flatten_up_to(params), plan.layout.slots, strict=True
-            )
-        ]
+        layout = plan.layout
+        return layout.sliced(lambda s, x: x.piece.reshape(-1), layout.treedef.flatten_up_to(params))
 
     def owned_weights(self, plan: Plan, params: PyTree) -> tuple[jax.Array | None, ...]:
         """Per bucket what each device holds of this device's units (``(num_shards,
         owned_chunk)``), where the bucket keeps no master and the update reads them
         (Muon without weight decay does not); else ``None``."""
-        layout, dtypes = plan.layout, plan.inner_dtypes
-        read = self.read_buckets(plan)
-        leaves = layout.treedef.flatten_up_to(params)
+        layout, axis = plan.layout, self.config.axis_name
         with scope(TO_OWNERS):
-            pieces = [
-                x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
-                for x, s in zip(leaves, layout.slots, strict=True)
-            ]
-            blocks = [
-                owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
-                for b in range(len(layout.buckets))
-            ]
-            return exchange(blocks, self.config.axis_name)
+            pieces = [x.piece.reshape(-1) for x in layout.treedef.flatten_up_to(params)]
+            return to_owners(pieces, layout, axis, plan.inner_dtypes, self.read_buckets(plan))
 
     def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
         owned = dict(plan.branches[branch])

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.rows import pack
+from zeroshard.rows import pack, spans
 
 PyTree = Any
 
@@ -84,6 +84,8 @@ class Slot:
       owners: for an owned leaf, the device holding each of its *units*: the whole
         leaf (one unit), or each layer of a layer-owned leaf; ``()`` for a sliced leaf.
       unit_offsets: each unit's place in its owner's owned row of the bucket.
+      chunk_offsets: each unit's place in its owner's stage-3 chunk of the bucket
+        (where one device's pieces of the units it owns lie, ``unit_piece`` each).
       layered: whether the leaf is layer-owned (one layer axis; a unit per layer).
     """
 
@@ -95,6 +97,7 @@ class Slot:
     stacked: int = 0
     owners: tuple[int, ...] = ()
     unit_offsets: tuple[int, ...] = ()
+    chunk_offsets: tuple[int, ...] = ()
     layered: bool = False
 
     @property
@@ -455,25 +458,25 @@ class Layout:
 
     def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """``(leaf, start, stop)`` of each leaf's piece in a group's packed row."""
-        out, start = [], 0
-        for i in group:
-            out.append((i, start, start + self.slots[i].piece_size))
-            start += self.slots[i].piece_size
-        return out
+        return [(i, *span) for i, span in zip(group, spans(self.piece_sizes(group)), strict=True)]
 
-    def full_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
-        """A tree of ``ShapeDtypeStruct`` full leaves (bucket ``b`` in ``dtypes[b]``)."""
+    def piece_sizes(self, leaves: Sequence[int]) -> list[int]:
+        return [self.slots[i].piece_size for i in leaves]
+
+    def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
+        """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one
+        device's pieces (bucket ``b`` in ``dtypes[b]``)."""
         return self.treedef.unflatten(
-            jax.ShapeDtypeStruct(s.shape, s.dtype if dtypes is None else dtypes[s.bucket])
+            jax.ShapeDtypeStruct(
+                s.piece_shape if pieces else s.shape,
+                s.dtype if dtypes is None else dtypes[s.bucket],
+            )
             for s in self.slots
         )
 
     def piece_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
-        return self.treedef.unflatten(
-            jax.ShapeDtypeStruct(s.piece_shape, s.dtype if dtypes is None else dtypes[s.bucket])
-            for s in self.slots
-        )
+        return self.full_structs(dtypes, pieces=True)
 
     def check_matches(self, tree: PyTree, what: str) -> None:
         """Raises a ``ValueError`` naming the first leaf where ``tree`` differs."""
@@ -490,16 +493,27 @@ class Layout:
                     f"but the parameter has shape {slot.shape}."
                 )
 
+    # The sliced/owned difference of a per-leaf list, said once.
+
+    def sliced(self, fn: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+        """``fn(slot, *xs)`` for each sliced leaf (``xs``: its item of each of the
+        per-leaf ``columns``), ``None`` for each owned leaf."""
+        return [None if s.owned else fn(s, *x) for s, *x in zip(self.slots, *columns, strict=True)]
+
+    def owned(self, fn: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+        """``fn(slot, *xs)`` for each owned leaf, ``None`` for each sliced leaf."""
+        return [fn(s, *x) if s.owned else None for s, *x in zip(self.slots, *columns, strict=True)]
+
+    def per_owned_bucket(self, fn: Callable[[int, Bucket], Any]) -> tuple[Any, ...]:
+        """``fn(b, bucket)`` for each bucket with owned leaves, ``None`` for the others."""
+        return tuple(fn(b, x) if x.owned_width else None for b, x in enumerate(self.buckets))
+
     # Full leaves -> this device's pieces and rows.
 
     def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array | None]:
         """Device ``index``'s 1-D piece of every sliced leaf of ``tree`` (full leaves);
         ``None`` for owned leaves."""
-        leaves = self.treedef.flatten_up_to(tree)
-        return [
-            None if s.owned else s.cut(leaf, index)
-            for leaf, s in zip(leaves, self.slots, strict=True)
-        ]
+        return self.sliced(lambda s, x: s.cut(x, index), self.treedef.flatten_up_to(tree))
 
     def shard_pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
         """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves), owned
@@ -509,24 +523,32 @@ class Layout:
 
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
-    def owned_row(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
+    def owned_row(
+        self, local: Sequence[Any], device: int, bucket: int, dtype: Any, width: int = 0
+    ) -> jax.Array:
         """``device``'s row of bucket ``bucket`` in ``dtype``: its units of the owned
         leaves (``local[i]``: what :meth:`Slot.local` gives for ``device``) raveled end
-        to end and zero-padded to ``owned_width``."""
+        to end and zero-padded to ``width`` (default ``owned_width``)."""
         own = [local[i] for i in self.owned_by(device) if self.slots[i].bucket == bucket]
-        return pack(own, dtype, self.buckets[bucket].owned_width)
+        return pack(own, dtype, width or self.buckets[bucket].owned_width)
 
-    def owned_blocks(self, leaves: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
+    def owned_blocks(
+        self, leaves: Sequence[Any], bucket: int, dtype: Any, pieces: bool = False
+    ) -> jax.Array:
         """Every device's owned row of ``bucket`` from the full ``leaves``:
         ``(num_shards, owned_width)``, row ``d`` for device ``d`` (what a reduce-scatter
-        scatters)."""
+        scatters). With ``pieces``, from this device's 1-D pieces of every leaf
+        instead: ``(num_shards, owned_chunk)``, row ``d`` its pieces of the units
+        device ``d`` owns (what an ``all_to_all`` sends to ``d``, stage 3)."""
+        width = self.buckets[bucket].owned_chunk if pieces else 0
+        units = lambda x, s: x.reshape(s.layers, s.width) if pieces and s.layered else x
         rows = []
         for d in range(self.num_shards):
             local = [
-                s.local(x, d) if d in s.owners else None
+                s.local(units(x, s), d) if d in s.owners and s.bucket == bucket else None
                 for x, s in zip(leaves, self.slots, strict=True)
             ]
-            rows.append(self.owned_row(local, d, bucket, dtype))
+            rows.append(self.owned_row(local, d, bucket, dtype, width))
         return jnp.stack(rows)
 
     def owned_local(self, row: jax.Array, i: int, device: int) -> jax.Array:
@@ -554,21 +576,19 @@ def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list
     for b, dtype in enumerate(dtypes):
         members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
         ends = [0] * num_shards  # per device, its owned row's end so far
-        row = 0  # the sliced row's end so far
-        for i in members:
+        chunks = [0] * num_shards  # per device, its stage-3 chunk's end so far
+        for i in (i for i in members if slots[i].owned):
             s = slots[i]
-            if not s.owned:
-                row += s.piece_size
-                continue
-            unit_offsets = []
+            offsets = []
             for d in s.owners:
-                unit_offsets.append(ends[d])
+                offsets.append((ends[d], chunks[d]))
                 ends[d] += math.prod(s.unit_shape)
-            slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
-        chunks = [
-            sum(slots[i].unit_piece * len(slots[i].units_of(d)) for i in members)
-            for d in range(num_shards)
-        ]
+                chunks[d] += s.unit_piece
+            unit_offsets, chunk_offsets = (tuple(o) for o in zip(*offsets, strict=True))
+            slots[i] = dataclasses.replace(
+                s, unit_offsets=unit_offsets, chunk_offsets=chunk_offsets
+            )
+        row = sum(slots[i].piece_size for i in members if not slots[i].owned)
         buckets.append(Bucket(dtype, members, row, max(ends), max(chunks)))
     return buckets
 

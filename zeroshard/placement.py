@@ -118,7 +118,8 @@ class Plan:
         first axis the layers of a layer-owned leaf, each on that layer's owner) the
         leaf, else ``None``.
       storage: where owned state and owned master weights live.
-      updates: per inner optimizer and axis, :meth:`update` jitted (its traces cached).
+      updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
+        traces cached).
     """
 
     layout: Layout
@@ -161,12 +162,9 @@ class Plan:
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
         """Per-leaf pieces (``None`` for owned leaves) cast to the inner dtypes."""
         dtypes = self.inner_dtypes
-        return [
-            None if p is None else p.astype(dtypes[s.bucket])
-            for p, s in zip(pieces, self.layout.slots, strict=True)
-        ]
+        return self.layout.sliced(lambda s, p: p.astype(dtypes[s.bucket]), pieces)
 
-    def update(
+    def updates_and_state(
         self,
         inner: Any,
         grads: PyTree,
@@ -175,20 +173,21 @@ class Plan:
         axis_name: str,
         **extra_args: Any,
     ) -> tuple[PyTree, PyTree]:
-        """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
-        the analysis found them (:func:`zeroshard.sums.run_with_sums`). Traced, tagged
-        and evaluated once per ``inner``, axis and type of the arguments: a later trace
-        of a step reuses it (``jax.jit``'s cache, inlined into the step)."""
+        """``inner.update`` on a view: its updates and new state, with global sums over
+        ``axis_name`` inserted where the analysis found them
+        (:func:`zeroshard.sums.run_with_sums`). Traced, tagged and evaluated once per
+        ``inner``, axis and type of the arguments: a later trace of a step reuses it
+        (``jax.jit``'s cache, inlined into the step)."""
         args = (grads, state, params, extra_args)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(extra_args)):
-            return self._update(inner, axis_name, *args)  # e.g. a function: traced as it is
+            return self._updates_and_state(inner, axis_name, *args)  # e.g. a function: as it is
         key = (id(inner), axis_name)
         if self.updates.get(key, (None,))[0] is not inner:
-            run = functools.partial(self._update, inner, axis_name)
+            run = functools.partial(self._updates_and_state, inner, axis_name)
             self.updates[key] = (inner, jax.jit(run, inline=True))
         return self.updates[key][1](*args)
 
-    def _update(self, inner, axis_name, grads, state, params, extra_args):
+    def _updates_and_state(self, inner, axis_name, grads, state, params, extra_args):
         slots, sums = self.layout.slots, self.analysis.layer_sums
         sliced = {  # the leaves whose sums are partial here
             i: s

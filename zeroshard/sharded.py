@@ -33,7 +33,7 @@ from zeroshard.mesh import bound_axis_size, find_mesh
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
-from zeroshard.update import Route, update
+from zeroshard.update import Route, updated
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Sharded:
         plan = self.checked_plan(state, params)
         route = Route.of(self.config, stage_of(params))
         parts = route.arrival.bring(plan, grads)
-        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+        return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
     def apply_global(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -158,7 +158,7 @@ class Sharded:
         def local(grads, state, params, extra_args):
             plan = self.checked_plan(state, params)
             parts = route.arrival.bring(plan, grads)
-            return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+            return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to

@@ -34,7 +34,7 @@ from zeroshard.step_io import (
     step_metrics,
     update_metrics,
 )
-from zeroshard.update import Route, update
+from zeroshard.update import Route, updated
 
 
 class TrainState(NamedTuple):
@@ -189,7 +189,7 @@ class TrainStep:
         if scale is not None:
             loss = loss / scale.scale
         opt = (self.opt.inner, self.opt.config, plan, self.route)
-        params, opt_state = update(*opt, parts, state.opt_state, state.params)
+        params, opt_state = updated(*opt, parts, state.opt_state, state.params)
         metrics = step_metrics(loss, aux, opt_state.grad_norm, self.batch_axes, local_rows(batch))
         metrics.update(update_metrics(self.opt.config, state.opt_state, opt_state))
         if not self._loss_per_device():  # (averaged already)
