@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zeroshard.layout import Layout
-from zeroshard.stage3 import piece_blocks, piece_from_owners, units_from_pieces
+from zeroshard.stage3 import piece_blocks, piece_from_owners
 
 
 def tree(rng):
@@ -111,7 +111,7 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
         received = jnp.stack([sent[d][o] for d in range(n)])
         local = [None] * len(leaves)
         for i in (i for i in owned if o in layout.slots[i].owners):
-            local[i] = units_from_pieces(layout, received, i, o)
+            local[i] = layout.owned_local(received, i, o, pieces=True)
             np.testing.assert_array_equal(local[i], layout.slots[i].local(leaves[i], o))
         back.append(piece_blocks(layout, local, o, 0, jnp.float32))
     for d in range(n):

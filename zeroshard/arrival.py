@@ -33,7 +33,7 @@ from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.stage3 import full_structs, to_owners, units_from_pieces
+from zeroshard.stage3 import full_structs, to_owners
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
 """This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
@@ -161,7 +161,7 @@ class Pieces(Arrival):
         return layout.sliced(lambda s, p: p, pieces), owned
 
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
-        return units_from_pieces(layout, part, i, device)
+        return layout.owned_local(part, i, device, pieces=True)
 
     def nbytes(self, plan: Plan) -> int:
         layout = plan.layout

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import is_identity
+from zeroshard.collectives import all_gathered
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -37,7 +37,6 @@ from zeroshard.stage3 import (
     piece_from_owners,
     to_owners,
     to_shards,
-    units_from_pieces,
 )
 
 
@@ -116,9 +115,7 @@ class AllGather(Departure):
         this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
         and its row of owned leaves per bucket (``None`` where it owns nothing)."""
         axis = self.config.axis_name
-        every = lambda row: (  # (num_shards, row): every device's row
-            row[None] if is_identity(row, axis) else jax.lax.all_gather(row, axis, to="invarying")
-        )
+        every = lambda row: all_gathered(row, axis, to="invarying")  # (num_shards, row)
         leaves: list[jax.Array | None] = [None] * len(layout.slots)
         for group in layout.groups(self.config.pack_bytes):
             full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
@@ -160,7 +157,7 @@ class ToPieces(Departure):
     def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
         owned = dict(plan.branches[branch])
         return [
-            units_from_pieces(plan.layout, weights[s.bucket], i, device)
+            plan.layout.owned_local(weights[s.bucket], i, device, pieces=True)
             if i in owned and weights[s.bucket] is not None and not unread(plan, i)
             else None
             for i, s in enumerate(plan.layout.slots)

@@ -125,6 +125,13 @@ class Slot:
         """The units of this owned leaf that ``device`` holds."""
         return tuple(u for u, d in enumerate(self.owners) if d == device)
 
+    def unit_spans(self, pieces: bool = False) -> list[tuple[int, int, int]]:
+        """``(owner, start, stop)`` of each unit of this owned leaf in its owner's owned
+        row, or with ``pieces`` in its owner's stage-3 chunk (one device's piece of it)."""
+        size = self.unit_piece if pieces else math.prod(self.unit_shape)
+        offsets = self.chunk_offsets if pieces else self.unit_offsets
+        return [(d, o, o + size) for d, o in zip(self.owners, offsets, strict=True)]
+
     def local_at(self, full: jax.Array, index: jax.Array, count: int) -> jax.Array:
         """The ``count`` units of the full owned leaf that device ``index`` (traced)
         holds, for devices that hold that many (others get some ``count`` layers)."""
@@ -551,21 +558,19 @@ class Layout:
             rows.append(self.owned_row(local, d, bucket, dtype, width))
         return jnp.stack(rows)
 
-    def owned_local(self, row: jax.Array, i: int, device: int) -> jax.Array:
-        """``device``'s units of owned leaf ``i``, from its owned row."""
+    def owned_local(self, row: jax.Array, i: int, device: int, pieces: bool = False) -> jax.Array:
+        """``device``'s units of owned leaf ``i``, from its owned row; with ``pieces``,
+        from every device's pieces of them (``(num_shards, owned_chunk)``, row ``d``
+        from device ``d``, what the ``all_to_all`` to the owners brings)."""
         s = self.slots[i]
-        units = s.units_of(device)
-        start, size = s.unit_offsets[units[0]], math.prod(s.unit_shape)
-        return row[start : start + len(units) * size].reshape(s.local_shape(len(units)))
+        whole = s.unit_geometry().uncut if pieces else lambda x: x.reshape(s.unit_shape)
+        units = [whole(row[..., a:b]) for d, a, b in s.unit_spans(pieces) if d == device]
+        return jnp.stack(units) if s.layered else units[0]
 
     def owned_full(self, rows: jax.Array, i: int) -> jax.Array:
         """Owned leaf ``i`` from every device's owned row (``(num_shards, owned_width)``)."""
         s = self.slots[i]
-        size = math.prod(s.unit_shape)
-        units = [
-            rows[d, o : o + size].reshape(s.unit_shape)
-            for d, o in zip(s.owners, s.unit_offsets, strict=True)
-        ]
+        units = [rows[d, a:b].reshape(s.unit_shape) for d, a, b in s.unit_spans()]
         return jnp.stack(units) if s.layered else units[0]
 
 

@@ -57,23 +57,17 @@ class Storage:
 
     @classmethod
     def build(cls, per_branch: list[list[tuple[Key, jax.ShapeDtypeStruct]]]) -> Storage:
-        dtypes: list[np.dtype] = []
-        entries = []
-        ends: dict[int, list[int]] = {}
+        dtypes = tuple(dict.fromkeys(np.dtype(x.dtype) for v in per_branch for _, x in v))
+        entries, ends = [], []
         for values in per_branch:
-            out, used = [], {}
+            out, used = [], [0] * len(dtypes)
             for key, struct in values:
-                dtype = np.dtype(struct.dtype)
-                dtypes += [] if dtype in dtypes else [dtype]
-                r = dtypes.index(dtype)
-                offset = used.get(r, 0)
-                out.append((key, r, offset, tuple(struct.shape)))
-                used[r] = offset + math.prod(struct.shape)
+                r = dtypes.index(np.dtype(struct.dtype))
+                out.append((key, r, used[r], tuple(struct.shape)))
+                used[r] += math.prod(struct.shape)
             entries.append(tuple(out))
-            for r, end in used.items():
-                ends.setdefault(r, []).append(end)
-        widths = tuple(max(ends.get(r, [0])) for r in range(len(dtypes)))
-        return cls(tuple(dtypes), widths, tuple(entries))
+            ends.append(used)
+        return cls(dtypes, tuple(max(w) for w in zip(*ends, strict=True)), tuple(entries))
 
     def nbytes(self, branch: int) -> int:
         """Bytes of the values ``branch`` stores (without padding)."""

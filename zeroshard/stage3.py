@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.collectives import is_identity
+from zeroshard.collectives import all_gathered, is_identity
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.rows import pack, spans
 from zeroshard.scopes import GATHER, scope
@@ -184,11 +184,7 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
-        if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
-            for i, piece in zip(group, pieces, strict=True):
-                out[i] = slots[i].uncut(piece)
-            continue
-        rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
+        rows = all_gathered(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
         for i, (start, stop) in zip(group, spans([p.size for p in pieces]), strict=True):
             out[i] = slots[i].uncut(rows[:, start:stop])
     return treedef.unflatten(out)
@@ -286,18 +282,6 @@ def to_owners(
         )
     )
     return exchange(blocks, axis_name)
-
-
-def units_from_pieces(layout: Layout, received: jax.Array, i: int, device: int) -> jax.Array:
-    """``device``'s units of owned leaf ``i`` from the pieces every device sent it
-    (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
-    s = layout.slots[i]
-    units, w, geometry = s.units_of(device), s.unit_piece, s.unit_geometry()
-    start = s.chunk_offsets[units[0]]
-    out = [
-        geometry.uncut(received[:, start + j * w : start + (j + 1) * w]) for j in range(len(units))
-    ]
-    return jnp.stack(out) if s.layered else out[0]
 
 
 def piece_blocks(
