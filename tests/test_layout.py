@@ -84,7 +84,7 @@ def test_layer_owned_leaves_spread_their_layers_and_round_trip(n, rng):
         mine = np.asarray(leaves[stack])[units]
         np.testing.assert_array_equal(s.local(leaves[stack], d), mine)
         np.testing.assert_array_equal(layout.owned_local(blocks[d], stack, d), mine)
-        np.testing.assert_array_equal(s.local_at(leaves[stack], jnp.int32(d), len(units)), mine)
+        np.testing.assert_array_equal(s.local(leaves[stack], jnp.int32(d), len(units)), mine)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])

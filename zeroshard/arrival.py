@@ -4,7 +4,7 @@ An arrival turns what the backward pass produced into :data:`GradParts`, this
 device's part of the mean gradient over the sharding axis: a 1-D piece of every sliced
 leaf and, per bucket, what it gets of the owned leaves it updates. Each kind owns its
 collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
-(:meth:`Arrival.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+(``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
@@ -15,8 +15,8 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   where ``jax.grad`` reduced it); each device cuts its part out.
 
 A new kind of arrival (a quantized reduce-scatter over ``all_to_all``, a sum in a
-fixed order) is one more subclass of :class:`Arrival` defining :meth:`Arrival.bring`
-and :meth:`Arrival.nbytes` (and :meth:`Arrival.owned` if its owned part is not one
+fixed order) is one more subclass of :class:`Arrival` defining ``bring`` and
+``nbytes`` (and :meth:`Arrival.owned` if its owned part is not one
 row per bucket); :func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
@@ -43,6 +43,14 @@ owned leaves), and per bucket its part of the owned leaves (``None`` if it has n
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """How gradients arrive: the base of every kind (see the module's description).
+    Each kind defines:
+
+    - ``bring(plan, grads)``: this device's part of the mean gradient over the
+      sharding axis (:data:`GradParts`), from ``grads`` as this kind receives them
+      (inside ``shard_map``);
+    - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
+      (what :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
+      program, where the backend keeps the dtype).
 
     Attributes:
       config: the sharded optimizer's options (axis, ``reduce_dtype``,
@@ -50,11 +58,6 @@ class Arrival:
     """
 
     config: ShardConfig
-
-    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        """This device's part of the mean gradient over the sharding axis, from
-        ``grads`` as this kind receives them (inside ``shard_map``)."""
-        raise NotImplementedError
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
@@ -69,12 +72,6 @@ class Arrival:
         (here: ``device``'s row of the bucket, as :meth:`zeroshard.layout.Layout.owned_row`
         packs it)."""
         return layout.owned_local(part, i, device)
-
-    def nbytes(self, plan: Plan) -> int:
-        """Bytes per device the arrival's collectives return, summed (what
-        :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
-        program, where the backend keeps the dtype)."""
-        raise NotImplementedError
 
     def dtype(self, bucket: Any) -> Any:
         """The dtype a bucket's gradients travel in."""
@@ -170,7 +167,6 @@ class Pieces(Arrival):
         return sum(
             layout.num_shards * b.owned_chunk * jnp.dtype(self.dtype(b)).itemsize
             for b in layout.buckets
-            if b.owned_width
         )
 
 

@@ -4,7 +4,7 @@ A departure knows the form the parameters are held in between steps, so it reads
 current weights in that form (this device's pieces of the sliced leaves, the owned
 leaves' weights for their owners) and sends the new ones back in it. Each kind owns
 its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
-(:meth:`Departure.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+(``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
   the new pieces and owned rows are all-gathered;
@@ -43,44 +43,28 @@ from zeroshard.stage3 import (
 @dataclasses.dataclass(frozen=True)
 class Departure:
     """How weights are held and leave: the base of every kind (see the module's
-    description).
+    description). Each kind defines:
+
+    - ``own_pieces(plan, params)``: this device's 1-D piece of every sliced leaf of
+      ``params``; ``None`` for owned leaves;
+    - ``owned_weights(plan, params)``: the current weights of the owned leaves, as
+      ``local`` reads them;
+    - ``local(plan, branch, weights, device)``: per leaf, what ``device`` (on
+      ``branch``) holds of the owned leaves it updates, from ``owned_weights``
+      (``None`` where it holds nothing, or where the update reads no weights);
+    - ``row(layout, new, device, bucket, dtype)``: ``device``'s new owned leaves of
+      ``bucket`` (``new[i]``: its units of leaf ``i``) packed for ``send``;
+    - ``send(plan, new, rows, params)``: the new parameters, laid out as ``params``,
+      from this device's new pieces of the sliced leaves and its ``row`` per bucket;
+    - ``nbytes(plan)``: bytes per device the departure's collectives return, summed
+      (as :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
+      device.
 
     Attributes:
       config: the sharded optimizer's options (axis, ``pack_bytes``).
     """
 
     config: ShardConfig
-
-    def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
-        """This device's 1-D piece of every sliced leaf of ``params``; ``None`` for
-        owned leaves."""
-        raise NotImplementedError
-
-    def owned_weights(self, plan: Plan, params: PyTree) -> Any:
-        """The current weights of the owned leaves, as :meth:`local` reads them."""
-        raise NotImplementedError
-
-    def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
-        """Per leaf, what ``device`` (on ``branch``) holds of the owned leaves it
-        updates, from :meth:`owned_weights` (``None`` where it holds nothing, or
-        where the update reads no weights)."""
-        raise NotImplementedError
-
-    def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
-        """``device``'s new owned leaves of ``bucket`` (``new[i]``: its units of leaf
-        ``i``) packed for :meth:`send`."""
-        raise NotImplementedError
-
-    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
-        """The new parameters, laid out as ``params``, from this device's new pieces of
-        the sliced leaves and its :meth:`row` per bucket."""
-        raise NotImplementedError
-
-    def nbytes(self, plan: Plan) -> int:
-        """Bytes per device the departure's collectives return, summed (as
-        :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
-        device."""
-        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,13 +139,11 @@ class ToPieces(Departure):
             return to_owners(pieces, layout, axis, plan.inner_dtypes, self.read_buckets(plan))
 
     def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
-        owned = dict(plan.branches[branch])
-        return [
-            plan.layout.owned_local(weights[s.bucket], i, device, pieces=True)
-            if i in owned and weights[s.bucket] is not None and not unread(plan, i)
-            else None
-            for i, s in enumerate(plan.layout.slots)
-        ]
+        def units(i, s, _):
+            read = weights[s.bucket] is not None and not unread(plan, i)
+            return plan.layout.owned_local(weights[s.bucket], i, device, True) if read else None
+
+        return plan.in_branch(branch, units)
 
     def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
         return piece_blocks(layout, new, device, bucket, dtype)
@@ -192,7 +174,7 @@ class ToPieces(Departure):
         width = lambda b: (
             n * layout.buckets[b].owned_chunk * jnp.dtype(plan.inner_dtypes[b]).itemsize
         )
-        back = sum(width(b) for b, bucket in enumerate(layout.buckets) if bucket.owned_width)
+        back = sum(width(b) for b in range(len(layout.buckets)))  # owned_chunk 0: no owned
         return back + sum(width(b) for b in self.read_buckets(plan))
 
 

@@ -83,10 +83,10 @@ class Slot:
         (for an owned leaf, the stage-3 pieces of its weights).
       owners: for an owned leaf, the device holding each of its *units*: the whole
         leaf (one unit), or each layer of a layer-owned leaf; ``()`` for a sliced leaf.
+      layered: whether the leaf is layer-owned (one layer axis; a unit per layer).
       unit_offsets: each unit's place in its owner's owned row of the bucket.
       chunk_offsets: each unit's place in its owner's stage-3 chunk of the bucket
         (where one device's pieces of the units it owns lie, ``unit_piece`` each).
-      layered: whether the leaf is layer-owned (one layer axis; a unit per layer).
     """
 
     path: str
@@ -96,9 +96,9 @@ class Slot:
     num_shards: int
     stacked: int = 0
     owners: tuple[int, ...] = ()
+    layered: bool = False
     unit_offsets: tuple[int, ...] = ()
     chunk_offsets: tuple[int, ...] = ()
-    layered: bool = False
 
     @property
     def placement(self) -> str:
@@ -132,14 +132,6 @@ class Slot:
         offsets = self.chunk_offsets if pieces else self.unit_offsets
         return [(d, o, o + size) for d, o in zip(self.owners, offsets, strict=True)]
 
-    def local_at(self, full: jax.Array, index: jax.Array, count: int) -> jax.Array:
-        """The ``count`` units of the full owned leaf that device ``index`` (traced)
-        holds, for devices that hold that many (others get some ``count`` layers)."""
-        if not self.layered:
-            return full
-        table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
-        return jnp.take(full, jnp.asarray(table, jnp.int32)[index], axis=0)
-
     @property
     def unit_piece(self) -> int:
         """Elements of one device's stage-3 piece of one owned unit: of each layer of a
@@ -155,11 +147,16 @@ class Slot:
         """The shape of ``count`` units of this owned leaf, as their owner holds them."""
         return (count, *self.unit_shape) if self.layered else self.shape
 
-    def local(self, full: jax.Array, device: int) -> jax.Array:
-        """``device``'s units of the full owned leaf: the leaf, or its layers stacked."""
+    def local(self, full: jax.Array, device: Any, count: int | None = None) -> jax.Array:
+        """``device``'s units of the full owned leaf: the leaf, or its layers stacked.
+        With ``count``, ``device`` may be traced: the ``count`` units it holds, for
+        devices that hold that many (others get some ``count`` layers)."""
         if not self.layered:
             return full
-        return full[np.asarray(self.units_of(device), np.int32)]
+        if count is None:
+            return full[np.asarray(self.units_of(device), np.int32)]
+        table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
+        return jnp.take(full, jnp.asarray(table, jnp.int32)[device], axis=0)
 
     @property
     def stand_in_shape(self) -> tuple[int, ...]:
@@ -416,19 +413,9 @@ class Layout:
                     "to the optimizer (e.g. in a separate collection)."
                 )
             dtypes += [] if dtype in dtypes else [dtype]
-            units = owners.get(i, ())
-            slots.append(
-                Slot(
-                    name,
-                    tuple(leaf.shape),
-                    dtype,
-                    dtypes.index(dtype),
-                    num_shards,
-                    dims[i],
-                    units,
-                    layered=bool(units) and i in (layered or ()),
-                )
-            )
+            units, b = owners.get(i, ()), dtypes.index(dtype)
+            lay = bool(units) and i in (layered or ())
+            slots.append(Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -465,10 +452,8 @@ class Layout:
 
     def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """``(leaf, start, stop)`` of each leaf's piece in a group's packed row."""
-        return [(i, *span) for i, span in zip(group, spans(self.piece_sizes(group)), strict=True)]
-
-    def piece_sizes(self, leaves: Sequence[int]) -> list[int]:
-        return [self.slots[i].piece_size for i in leaves]
+        sizes = [self.slots[i].piece_size for i in group]
+        return [(i, *span) for i, span in zip(group, spans(sizes), strict=True)]
 
     def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one

@@ -200,11 +200,13 @@ class Plan:
         the leaves it owns whole, the layers it owns of layer-owned ones (``None``
         elsewhere)."""
         index = jax.lax.axis_index(axis_name)
+        return self.in_branch(branch, lambda i, s, count: s.local(wholes[i], index, count))
+
+    def in_branch(self, branch: int, fn: Any) -> list:
+        """``fn(i, slot, count)`` for each owned leaf ``i`` that ``branch`` holds (whole,
+        or ``count`` of its layers), ``None`` for every other leaf."""
         owned = dict(self.branches[branch])
-        return [
-            self.layout.slots[i].local_at(w, index, owned[i]) if i in owned else None
-            for i, w in enumerate(wholes)
-        ]
+        return [fn(i, s, owned[i]) if i in owned else None for i, s in enumerate(self.layout.slots)]
 
     def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
@@ -384,22 +386,17 @@ def _forced(placement: Any, base: Layout) -> dict[int, str]:
     """The user's placements by leaf index (``"sliced"``/``"owned"``; unset: automatic)."""
     if placement is None:
         return {}
-    structs = base.full_structs()
     if callable(placement):
-        paths = jax.tree_util.tree_flatten_with_path(structs)[0]
-        chosen = [placement(jax.tree_util.keystr(p), x) for p, x in paths]
+        structs = base.treedef.flatten_up_to(base.full_structs())
+        chosen = [placement(s.path, x) for s, x in zip(base.slots, structs, strict=True)]
     else:
         chosen = base.treedef.flatten_up_to(placement)
-    out = {}
-    for i, c in enumerate(chosen):
+    for s, c in zip(base.slots, chosen, strict=True):
         if c not in (None, "auto", "sliced", "owned"):
             raise ValueError(
-                f"placement of {base.slots[i].path} is {c!r}; use 'sliced', 'owned' or None "
-                "(automatic)."
+                f"placement of {s.path} is {c!r}; use 'sliced', 'owned' or None (automatic)."
             )
-        if c in ("sliced", "owned"):
-            out[i] = c
-    return out
+    return {i: c for i, c in enumerate(chosen) if c in ("sliced", "owned")}
 
 
 def _source(layout, plan, views, k, leaf, full, path) -> int:

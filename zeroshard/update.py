@@ -99,11 +99,8 @@ def updated(
     # separate master is kept.
     weights = departure.owned_weights(plan, params)
     with scope(UPDATE):  # this device's part in the dtypes the inner optimizer works in
-        grad_pieces = plan.to_inner(grad_pieces)
-        grad_rows = tuple(
-            None if r is None else r.astype(d)
-            for r, d in zip(grad_rows, plan.inner_dtypes, strict=True)
-        )
+        grad_pieces, dtypes = plan.to_inner(grad_pieces), plan.inner_dtypes
+        grad_rows = plan.layout.per_owned_bucket(lambda b, _: grad_rows[b].astype(dtypes[b]))
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
         if config.loss_scale is not None:  # the gradients are of the scaled loss
             unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
@@ -123,14 +120,7 @@ def updated(
         scale = None
         if config.loss_scale is not None:
             scale = config.loss_scale.adjust(state.loss_scale, finite)
-    new_state = state._replace(
-        inner_state=inner_state,
-        master=master,
-        grad_norm=grad_norm,
-        skipped=skipped,
-        loss_scale=scale,
-        owned=owned,
-    )
+    new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
     return departure.send(plan, new, rows, params), new_state
 
 
@@ -166,19 +156,12 @@ def _branch_update(
 
     def update_branch(b, grad_pieces, grad_rows, pieces, weights, state, finite):
         stored, device = plan.storage.unpack(state.owned, b), plan.branch_of.index(b)
-        owned = dict(plan.branches[b])
-        g = [
-            arrival.owned(layout, grad_rows[s.bucket], i, device) if i in owned else None
-            for i, s in enumerate(layout.slots)
-        ]
+        g = plan.in_branch(b, lambda i, s, _: arrival.owned(layout, grad_rows[s.bucket], i, device))
         local = departure.local(plan, b, weights, device)
         zeros = lambda i: jnp.zeros_like(g[i], plan.inner_dtypes[layout.slots[i].bucket])
-        p = [  # weights the update does not read, in stage 3: zeros (see departure.unread)
-            stored.get(("master", i), zeros(i) if local[i] is None else local[i])
-            if i in owned
-            else None
-            for i in range(len(g))
-        ]
+        p = plan.in_branch(  # weights the update does not read, in stage 3: zeros (see unread)
+            b, lambda i, s, _: stored.get(("master", i), zeros(i) if local[i] is None else local[i])
+        )
         inner_state = stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
@@ -195,7 +178,8 @@ def _branch_update(
         if config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
             # no copy of the old state kept alive until the verdict.
-            new, new_state = jax.lax.cond(finite, step, _unchanged, inner_state, params)
+            unchanged = lambda inner_state, params: (params, inner_state)
+            new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params)
         else:
             new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
@@ -206,10 +190,6 @@ def _branch_update(
         return layout.sliced(lambda s, x: jnp.ravel(x), new), rows, kept, owned_rows
 
     return update_branch
-
-
-def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
-    return params, inner_state
 
 
 def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
