@@ -94,28 +94,26 @@ class ReduceScatter(Arrival):
         layout = plan.layout
         layout.check_matches(grads, "gradients")
         leaves = layout.treedef.flatten_up_to(grads)
-        check_local(leaves, layout, self.config.axis_name)
-        with scope(REDUCE_SCATTER):
-            return self.scatter(layout, [self.cast(x) for x in leaves])
-
-    def scatter(self, layout: Layout, leaves: list) -> GradParts:
-        """This device's piece of each sliced leaf's mean gradient, and per bucket its
-        row of the mean gradient of the leaves it owns."""
         axis, n = self.config.axis_name, layout.num_shards
-        one = is_identity(leaves, axis)  # one device: its row holds every piece
-        mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
-            matrix[0]
-            if one
-            else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
-        )
-        pieces: list[jax.Array | None] = [None] * len(leaves)
-        for group in layout.groups(self.config.pack_bytes):
-            row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
-            for i, start, stop in layout.columns(group):
-                pieces[i] = row[start:stop]
-        rows = layout.per_owned_bucket(
-            lambda b, bucket: mean(layout.owned_blocks(leaves, b, self.dtype(bucket)))
-        )
+        check_local(leaves, layout, axis)
+        with scope(REDUCE_SCATTER):
+            # This device's piece of each sliced leaf's mean gradient, and per bucket
+            # its row of the mean gradient of the leaves it owns.
+            leaves = [self.cast(x) for x in leaves]
+            one = is_identity(leaves, axis)  # one device: its row holds every piece
+            mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
+                matrix[0]
+                if one
+                else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+            )
+            pieces: list[jax.Array | None] = [None] * len(leaves)
+            for group in layout.groups(self.config.pack_bytes):
+                row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
+                for i, start, stop in layout.columns(group):
+                    pieces[i] = row[start:stop]
+            rows = layout.per_owned_bucket(
+                lambda b, bucket: mean(layout.owned_blocks(leaves, b, self.dtype(bucket)))
+            )
         return pieces, rows
 
     def nbytes(self, plan: Plan) -> int:
@@ -208,8 +206,7 @@ def check_local(leaves: list, layout: Layout, axis_name: str) -> None:
     """
     if jax.lax.axis_size(axis_name) == 1:
         return
-    index = jax.lax.axis_index(axis_name)
-    if axis_name not in jax.typeof(index).manual_axis_type.varying:
+    if axis_name not in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying:
         return  # check_vma=False: no types to read
     for g, s in zip(leaves, layout.slots, strict=True):
         if axis_name not in jax.typeof(g).manual_axis_type.varying:

@@ -91,11 +91,7 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     from ``local``, what the branch holds of its owned leaves)."""
     leaves = plan.state_treedef.flatten_up_to(state)
     values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
-    values.update(
-        (("master", i), local[i])
-        for i, _ in plan.branches[branch]
-        if plan.master_dtypes[plan.layout.slots[i].bucket] is not None
-    )
+    values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 

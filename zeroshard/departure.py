@@ -136,7 +136,9 @@ class ToPieces(Departure):
         layout, axis = plan.layout, self.config.axis_name
         with scope(TO_OWNERS):
             pieces = [x.piece.reshape(-1) for x in layout.treedef.flatten_up_to(params)]
-            return to_owners(pieces, layout, axis, plan.inner_dtypes, self.read_buckets(plan))
+            read = self.read_buckets(plan)
+            dtypes = [d if b in read else None for b, d in enumerate(plan.inner_dtypes)]
+            return to_owners(pieces, layout, axis, dtypes)
 
     def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
         def units(i, s, _):
@@ -153,12 +155,9 @@ class ToPieces(Departure):
         leaves = layout.treedef.flatten_up_to(params)
         with scope(FROM_OWNERS):
             back = exchange(rows, self.config.axis_name)  # the owners' units -> pieces
-            new = [
-                _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x)
-                if s.owned
-                else p
-                for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
-            ]
+            new = list(new)
+            for i in (i for i, s in enumerate(layout.slots) if s.owned):
+                new[i] = _new_piece(plan, i, back, leaves[i])
             return to_shards(layout, new)
 
     def read_buckets(self, plan: Plan) -> set[int]:
@@ -186,8 +185,8 @@ def unread(plan: Plan, i: int) -> bool:
     return plan.master_dtypes[plan.layout.slots[i].bucket] is None and i not in plan.analysis.reads
 
 
-def _new_piece(plan: Plan, i: int, received: jax.Array, old: Any) -> jax.Array:
-    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent."""
-    if not unread(plan, i):
-        return received
-    return old.piece.reshape(-1) + received.astype(old.dtype)
+def _new_piece(plan: Plan, i: int, back: tuple, old: Any) -> jax.Array:
+    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent
+    (``back``: per bucket, ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
+    received = piece_from_owners(plan.layout, back[plan.layout.slots[i].bucket], i)
+    return old.piece.reshape(-1) + received.astype(old.dtype) if unread(plan, i) else received

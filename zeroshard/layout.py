@@ -565,8 +565,8 @@ def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list
     buckets = []
     for b, dtype in enumerate(dtypes):
         members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
-        ends = [0] * num_shards  # per device, its owned row's end so far
-        chunks = [0] * num_shards  # per device, its stage-3 chunk's end so far
+        # Per device, its owned row's and its stage-3 chunk's end so far.
+        ends, chunks = [0] * num_shards, [0] * num_shards
         for i in (i for i in members if slots[i].owned):
             s = slots[i]
             offsets = []

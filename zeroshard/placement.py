@@ -251,13 +251,8 @@ class Plan:
     def owned_costs(self) -> list[float]:
         """Per device, the summed update cost of the leaves (and layers) it owns."""
         slots, matrix = self.layout.slots, self.analysis.matrix
-        return [
-            sum(
-                leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
-                for i, count in self.branches[b]
-            )
-            for b in self.branch_of
-        ]
+        cost = lambda i, count: leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
+        return [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
 
 
 def leaf_cost(slot: Any, matrix: bool) -> float:

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +41,8 @@ def pack(
 
 def spans(sizes: Sequence[int], start: int = 0) -> list[tuple[int, int]]:
     """``(start, stop)`` of each value of ``sizes`` elements laid end to end."""
-    out = []
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
+    ends = list(itertools.accumulate(sizes, initial=start))
+    return list(itertools.pairwise(ends))
 
 
 def unpack(row: jax.Array, shapes: Sequence[tuple[int, ...]], start: int = 0) -> list[jax.Array]:

@@ -28,7 +28,7 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -253,33 +253,21 @@ def exchange(blocks: Sequence[jax.Array | None], axis_name: str) -> tuple[jax.Ar
     blocks goes to device ``d``, which gets one row from each device (one
     ``all_to_all`` per bucket with owned leaves; see :func:`to_owners` and
     :func:`piece_blocks` for what the rows hold)."""
-    return tuple(
-        None
-        if x is None
-        else x
-        if is_identity(x, axis_name)
-        else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
-        for x in blocks
+    to_all = lambda x: (
+        x if is_identity(x, axis_name) else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
     )
+    return tuple(None if x is None else to_all(x) for x in blocks)
 
 
 def to_owners(
-    pieces: Sequence[jax.Array | None],
-    layout: Layout,
-    axis_name: str,
-    dtypes: Sequence[Any],
-    buckets: Collection[int] | None = None,
+    pieces: Sequence[jax.Array | None], layout: Layout, axis_name: str, dtypes: Sequence[Any]
 ) -> tuple[jax.Array | None, ...]:
-    """Stage 3: per bucket with owned leaves (of ``buckets``, default all), what each
-    device holds of the units this device owns (``(num_shards, owned_chunk)``, row
-    ``d`` from device ``d``), from this device's 1-D ``pieces`` of every owned leaf (in
-    ``dtypes[b]`` for bucket ``b``)."""
+    """Stage 3: per bucket with owned leaves, what each device holds of the units this
+    device owns (``(num_shards, owned_chunk)``, row ``d`` from device ``d``), from this
+    device's 1-D ``pieces`` of every owned leaf, in ``dtypes[b]`` for bucket ``b``
+    (``None``: the bucket's stay where they are)."""
     blocks = layout.per_owned_bucket(
-        lambda b, _: (
-            None
-            if buckets is not None and b not in buckets
-            else layout.owned_blocks(pieces, b, dtypes[b], pieces=True)
-        )
+        lambda b, _: None if dtypes[b] is None else layout.owned_blocks(pieces, b, dtypes[b], True)
     )
     return exchange(blocks, axis_name)
 
