@@ -74,12 +74,8 @@ class Arrival:
         return layout.owned_local(part, i, device)
 
     def dtype(self, bucket: Any) -> Any:
-        """The dtype a bucket's gradients travel in."""
+        """The dtype a bucket's (or an array's) gradients travel in."""
         return self.config.reduce_dtype or bucket.dtype
-
-    def cast(self, x: jax.Array) -> jax.Array:
-        """``x`` in the dtype gradients travel in."""
-        return x.astype(self.config.reduce_dtype or x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +95,7 @@ class ReduceScatter(Arrival):
         with scope(REDUCE_SCATTER):
             # This device's piece of each sliced leaf's mean gradient, and per bucket
             # its row of the mean gradient of the leaves it owns.
-            leaves = [self.cast(x) for x in leaves]
+            leaves = [x.astype(self.dtype(x)) for x in leaves]
             one = is_identity(leaves, axis)  # one device: its row holds every piece
             mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
                 matrix[0]
@@ -181,7 +177,7 @@ class CutMean(Arrival):
         layout.check_matches(grads, "gradients")
         index = jax.lax.axis_index(self.config.axis_name)
         with scope(CUT):
-            leaves = [self.cast(g) for g in layout.treedef.flatten_up_to(grads)]
+            leaves = [g.astype(self.dtype(g)) for g in layout.treedef.flatten_up_to(grads)]
             pieces = layout.sliced(lambda s, g: s.cut(g, index), leaves)
             rows = layout.per_owned_bucket(
                 lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))[index]

@@ -534,13 +534,11 @@ class Layout:
         device ``d`` owns (what an ``all_to_all`` sends to ``d``, stage 3)."""
         width = self.buckets[bucket].owned_chunk if pieces else 0
         units = lambda x, s: x.reshape(s.layers, s.width) if pieces and s.layered else x
-        rows = []
-        for d in range(self.num_shards):
-            local = [
-                s.local(units(x, s), d) if d in s.owners and s.bucket == bucket else None
-                for x, s in zip(leaves, self.slots, strict=True)
-            ]
-            rows.append(self.owned_row(local, d, bucket, dtype, width))
+        local = lambda d: [
+            s.local(units(x, s), d) if d in s.owners and s.bucket == bucket else None
+            for x, s in zip(leaves, self.slots, strict=True)
+        ]
+        rows = [self.owned_row(local(d), d, bucket, dtype, width) for d in range(self.num_shards)]
         return jnp.stack(rows)
 
     def owned_local(self, row: jax.Array, i: int, device: int, pieces: bool = False) -> jax.Array:

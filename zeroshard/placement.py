@@ -317,13 +317,10 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         p, per_element = views[0][k], views[0][k].shape != longer[k].shape
         replicated = not per_element and f.shape == p.shape
         slots.append(None if replicated else _sliced_slot(layout, leaf, f, p, path, per_element))
+    stored = [k for k in range(len(slots)) if sources[k] is not None or layers[k] is not None]
     storage = []
     for b, owned in enumerate(plan.branches):
-        values = [
-            (("state", k), views[b][k])
-            for k in range(len(slots))
-            if sources[k] is not None or layers[k] is not None
-        ]
+        values = [(("state", k), views[b][k]) for k in stored]
         values += [
             (("master", i), jax.ShapeDtypeStruct(s.local_shape(n), plan.master_dtypes[s.bucket]))
             for i, n in owned
@@ -361,20 +358,15 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
+    dims = {s.path: s.stacked for s in base.slots}  # the stacked layer axes, kept
     place = lambda layered: Layout.from_tree(
-        leaves, base.num_shards, _stacked_fn(base), costs, layered, sums & layered
+        leaves, base.num_shards, lambda path, _: dims[path], costs, layered, sums & layered
     )
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
     if all(held(i) for i in sums & layered):
         return layout
     return place({i for i in layered if i not in sums or held(i)})
-
-
-def _stacked_fn(base: Layout):
-    """``base``'s stacked layer axes as a ``stacked`` function (keeps them on re-layout)."""
-    dims = {s.path: s.stacked for s in base.slots}
-    return lambda path, leaf: dims[path]
 
 
 def _forced(placement: Any, base: Layout) -> dict[int, str]:
