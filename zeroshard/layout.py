@@ -17,7 +17,11 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
   batch axis), **layer-owned**: each layer lives whole on one device. The *units*
   (whole leaves, layers) are balanced over the devices, largest cost first. The units
   a device owns, end to end, are its *owned row* of the bucket, padded to the most
-  loaded device's (``Bucket.owned_width``).
+  loaded device's (``Bucket.owned_width``); in stage 3, one device's pieces of them
+  are its *chunk* (``Bucket.owned_chunk``). Each slot knows where its units lie in
+  both (:meth:`Slot.unit_spans`), and :meth:`Layout.sliced` / :meth:`Layout.owned`
+  map a function over the one kind of leaf, so the sliced/owned difference of a
+  per-leaf list is said in one place.
 
 Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
 laid end to end, are that device's *row* of the bucket (what a packed collective

@@ -1,10 +1,11 @@
 """Rows: values of one dtype laid end to end in one array, and taken back out.
 
 Every packed buffer of zeroshard is such a row: the owned leaves' storage
-(:class:`zeroshard.placement.Storage`), the rows and blocks the owned leaves travel in
-(:meth:`zeroshard.layout.Layout.owned_row`, :func:`zeroshard.stage3.owner_blocks`,
-:func:`zeroshard.stage3.piece_blocks`), the replicated state gathered after the
-branches and a stage-3 layer's gathered pieces. :func:`pack` lays values out (padded
+(:class:`zeroshard.placement.Storage`), the rows and blocks the owned leaves travel in,
+whole or as stage-3 pieces (:meth:`zeroshard.layout.Layout.owned_row`,
+:meth:`~zeroshard.layout.Layout.owned_blocks`, :func:`zeroshard.stage3.piece_blocks`),
+the replicated state gathered after the branches and a stage-3 layer's gathered
+pieces. :func:`pack` lays values out (padded
 with zeros to a fixed width, so every device's row has one shape); :func:`spans` says
 where each value is, and :func:`unpack` takes them back.
 
