@@ -87,10 +87,9 @@ class ReduceScatter(Arrival):
     row ``d`` holds the leaves device ``d`` owns). Scope ``zeroshard/reduce_scatter``."""
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        layout = plan.layout
+        layout, axis, n = plan.layout, self.config.axis_name, plan.layout.num_shards
         layout.check_matches(grads, "gradients")
         leaves = layout.treedef.flatten_up_to(grads)
-        axis, n = self.config.axis_name, layout.num_shards
         check_local(leaves, layout, axis)
         with scope(REDUCE_SCATTER):
             # This device's piece of each sliced leaf's mean gradient, and per bucket
@@ -102,8 +101,9 @@ class ReduceScatter(Arrival):
                 if one
                 else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
             )
-            pieces: list[jax.Array | None] = [None] * len(leaves)
-            for group in layout.groups(self.config.pack_bytes):
+            # One device: each piece is the whole leaf, raveled (no concatenation).
+            pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
+            for group in () if one else layout.groups(self.config.pack_bytes):
                 row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
                 for i, start, stop in layout.columns(group):
                     pieces[i] = row[start:stop]

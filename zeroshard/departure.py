@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered
+from zeroshard.collectives import all_gathered, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -100,16 +100,16 @@ class AllGather(Departure):
         and its row of owned leaves per bucket (``None`` where it owns nothing)."""
         axis = self.config.axis_name
         every = lambda row: all_gathered(row, axis, to="invarying")  # (num_shards, row)
-        leaves: list[jax.Array | None] = [None] * len(layout.slots)
-        for group in layout.groups(self.config.pack_bytes):
+        # One device: each leaf is its piece, reshaped (no concatenation).
+        one = is_identity([p for p in pieces if p is not None], axis)
+        leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
+        for group in () if one else layout.groups(self.config.pack_bytes):
             full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
             for i, start, stop in layout.columns(group):
                 leaves[i] = layout.slots[i].uncut(full[:, start:stop])
-        for b, row in enumerate(rows):
-            if row is not None:
-                full = every(row.astype(layout.buckets[b].dtype))
-                for i in (i for i in layout.buckets[b].slots if layout.slots[i].owned):
-                    leaves[i] = layout.owned_full(full, i)
+        fulls = layout.per_owned_bucket(lambda b, bucket: every(rows[b].astype(bucket.dtype)))
+        for i in (i for i, s in enumerate(layout.slots) if s.owned):
+            leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
         return layout.treedef.unflatten(leaves)
 
     def nbytes(self, plan: Plan) -> int:

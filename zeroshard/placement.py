@@ -212,8 +212,7 @@ class Plan:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
         the piece shape) for a sliced leaf, ``local[i]`` (see :meth:`local_wholes`) for
         a leaf it owns, a one-element stand-in for any other owned leaf."""
-        dtypes = self.inner_dtypes
-        owned = dict(self.branches[branch])
+        dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
         stand_in = lambda s: jax.lax.pcast(
             jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
         )

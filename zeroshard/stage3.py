@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.collectives import all_gathered, is_identity
+from zeroshard.collectives import is_identity
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.rows import pack, spans
 from zeroshard.scopes import GATHER, scope
@@ -178,15 +178,18 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     """:func:`gather`, inside its named scope."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
-    n = jax.lax.axis_size(axis_name)
-    slots = {i: leaves[i].slot(n) for i in shards}
+    slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
     out = list(leaves)
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
-        rows = all_gathered(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
-        for i, (start, stop) in zip(group, spans([p.size for p in pieces]), strict=True):
-            out[i] = slots[i].uncut(rows[:, start:stop])
+        if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
+            every = [p[None] for p in pieces]
+        else:
+            rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
+            every = [rows[:, a:b] for a, b in spans([p.size for p in pieces])]
+        for i, x in zip(group, every, strict=True):
+            out[i] = slots[i].uncut(x)
     return treedef.unflatten(out)
 
 
