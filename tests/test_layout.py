@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zeroshard.layout import Layout
-from zeroshard.stage3 import owner_blocks, piece_blocks, piece_from_owners, units_from_pieces
+from zeroshard.stage3 import piece_blocks, piece_from_owners
 
 
 def tree(rng):
@@ -84,7 +84,7 @@ def test_layer_owned_leaves_spread_their_layers_and_round_trip(n, rng):
         mine = np.asarray(leaves[stack])[units]
         np.testing.assert_array_equal(s.local(leaves[stack], d), mine)
         np.testing.assert_array_equal(layout.owned_local(blocks[d], stack, d), mine)
-        np.testing.assert_array_equal(s.local_at(leaves[stack], jnp.int32(d), len(units)), mine)
+        np.testing.assert_array_equal(s.local(leaves[stack], jnp.int32(d), len(units)), mine)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
@@ -101,8 +101,8 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
     layout = Layout.from_tree(t, n, dims, owned=owned, layered={index["stack"]})
     leaves = jax.tree.leaves(t)
     sent = [  # per device: (num_shards, owned_chunk), row d for device d
-        owner_blocks(
-            layout, [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32
+        layout.owned_blocks(
+            [s.cut(x, d) for x, s in zip(leaves, layout.slots, strict=True)], 0, jnp.float32, True
         )
         for d in range(n)
     ]
@@ -111,7 +111,7 @@ def test_stage3_pieces_go_to_their_owners_and_back(n, rng):
         received = jnp.stack([sent[d][o] for d in range(n)])
         local = [None] * len(leaves)
         for i in (i for i in owned if o in layout.slots[i].owners):
-            local[i] = units_from_pieces(layout, received, i, o)
+            local[i] = layout.owned_local(received, i, o, pieces=True)
             np.testing.assert_array_equal(local[i], layout.slots[i].local(leaves[i], o))
         back.append(piece_blocks(layout, local, o, 0, jnp.float32))
     for d in range(n):

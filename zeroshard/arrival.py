@@ -4,7 +4,7 @@ An arrival turns what the backward pass produced into :data:`GradParts`, this
 device's part of the mean gradient over the sharding axis: a 1-D piece of every sliced
 leaf and, per bucket, what it gets of the owned leaves it updates. Each kind owns its
 collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
-(:meth:`Arrival.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+(``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
@@ -15,9 +15,9 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   where ``jax.grad`` reduced it); each device cuts its part out.
 
 A new kind of arrival (a quantized reduce-scatter over ``all_to_all``, a sum in a
-fixed order) is one more subclass of :class:`Arrival` defining :meth:`Arrival.bring`
-and :meth:`Arrival.nbytes` (and :meth:`Arrival.owned` if its owned part is not one
-row per bucket); :func:`zeroshard.update.update` takes any of them unchanged.
+fixed order) is one more subclass of :class:`Arrival` defining ``bring`` and
+``nbytes`` (and :meth:`Arrival.owned` if its owned part is not one
+row per bucket); :func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.stage3 import full_structs, to_owners, units_from_pieces
+from zeroshard.stage3 import full_structs, to_owners
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
 """This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
@@ -43,6 +43,14 @@ owned leaves), and per bucket its part of the owned leaves (``None`` if it has n
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """How gradients arrive: the base of every kind (see the module's description).
+    Each kind defines:
+
+    - ``bring(plan, grads)``: this device's part of the mean gradient over the
+      sharding axis (:data:`GradParts`), from ``grads`` as this kind receives them
+      (inside ``shard_map``);
+    - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
+      (what :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
+      program, where the backend keeps the dtype).
 
     Attributes:
       config: the sharded optimizer's options (axis, ``reduce_dtype``,
@@ -50,11 +58,6 @@ class Arrival:
     """
 
     config: ShardConfig
-
-    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        """This device's part of the mean gradient over the sharding axis, from
-        ``grads`` as this kind receives them (inside ``shard_map``)."""
-        raise NotImplementedError
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
@@ -70,14 +73,8 @@ class Arrival:
         packs it)."""
         return layout.owned_local(part, i, device)
 
-    def nbytes(self, plan: Plan) -> int:
-        """Bytes per device the arrival's collectives return, summed (what
-        :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
-        program, where the backend keeps the dtype)."""
-        raise NotImplementedError
-
     def dtype(self, bucket: Any) -> Any:
-        """The dtype a bucket's gradients travel in."""
+        """The dtype a bucket's (or an array's) gradients travel in."""
         return self.config.reduce_dtype or bucket.dtype
 
 
@@ -90,56 +87,37 @@ class ReduceScatter(Arrival):
     row ``d`` holds the leaves device ``d`` owns). Scope ``zeroshard/reduce_scatter``."""
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        layout = plan.layout
+        layout, axis, n = plan.layout, self.config.axis_name, plan.layout.num_shards
         layout.check_matches(grads, "gradients")
         leaves = layout.treedef.flatten_up_to(grads)
-        check_local(leaves, layout, self.config.axis_name)
+        check_local(leaves, layout, axis)
         with scope(REDUCE_SCATTER):
-            return self.scatter_sliced(layout, leaves), self.scatter_owned(layout, leaves)
-
-    def scatter_sliced(self, layout: Layout, leaves: list) -> list[jax.Array | None]:
-        """This device's piece of each sliced leaf's mean gradient."""
-        axis, n = self.config.axis_name, layout.num_shards
-        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
-        if is_identity(leaves, axis):  # one device: each piece is the whole leaf
-            return [
-                None if s.owned else s.cut(cast(x), 0)
-                for x, s in zip(leaves, layout.slots, strict=True)
-            ]
-        pieces: list[jax.Array | None] = [None] * len(leaves)
-        for group in layout.groups(self.config.pack_bytes):
-            blocks = [layout.slots[i].blocks(cast(leaves[i])) for i in group]
-            matrix = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
-            row = jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
-            for i, start, stop in layout.columns(group):
-                pieces[i] = row[start:stop]
-        return pieces
-
-    def scatter_owned(self, layout: Layout, leaves: list) -> tuple[jax.Array | None, ...]:
-        """Per bucket, this device's row of the mean gradient of the leaves it owns."""
-        axis, n = self.config.axis_name, layout.num_shards
-        one = is_identity(leaves, axis)  # one device: its row holds every owned leaf
-        rows = []
-        for b, bucket in enumerate(layout.buckets):
-            if not bucket.owned_width:
-                rows.append(None)
-                continue
-            blocks = layout.owned_blocks(leaves, b, self.dtype(bucket))
-            rows.append(blocks[0] if one else jax.lax.psum_scatter(blocks, axis, tiled=True)[0] / n)
-        return tuple(rows)
+            # This device's piece of each sliced leaf's mean gradient, and per bucket
+            # its row of the mean gradient of the leaves it owns.
+            leaves = [x.astype(self.dtype(x)) for x in leaves]
+            one = is_identity(leaves, axis)  # one device: its row holds every piece
+            mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
+                matrix[0]
+                if one
+                else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+            )
+            # One device: each piece is the whole leaf, raveled (no concatenation).
+            pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
+            for group in () if one else layout.groups(self.config.pack_bytes):
+                row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
+                for i, start, stop in layout.columns(group):
+                    pieces[i] = row[start:stop]
+            rows = layout.per_owned_bucket(
+                lambda b, bucket: mean(layout.owned_blocks(leaves, b, self.dtype(bucket)))
+            )
+        return pieces, rows
 
     def nbytes(self, plan: Plan) -> int:
-        layout = plan.layout
-        if layout.num_shards == 1:
+        if plan.layout.num_shards == 1:
             return 0
-        size = lambda i: jnp.dtype(self.dtype(layout.buckets[layout.slots[i].bucket])).itemsize
-        sliced = sum(
-            layout.slots[i].piece_size * size(i)
-            for group in layout.groups(self.config.pack_bytes)
-            for i in group
-        )
-        return sliced + sum(
-            b.owned_width * jnp.dtype(self.dtype(b)).itemsize for b in layout.buckets
+        return sum(
+            (b.row_size + b.owned_width) * jnp.dtype(self.dtype(b)).itemsize
+            for b in plan.layout.buckets
         )
 
 
@@ -167,13 +145,14 @@ class Pieces(Arrival):
     def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
         every device holds of the units it owns."""
-        layout, config = plan.layout, self.config
+        layout = plan.layout
         with scope(TO_OWNERS):
-            owned = to_owners(pieces, layout, config.axis_name, config.reduce_dtype)
-        return [None if s.owned else p for p, s in zip(pieces, layout.slots, strict=True)], owned
+            dtypes = [self.dtype(b) for b in layout.buckets]
+            owned = to_owners(pieces, layout, self.config.axis_name, dtypes)
+        return layout.sliced(lambda s, p: p, pieces), owned
 
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
-        return units_from_pieces(layout, part, i, device)
+        return layout.owned_local(part, i, device, pieces=True)
 
     def nbytes(self, plan: Plan) -> int:
         layout = plan.layout
@@ -182,7 +161,6 @@ class Pieces(Arrival):
         return sum(
             layout.num_shards * b.owned_chunk * jnp.dtype(self.dtype(b)).itemsize
             for b in layout.buckets
-            if b.owned_width
         )
 
 
@@ -198,18 +176,11 @@ class CutMean(Arrival):
         layout = plan.layout
         layout.check_matches(grads, "gradients")
         index = jax.lax.axis_index(self.config.axis_name)
-        cast = lambda x: x.astype(self.config.reduce_dtype or x.dtype)
         with scope(CUT):
-            leaves = [cast(g) for g in layout.treedef.flatten_up_to(grads)]
-            pieces = [
-                None if s.owned else s.cut(g, index)
-                for g, s in zip(leaves, layout.slots, strict=True)
-            ]
-            rows = tuple(
-                layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
-                if bucket.owned_width
-                else None
-                for b, bucket in enumerate(layout.buckets)
+            leaves = [g.astype(self.dtype(g)) for g in layout.treedef.flatten_up_to(grads)]
+            pieces = layout.sliced(lambda s, g: s.cut(g, index), leaves)
+            rows = layout.per_owned_bucket(
+                lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
             )
         return pieces, rows
 
@@ -231,8 +202,7 @@ def check_local(leaves: list, layout: Layout, axis_name: str) -> None:
     """
     if jax.lax.axis_size(axis_name) == 1:
         return
-    index = jax.lax.axis_index(axis_name)
-    if axis_name not in jax.typeof(index).manual_axis_type.varying:
+    if axis_name not in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying:
         return  # check_vma=False: no types to read
     for g, s in zip(leaves, layout.slots, strict=True):
         if axis_name not in jax.typeof(g).manual_axis_type.varying:

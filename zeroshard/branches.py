@@ -40,12 +40,15 @@ def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
 
 def varying(tree: PyTree, axis_name: str) -> PyTree:
     """``tree`` typed as varying over ``axis_name`` (a cast; no data moves)."""
-    vary = lambda x: (
-        x
-        if axis_name in jax.typeof(x).manual_axis_type.varying
-        else jax.lax.pcast(x, axis_name, to="varying")
-    )
-    return jax.tree.map(vary, tree)
+    return jax.tree.map(lambda x: _vary(x, axis_name), tree)
+
+
+def _vary(x: jax.Array, axis_name: str) -> jax.Array:
+    return x if _varies(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
+
+
+def _varies(x: jax.Array, axis_name: str) -> bool:
+    return axis_name in jax.typeof(x).manual_axis_type.varying
 
 
 def varying_like(tree: PyTree, like: PyTree, axis_name: str) -> PyTree:
@@ -54,13 +57,9 @@ def varying_like(tree: PyTree, like: PyTree, axis_name: str) -> PyTree:
     branches of the non-finite conditional agree. A leaf the update builds from
     constants (the factored moments of a one-element stand-in, say) is invariant,
     while its old value from a branch is varying."""
-    vary = lambda x, y: (
-        jax.lax.pcast(x, axis_name, to="varying")
-        if axis_name in jax.typeof(y).manual_axis_type.varying
-        and axis_name not in jax.typeof(x).manual_axis_type.varying
-        else x
+    return jax.tree.map(
+        lambda x, y: _vary(x, axis_name) if _varies(y, axis_name) else x, tree, like
     )
-    return jax.tree.map(vary, tree, like)
 
 
 def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
@@ -92,11 +91,7 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     from ``local``, what the branch holds of its owned leaves)."""
     leaves = plan.state_treedef.flatten_up_to(state)
     values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
-    values.update(
-        (("master", i), local[i])
-        for i, _ in plan.branches[branch]
-        if plan.master_dtypes[plan.layout.slots[i].bucket] is not None
-    )
+    values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
@@ -113,12 +108,10 @@ def stored_state(plan: Plan, branch: int, kept: PyTree, stored: dict) -> PyTree:
 def owned_wholes(plan: Plan, params: PyTree) -> list[jax.Array | None]:
     """The full leaves of ``params`` that are owned, in the inner dtypes (``None`` for
     sliced leaves)."""
-    leaves = plan.layout.treedef.flatten_up_to(params)
-    dtypes = plan.inner_dtypes
-    return [
-        x.astype(dtypes[s.bucket]) if s.owned else None
-        for x, s in zip(leaves, plan.layout.slots, strict=True)
-    ]
+    layout, dtypes = plan.layout, plan.inner_dtypes
+    return layout.owned(
+        lambda s, x: x.astype(dtypes[s.bucket]), layout.treedef.flatten_up_to(params)
+    )
 
 
 def init_parts(

@@ -3,10 +3,13 @@
 The collectives themselves belong to the kinds of arrival (:mod:`zeroshard.arrival`)
 and departure (:mod:`zeroshard.departure`) and to stage 3's gather
 (:mod:`zeroshard.stage3`). On one device (an axis of size 1, with no varying values)
-every collective is the identity and is left out (:func:`is_identity`).
+every collective is the identity and is left out (:func:`is_identity`;
+:func:`all_gathered` leaves out its all-gather so).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
@@ -26,3 +29,9 @@ def is_identity(x: PyTree, axes: str | tuple[str, ...]) -> bool:
         if set(getattr(manual, "varying", ())) & set(axes):
             return False
     return True
+
+
+def all_gathered(x: jax.Array, axis_name: str, **kwargs: Any) -> jax.Array:
+    """Every device's ``x`` (``(num_shards, ...)``, row ``d`` from device ``d``): one
+    ``jax.lax.all_gather`` (with ``kwargs``), or ``x[None]`` where it is the identity."""
+    return x[None] if is_identity(x, axis_name) else jax.lax.all_gather(x, axis_name, **kwargs)

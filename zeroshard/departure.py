@@ -4,7 +4,7 @@ A departure knows the form the parameters are held in between steps, so it reads
 current weights in that form (this device's pieces of the sliced leaves, the owned
 leaves' weights for their owners) and sends the new ones back in it. Each kind owns
 its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
-(:meth:`Departure.nbytes`). It is chosen once, where a step or ``tx.update`` is built:
+(``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
   the new pieces and owned rows are all-gathered;
@@ -13,7 +13,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
 
 A new kind (a quantized all-gather, say) is one more subclass of :class:`Departure`;
-:func:`zeroshard.update.update` takes any of them unchanged.
+:func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
 from __future__ import annotations
@@ -26,62 +26,45 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import is_identity
+from zeroshard.collectives import all_gathered, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
 from zeroshard.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
 from zeroshard.stage3 import (
     exchange,
-    owner_blocks,
     piece_blocks,
     piece_from_owners,
+    to_owners,
     to_shards,
-    units_from_pieces,
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Departure:
     """How weights are held and leave: the base of every kind (see the module's
-    description).
+    description). Each kind defines:
+
+    - ``own_pieces(plan, params)``: this device's 1-D piece of every sliced leaf of
+      ``params``; ``None`` for owned leaves;
+    - ``owned_weights(plan, params)``: the current weights of the owned leaves, as
+      ``local`` reads them;
+    - ``local(plan, branch, weights, device)``: per leaf, what ``device`` (on
+      ``branch``) holds of the owned leaves it updates, from ``owned_weights``
+      (``None`` where it holds nothing, or where the update reads no weights);
+    - ``row(layout, new, device, bucket, dtype)``: ``device``'s new owned leaves of
+      ``bucket`` (``new[i]``: its units of leaf ``i``) packed for ``send``;
+    - ``send(plan, new, rows, params)``: the new parameters, laid out as ``params``,
+      from this device's new pieces of the sliced leaves and its ``row`` per bucket;
+    - ``nbytes(plan)``: bytes per device the departure's collectives return, summed
+      (as :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
+      device.
 
     Attributes:
       config: the sharded optimizer's options (axis, ``pack_bytes``).
     """
 
     config: ShardConfig
-
-    def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
-        """This device's 1-D piece of every sliced leaf of ``params``; ``None`` for
-        owned leaves."""
-        raise NotImplementedError
-
-    def owned_weights(self, plan: Plan, params: PyTree) -> Any:
-        """The current weights of the owned leaves, as :meth:`local` reads them."""
-        raise NotImplementedError
-
-    def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
-        """Per leaf, what ``device`` (on ``branch``) holds of the owned leaves it
-        updates, from :meth:`owned_weights` (``None`` where it holds nothing, or
-        where the update reads no weights)."""
-        raise NotImplementedError
-
-    def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
-        """``device``'s new owned leaves of ``bucket`` (``new[i]``: its units of leaf
-        ``i``) packed for :meth:`send`."""
-        raise NotImplementedError
-
-    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
-        """The new parameters, laid out as ``params``, from this device's new pieces of
-        the sliced leaves and its :meth:`row` per bucket."""
-        raise NotImplementedError
-
-    def nbytes(self, plan: Plan) -> int:
-        """Bytes per device the departure's collectives return, summed (as
-        :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
-        device."""
-        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,42 +99,22 @@ class AllGather(Departure):
         this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
         and its row of owned leaves per bucket (``None`` where it owns nothing)."""
         axis = self.config.axis_name
-        leaves: list[jax.Array | None] = [None] * len(layout.slots)
-        groups = layout.groups(self.config.pack_bytes)
-        if is_identity([p for p in pieces if p is not None], axis):  # one device
-            leaves = [
-                None if s.owned else s.uncut(p.astype(s.dtype))
-                for p, s in zip(pieces, layout.slots, strict=True)
-            ]
-            groups = ()
-        for group in groups:
-            own = [pieces[i].astype(layout.slots[i].dtype) for i in group]
-            row = own[0] if len(own) == 1 else jnp.concatenate(own)
-            full = jax.lax.all_gather(row, axis, tiled=False, to="invarying")  # (N, row)
+        every = lambda row: all_gathered(row, axis, to="invarying")  # (num_shards, row)
+        # One device: each leaf is its piece, reshaped (no concatenation).
+        one = is_identity([p for p in pieces if p is not None], axis)
+        leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
+        for group in () if one else layout.groups(self.config.pack_bytes):
+            full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
             for i, start, stop in layout.columns(group):
                 leaves[i] = layout.slots[i].uncut(full[:, start:stop])
-        for b, row in enumerate(rows):
-            if row is None:
-                continue
-            row = row.astype(layout.buckets[b].dtype)
-            every = (
-                row[None]
-                if is_identity(row, axis)
-                else jax.lax.all_gather(row, axis, to="invarying")
-            )
-            for i, s in enumerate(layout.slots):
-                if s.owned and s.bucket == b:
-                    leaves[i] = layout.owned_full(every, i)
+        fulls = layout.per_owned_bucket(lambda b, bucket: every(rows[b].astype(bucket.dtype)))
+        for i in (i for i, s in enumerate(layout.slots) if s.owned):
+            leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
         return layout.treedef.unflatten(leaves)
 
     def nbytes(self, plan: Plan) -> int:
-        layout, n = plan.layout, plan.layout.num_shards
-        sliced = sum(
-            n * layout.slots[i].piece_size * layout.slots[i].dtype.itemsize
-            for group in layout.groups(self.config.pack_bytes)
-            for i in group
-        )
-        return sliced + sum(n * b.owned_width * b.dtype.itemsize for b in layout.buckets)
+        n = plan.layout.num_shards
+        return sum(n * (b.row_size + b.owned_width) * b.dtype.itemsize for b in plan.layout.buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,39 +126,26 @@ class ToPieces(Departure):
     each way."""
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
-        return [
-            None if s.owned else x.piece.reshape(-1)
-            for x, s in zip(
-                plan.layout.treedef.flatten_up_to(params), plan.layout.slots, strict=True
-            )
-        ]
+        layout = plan.layout
+        return layout.sliced(lambda s, x: x.piece.reshape(-1), layout.treedef.flatten_up_to(params))
 
     def owned_weights(self, plan: Plan, params: PyTree) -> tuple[jax.Array | None, ...]:
         """Per bucket what each device holds of this device's units (``(num_shards,
         owned_chunk)``), where the bucket keeps no master and the update reads them
         (Muon without weight decay does not); else ``None``."""
-        layout, dtypes = plan.layout, plan.inner_dtypes
-        read = self.read_buckets(plan)
-        leaves = layout.treedef.flatten_up_to(params)
+        layout, axis = plan.layout, self.config.axis_name
         with scope(TO_OWNERS):
-            pieces = [
-                x.piece.reshape(-1).astype(dtypes[s.bucket]) if s.bucket in read else None
-                for x, s in zip(leaves, layout.slots, strict=True)
-            ]
-            blocks = [
-                owner_blocks(layout, pieces, b, dtypes[b]) if b in read else None
-                for b in range(len(layout.buckets))
-            ]
-            return exchange(blocks, self.config.axis_name)
+            pieces = [x.piece.reshape(-1) for x in layout.treedef.flatten_up_to(params)]
+            read = self.read_buckets(plan)
+            dtypes = [d if b in read else None for b, d in enumerate(plan.inner_dtypes)]
+            return to_owners(pieces, layout, axis, dtypes)
 
     def local(self, plan: Plan, branch: int, weights: Any, device: int) -> list:
-        owned = dict(plan.branches[branch])
-        return [
-            units_from_pieces(plan.layout, weights[s.bucket], i, device)
-            if i in owned and weights[s.bucket] is not None and not unread(plan, i)
-            else None
-            for i, s in enumerate(plan.layout.slots)
-        ]
+        def units(i, s, _):
+            read = weights[s.bucket] is not None and not unread(plan, i)
+            return plan.layout.owned_local(weights[s.bucket], i, device, True) if read else None
+
+        return plan.in_branch(branch, units)
 
     def row(self, layout: Layout, new: list, device: int, bucket: int, dtype: Any) -> jax.Array:
         return piece_blocks(layout, new, device, bucket, dtype)
@@ -205,12 +155,9 @@ class ToPieces(Departure):
         leaves = layout.treedef.flatten_up_to(params)
         with scope(FROM_OWNERS):
             back = exchange(rows, self.config.axis_name)  # the owners' units -> pieces
-            new = [
-                _new_piece(plan, i, piece_from_owners(layout, back[s.bucket], i), x)
-                if s.owned
-                else p
-                for i, (p, s, x) in enumerate(zip(new, layout.slots, leaves, strict=True))
-            ]
+            new = list(new)
+            for i in (i for i, s in enumerate(layout.slots) if s.owned):
+                new[i] = _new_piece(plan, i, back, leaves[i])
             return to_shards(layout, new)
 
     def read_buckets(self, plan: Plan) -> set[int]:
@@ -226,7 +173,7 @@ class ToPieces(Departure):
         width = lambda b: (
             n * layout.buckets[b].owned_chunk * jnp.dtype(plan.inner_dtypes[b]).itemsize
         )
-        back = sum(width(b) for b, bucket in enumerate(layout.buckets) if bucket.owned_width)
+        back = sum(width(b) for b in range(len(layout.buckets)))  # owned_chunk 0: no owned
         return back + sum(width(b) for b in self.read_buckets(plan))
 
 
@@ -238,8 +185,8 @@ def unread(plan: Plan, i: int) -> bool:
     return plan.master_dtypes[plan.layout.slots[i].bucket] is None and i not in plan.analysis.reads
 
 
-def _new_piece(plan: Plan, i: int, received: jax.Array, old: Any) -> jax.Array:
-    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent."""
-    if not unread(plan, i):
-        return received
-    return old.piece.reshape(-1) + received.astype(old.dtype)
+def _new_piece(plan: Plan, i: int, back: tuple, old: Any) -> jax.Array:
+    """This device's new stage-3 piece of owned leaf ``i`` from what its owners sent
+    (``back``: per bucket, ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
+    received = piece_from_owners(plan.layout, back[plan.layout.slots[i].bucket], i)
+    return old.piece.reshape(-1) + received.astype(old.dtype) if unread(plan, i) else received

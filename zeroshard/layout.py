@@ -17,7 +17,11 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
   batch axis), **layer-owned**: each layer lives whole on one device. The *units*
   (whole leaves, layers) are balanced over the devices, largest cost first. The units
   a device owns, end to end, are its *owned row* of the bucket, padded to the most
-  loaded device's (``Bucket.owned_width``).
+  loaded device's (``Bucket.owned_width``); in stage 3, one device's pieces of them
+  are its *chunk* (``Bucket.owned_chunk``). Each slot knows where its units lie in
+  both (:meth:`Slot.unit_spans`), and :meth:`Layout.sliced` / :meth:`Layout.owned`
+  map a function over the one kind of leaf, so the sliced/owned difference of a
+  per-leaf list is said in one place.
 
 Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
 laid end to end, are that device's *row* of the bucket (what a packed collective
@@ -59,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.rows import pack
+from zeroshard.rows import pack, spans
 
 PyTree = Any
 
@@ -83,8 +87,10 @@ class Slot:
         (for an owned leaf, the stage-3 pieces of its weights).
       owners: for an owned leaf, the device holding each of its *units*: the whole
         leaf (one unit), or each layer of a layer-owned leaf; ``()`` for a sliced leaf.
-      unit_offsets: each unit's place in its owner's owned row of the bucket.
       layered: whether the leaf is layer-owned (one layer axis; a unit per layer).
+      unit_offsets: each unit's place in its owner's owned row of the bucket.
+      chunk_offsets: each unit's place in its owner's stage-3 chunk of the bucket
+        (where one device's pieces of the units it owns lie, ``unit_piece`` each).
     """
 
     path: str
@@ -94,8 +100,9 @@ class Slot:
     num_shards: int
     stacked: int = 0
     owners: tuple[int, ...] = ()
-    unit_offsets: tuple[int, ...] = ()
     layered: bool = False
+    unit_offsets: tuple[int, ...] = ()
+    chunk_offsets: tuple[int, ...] = ()
 
     @property
     def placement(self) -> str:
@@ -122,13 +129,12 @@ class Slot:
         """The units of this owned leaf that ``device`` holds."""
         return tuple(u for u, d in enumerate(self.owners) if d == device)
 
-    def local_at(self, full: jax.Array, index: jax.Array, count: int) -> jax.Array:
-        """The ``count`` units of the full owned leaf that device ``index`` (traced)
-        holds, for devices that hold that many (others get some ``count`` layers)."""
-        if not self.layered:
-            return full
-        table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
-        return jnp.take(full, jnp.asarray(table, jnp.int32)[index], axis=0)
+    def unit_spans(self, pieces: bool = False) -> list[tuple[int, int, int]]:
+        """``(owner, start, stop)`` of each unit of this owned leaf in its owner's owned
+        row, or with ``pieces`` in its owner's stage-3 chunk (one device's piece of it)."""
+        size = self.unit_piece if pieces else math.prod(self.unit_shape)
+        offsets = self.chunk_offsets if pieces else self.unit_offsets
+        return [(d, o, o + size) for d, o in zip(self.owners, offsets, strict=True)]
 
     @property
     def unit_piece(self) -> int:
@@ -145,11 +151,16 @@ class Slot:
         """The shape of ``count`` units of this owned leaf, as their owner holds them."""
         return (count, *self.unit_shape) if self.layered else self.shape
 
-    def local(self, full: jax.Array, device: int) -> jax.Array:
-        """``device``'s units of the full owned leaf: the leaf, or its layers stacked."""
+    def local(self, full: jax.Array, device: Any, count: int | None = None) -> jax.Array:
+        """``device``'s units of the full owned leaf: the leaf, or its layers stacked.
+        With ``count``, ``device`` may be traced: the ``count`` units it holds, for
+        devices that hold that many (others get some ``count`` layers)."""
         if not self.layered:
             return full
-        return full[np.asarray(self.units_of(device), np.int32)]
+        if count is None:
+            return full[np.asarray(self.units_of(device), np.int32)]
+        table = [(self.units_of(d) + (0,) * count)[:count] for d in range(self.num_shards)]
+        return jnp.take(full, jnp.asarray(table, jnp.int32)[device], axis=0)
 
     @property
     def stand_in_shape(self) -> tuple[int, ...]:
@@ -352,19 +363,9 @@ class Layout:
                     "to the optimizer (e.g. in a separate collection)."
                 )
             dtypes += [] if dtype in dtypes else [dtype]
-            units = owners.get(i, ())
-            slots.append(
-                Slot(
-                    name,
-                    tuple(leaf.shape),
-                    dtype,
-                    dtypes.index(dtype),
-                    num_shards,
-                    dims[i],
-                    units,
-                    layered=bool(units) and i in (layered or ()),
-                )
-            )
+            units, b = owners.get(i, ()), dtypes.index(dtype)
+            lay = bool(units) and i in (layered or ())
+            slots.append(Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -401,25 +402,23 @@ class Layout:
 
     def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """``(leaf, start, stop)`` of each leaf's piece in a group's packed row."""
-        out, start = [], 0
-        for i in group:
-            out.append((i, start, start + self.slots[i].piece_size))
-            start += self.slots[i].piece_size
-        return out
+        sizes = [self.slots[i].piece_size for i in group]
+        return [(i, *span) for i, span in zip(group, spans(sizes), strict=True)]
 
-    def full_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
-        """A tree of ``ShapeDtypeStruct`` full leaves (bucket ``b`` in ``dtypes[b]``)."""
+    def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
+        """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one
+        device's pieces (bucket ``b`` in ``dtypes[b]``)."""
         return self.treedef.unflatten(
-            jax.ShapeDtypeStruct(s.shape, s.dtype if dtypes is None else dtypes[s.bucket])
+            jax.ShapeDtypeStruct(
+                s.piece_shape if pieces else s.shape,
+                s.dtype if dtypes is None else dtypes[s.bucket],
+            )
             for s in self.slots
         )
 
     def piece_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
-        return self.treedef.unflatten(
-            jax.ShapeDtypeStruct(s.piece_shape, s.dtype if dtypes is None else dtypes[s.bucket])
-            for s in self.slots
-        )
+        return self.full_structs(dtypes, pieces=True)
 
     def check_matches(self, tree: PyTree, what: str) -> None:
         """Raises a ``ValueError`` naming the first leaf where ``tree`` differs."""
@@ -436,16 +435,27 @@ class Layout:
                     f"but the parameter has shape {slot.shape}."
                 )
 
+    # The sliced/owned difference of a per-leaf list, said once.
+
+    def sliced(self, fn: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+        """``fn(slot, *xs)`` for each sliced leaf (``xs``: its item of each of the
+        per-leaf ``columns``), ``None`` for each owned leaf."""
+        return [None if s.owned else fn(s, *x) for s, *x in zip(self.slots, *columns, strict=True)]
+
+    def owned(self, fn: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+        """``fn(slot, *xs)`` for each owned leaf, ``None`` for each sliced leaf."""
+        return [fn(s, *x) if s.owned else None for s, *x in zip(self.slots, *columns, strict=True)]
+
+    def per_owned_bucket(self, fn: Callable[[int, Bucket], Any]) -> tuple[Any, ...]:
+        """``fn(b, bucket)`` for each bucket with owned leaves, ``None`` for the others."""
+        return tuple(fn(b, x) if x.owned_width else None for b, x in enumerate(self.buckets))
+
     # Full leaves -> this device's pieces and rows.
 
     def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array | None]:
         """Device ``index``'s 1-D piece of every sliced leaf of ``tree`` (full leaves);
         ``None`` for owned leaves."""
-        leaves = self.treedef.flatten_up_to(tree)
-        return [
-            None if s.owned else s.cut(leaf, index)
-            for leaf, s in zip(leaves, self.slots, strict=True)
-        ]
+        return self.sliced(lambda s, x: s.cut(x, index), self.treedef.flatten_up_to(tree))
 
     def shard_pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
         """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves), owned
@@ -455,41 +465,45 @@ class Layout:
 
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
-    def owned_row(self, local: Sequence[Any], device: int, bucket: int, dtype: Any) -> jax.Array:
+    def owned_row(
+        self, local: Sequence[Any], device: int, bucket: int, dtype: Any, width: int = 0
+    ) -> jax.Array:
         """``device``'s row of bucket ``bucket`` in ``dtype``: its units of the owned
         leaves (``local[i]``: what :meth:`Slot.local` gives for ``device``) raveled end
-        to end and zero-padded to ``owned_width``."""
+        to end and zero-padded to ``width`` (default ``owned_width``)."""
         own = [local[i] for i in self.owned_by(device) if self.slots[i].bucket == bucket]
-        return pack(own, dtype, self.buckets[bucket].owned_width)
+        return pack(own, dtype, width or self.buckets[bucket].owned_width)
 
-    def owned_blocks(self, leaves: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
+    def owned_blocks(
+        self, leaves: Sequence[Any], bucket: int, dtype: Any, pieces: bool = False
+    ) -> jax.Array:
         """Every device's owned row of ``bucket`` from the full ``leaves``:
         ``(num_shards, owned_width)``, row ``d`` for device ``d`` (what a reduce-scatter
-        scatters)."""
-        rows = []
-        for d in range(self.num_shards):
-            local = [
-                s.local(x, d) if d in s.owners else None
-                for x, s in zip(leaves, self.slots, strict=True)
-            ]
-            rows.append(self.owned_row(local, d, bucket, dtype))
+        scatters). With ``pieces``, from this device's 1-D pieces of every leaf
+        instead: ``(num_shards, owned_chunk)``, row ``d`` its pieces of the units
+        device ``d`` owns (what an ``all_to_all`` sends to ``d``, stage 3)."""
+        width = self.buckets[bucket].owned_chunk if pieces else 0
+        units = lambda x, s: x.reshape(s.layers, s.width) if pieces and s.layered else x
+        local = lambda d: [
+            s.local(units(x, s), d) if d in s.owners and s.bucket == bucket else None
+            for x, s in zip(leaves, self.slots, strict=True)
+        ]
+        rows = [self.owned_row(local(d), d, bucket, dtype, width) for d in range(self.num_shards)]
         return jnp.stack(rows)
 
-    def owned_local(self, row: jax.Array, i: int, device: int) -> jax.Array:
-        """``device``'s units of owned leaf ``i``, from its owned row."""
+    def owned_local(self, row: jax.Array, i: int, device: int, pieces: bool = False) -> jax.Array:
+        """``device``'s units of owned leaf ``i``, from its owned row; with ``pieces``,
+        from every device's pieces of them (``(num_shards, owned_chunk)``, row ``d``
+        from device ``d``, what the ``all_to_all`` to the owners brings)."""
         s = self.slots[i]
-        units = s.units_of(device)
-        start, size = s.unit_offsets[units[0]], math.prod(s.unit_shape)
-        return row[start : start + len(units) * size].reshape(s.local_shape(len(units)))
+        whole = s.unit_geometry().uncut if pieces else lambda x: x.reshape(s.unit_shape)
+        units = [whole(row[..., a:b]) for d, a, b in s.unit_spans(pieces) if d == device]
+        return jnp.stack(units) if s.layered else units[0]
 
     def owned_full(self, rows: jax.Array, i: int) -> jax.Array:
         """Owned leaf ``i`` from every device's owned row (``(num_shards, owned_width)``)."""
         s = self.slots[i]
-        size = math.prod(s.unit_shape)
-        units = [
-            rows[d, o : o + size].reshape(s.unit_shape)
-            for d, o in zip(s.owners, s.unit_offsets, strict=True)
-        ]
+        units = [rows[d, a:b].reshape(s.unit_shape) for d, a, b in s.unit_spans()]
         return jnp.stack(units) if s.layered else units[0]
 
 
@@ -499,22 +513,20 @@ def _buckets(slots: list[Slot], dtypes: list[np.dtype], num_shards: int) -> list
     buckets = []
     for b, dtype in enumerate(dtypes):
         members = tuple(i for i, s in enumerate(slots) if s.bucket == b)
-        ends = [0] * num_shards  # per device, its owned row's end so far
-        row = 0  # the sliced row's end so far
-        for i in members:
+        # Per device, its owned row's and its stage-3 chunk's end so far.
+        ends, chunks = [0] * num_shards, [0] * num_shards
+        for i in (i for i in members if slots[i].owned):
             s = slots[i]
-            if not s.owned:
-                row += s.piece_size
-                continue
-            unit_offsets = []
+            offsets = []
             for d in s.owners:
-                unit_offsets.append(ends[d])
+                offsets.append((ends[d], chunks[d]))
                 ends[d] += math.prod(s.unit_shape)
-            slots[i] = dataclasses.replace(s, unit_offsets=tuple(unit_offsets))
-        chunks = [
-            sum(slots[i].unit_piece * len(slots[i].units_of(d)) for i in members)
-            for d in range(num_shards)
-        ]
+                chunks[d] += s.unit_piece
+            unit_offsets, chunk_offsets = (tuple(o) for o in zip(*offsets, strict=True))
+            slots[i] = dataclasses.replace(
+                s, unit_offsets=unit_offsets, chunk_offsets=chunk_offsets
+            )
+        row = sum(slots[i].piece_size for i in members if not slots[i].owned)
         buckets.append(Bucket(dtype, members, row, max(ends), max(chunks)))
     return buckets
 

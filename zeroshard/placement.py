@@ -57,23 +57,17 @@ class Storage:
 
     @classmethod
     def build(cls, per_branch: list[list[tuple[Key, jax.ShapeDtypeStruct]]]) -> Storage:
-        dtypes: list[np.dtype] = []
-        entries = []
-        ends: dict[int, list[int]] = {}
+        dtypes = tuple(dict.fromkeys(np.dtype(x.dtype) for v in per_branch for _, x in v))
+        entries, ends = [], []
         for values in per_branch:
-            out, used = [], {}
+            out, used = [], [0] * len(dtypes)
             for key, struct in values:
-                dtype = np.dtype(struct.dtype)
-                dtypes += [] if dtype in dtypes else [dtype]
-                r = dtypes.index(dtype)
-                offset = used.get(r, 0)
-                out.append((key, r, offset, tuple(struct.shape)))
-                used[r] = offset + math.prod(struct.shape)
+                r = dtypes.index(np.dtype(struct.dtype))
+                out.append((key, r, used[r], tuple(struct.shape)))
+                used[r] += math.prod(struct.shape)
             entries.append(tuple(out))
-            for r, end in used.items():
-                ends.setdefault(r, []).append(end)
-        widths = tuple(max(ends.get(r, [0])) for r in range(len(dtypes)))
-        return cls(tuple(dtypes), widths, tuple(entries))
+            ends.append(used)
+        return cls(dtypes, tuple(max(w) for w in zip(*ends, strict=True)), tuple(entries))
 
     def nbytes(self, branch: int) -> int:
         """Bytes of the values ``branch`` stores (without padding)."""
@@ -118,7 +112,8 @@ class Plan:
         first axis the layers of a layer-owned leaf, each on that layer's owner) the
         leaf, else ``None``.
       storage: where owned state and owned master weights live.
-      updates: per inner optimizer and axis, :meth:`update` jitted (its traces cached).
+      updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
+        traces cached).
     """
 
     layout: Layout
@@ -161,12 +156,9 @@ class Plan:
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
         """Per-leaf pieces (``None`` for owned leaves) cast to the inner dtypes."""
         dtypes = self.inner_dtypes
-        return [
-            None if p is None else p.astype(dtypes[s.bucket])
-            for p, s in zip(pieces, self.layout.slots, strict=True)
-        ]
+        return self.layout.sliced(lambda s, p: p.astype(dtypes[s.bucket]), pieces)
 
-    def update(
+    def updates_and_state(
         self,
         inner: Any,
         grads: PyTree,
@@ -175,20 +167,21 @@ class Plan:
         axis_name: str,
         **extra_args: Any,
     ) -> tuple[PyTree, PyTree]:
-        """``inner.update`` on a view, with global sums over ``axis_name`` inserted where
-        the analysis found them (:func:`zeroshard.sums.run_with_sums`). Traced, tagged
-        and evaluated once per ``inner``, axis and type of the arguments: a later trace
-        of a step reuses it (``jax.jit``'s cache, inlined into the step)."""
+        """``inner.update`` on a view: its updates and new state, with global sums over
+        ``axis_name`` inserted where the analysis found them
+        (:func:`zeroshard.sums.run_with_sums`). Traced, tagged and evaluated once per
+        ``inner``, axis and type of the arguments: a later trace of a step reuses it
+        (``jax.jit``'s cache, inlined into the step)."""
         args = (grads, state, params, extra_args)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(extra_args)):
-            return self._update(inner, axis_name, *args)  # e.g. a function: traced as it is
+            return self._updates_and_state(inner, axis_name, *args)  # e.g. a function: as it is
         key = (id(inner), axis_name)
         if self.updates.get(key, (None,))[0] is not inner:
-            run = functools.partial(self._update, inner, axis_name)
+            run = functools.partial(self._updates_and_state, inner, axis_name)
             self.updates[key] = (inner, jax.jit(run, inline=True))
         return self.updates[key][1](*args)
 
-    def _update(self, inner, axis_name, grads, state, params, extra_args):
+    def _updates_and_state(self, inner, axis_name, grads, state, params, extra_args):
         slots, sums = self.layout.slots, self.analysis.layer_sums
         sliced = {  # the leaves whose sums are partial here
             i: s
@@ -207,18 +200,19 @@ class Plan:
         the leaves it owns whole, the layers it owns of layer-owned ones (``None``
         elsewhere)."""
         index = jax.lax.axis_index(axis_name)
+        return self.in_branch(branch, lambda i, s, count: s.local(wholes[i], index, count))
+
+    def in_branch(self, branch: int, fn: Any) -> list:
+        """``fn(i, slot, count)`` for each owned leaf ``i`` that ``branch`` holds (whole,
+        or ``count`` of its layers), ``None`` for every other leaf."""
         owned = dict(self.branches[branch])
-        return [
-            self.layout.slots[i].local_at(w, index, owned[i]) if i in owned else None
-            for i, w in enumerate(wholes)
-        ]
+        return [fn(i, s, owned[i]) if i in owned else None for i, s in enumerate(self.layout.slots)]
 
     def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
         the piece shape) for a sliced leaf, ``local[i]`` (see :meth:`local_wholes`) for
         a leaf it owns, a one-element stand-in for any other owned leaf."""
-        dtypes = self.inner_dtypes
-        owned = dict(self.branches[branch])
+        dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
         stand_in = lambda s: jax.lax.pcast(
             jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
         )
@@ -256,13 +250,8 @@ class Plan:
     def owned_costs(self) -> list[float]:
         """Per device, the summed update cost of the leaves (and layers) it owns."""
         slots, matrix = self.layout.slots, self.analysis.matrix
-        return [
-            sum(
-                leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
-                for i, count in self.branches[b]
-            )
-            for b in self.branch_of
-        ]
+        cost = lambda i, count: leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
+        return [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
 
 
 def leaf_cost(slot: Any, matrix: bool) -> float:
@@ -327,13 +316,10 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         p, per_element = views[0][k], views[0][k].shape != longer[k].shape
         replicated = not per_element and f.shape == p.shape
         slots.append(None if replicated else _sliced_slot(layout, leaf, f, p, path, per_element))
+    stored = [k for k in range(len(slots)) if sources[k] is not None or layers[k] is not None]
     storage = []
     for b, owned in enumerate(plan.branches):
-        values = [
-            (("state", k), views[b][k])
-            for k in range(len(slots))
-            if sources[k] is not None or layers[k] is not None
-        ]
+        values = [(("state", k), views[b][k]) for k in stored]
         values += [
             (("master", i), jax.ShapeDtypeStruct(s.local_shape(n), plan.master_dtypes[s.bucket]))
             for i, n in owned
@@ -371,8 +357,9 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
+    dims = {s.path: s.stacked for s in base.slots}  # the stacked layer axes, kept
     place = lambda layered: Layout.from_tree(
-        leaves, base.num_shards, _stacked_fn(base), costs, layered, sums & layered
+        leaves, base.num_shards, lambda path, _: dims[path], costs, layered, sums & layered
     )
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
@@ -381,32 +368,21 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     return place({i for i in layered if i not in sums or held(i)})
 
 
-def _stacked_fn(base: Layout):
-    """``base``'s stacked layer axes as a ``stacked`` function (keeps them on re-layout)."""
-    dims = {s.path: s.stacked for s in base.slots}
-    return lambda path, leaf: dims[path]
-
-
 def _forced(placement: Any, base: Layout) -> dict[int, str]:
     """The user's placements by leaf index (``"sliced"``/``"owned"``; unset: automatic)."""
     if placement is None:
         return {}
-    structs = base.full_structs()
     if callable(placement):
-        paths = jax.tree_util.tree_flatten_with_path(structs)[0]
-        chosen = [placement(jax.tree_util.keystr(p), x) for p, x in paths]
+        structs = base.treedef.flatten_up_to(base.full_structs())
+        chosen = [placement(s.path, x) for s, x in zip(base.slots, structs, strict=True)]
     else:
         chosen = base.treedef.flatten_up_to(placement)
-    out = {}
-    for i, c in enumerate(chosen):
+    for s, c in zip(base.slots, chosen, strict=True):
         if c not in (None, "auto", "sliced", "owned"):
             raise ValueError(
-                f"placement of {base.slots[i].path} is {c!r}; use 'sliced', 'owned' or None "
-                "(automatic)."
+                f"placement of {s.path} is {c!r}; use 'sliced', 'owned' or None (automatic)."
             )
-        if c in ("sliced", "owned"):
-            out[i] = c
-    return out
+    return {i: c for i, c in enumerate(chosen) if c in ("sliced", "owned")}
 
 
 def _source(layout, plan, views, k, leaf, full, path) -> int:

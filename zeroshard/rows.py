@@ -1,10 +1,11 @@
 """Rows: values of one dtype laid end to end in one array, and taken back out.
 
 Every packed buffer of zeroshard is such a row: the owned leaves' storage
-(:class:`zeroshard.placement.Storage`), the rows and blocks the owned leaves travel in
-(:meth:`zeroshard.layout.Layout.owned_row`, :func:`zeroshard.stage3.owner_blocks`,
-:func:`zeroshard.stage3.piece_blocks`), the replicated state gathered after the
-branches and a stage-3 layer's gathered pieces. :func:`pack` lays values out (padded
+(:class:`zeroshard.placement.Storage`), the rows and blocks the owned leaves travel in,
+whole or as stage-3 pieces (:meth:`zeroshard.layout.Layout.owned_row`,
+:meth:`~zeroshard.layout.Layout.owned_blocks`, :func:`zeroshard.stage3.piece_blocks`),
+the replicated state gathered after the branches and a stage-3 layer's gathered
+pieces. :func:`pack` lays values out (padded
 with zeros to a fixed width, so every device's row has one shape); :func:`spans` says
 where each value is, and :func:`unpack` takes them back.
 
@@ -17,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +42,8 @@ def pack(
 
 def spans(sizes: Sequence[int], start: int = 0) -> list[tuple[int, int]]:
     """``(start, stop)`` of each value of ``sizes`` elements laid end to end."""
-    out = []
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
+    ends = list(itertools.accumulate(sizes, initial=start))
+    return list(itertools.pairwise(ends))
 
 
 def unpack(row: jax.Array, shapes: Sequence[tuple[int, ...]], start: int = 0) -> list[jax.Array]:

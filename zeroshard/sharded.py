@@ -33,7 +33,7 @@ from zeroshard.mesh import bound_axis_size, find_mesh
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
-from zeroshard.update import Route, update
+from zeroshard.update import Route, updated
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class Sharded:
         """The update flow inside ``shard_map``, for gradients arriving by ``route``."""
         plan = self.checked_plan(state, params)
         parts = route.arrival.bring(plan, grads)
-        return update(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+        return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""

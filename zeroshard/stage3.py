@@ -183,19 +183,18 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     """:func:`gather`, inside its named scope."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
-    n = jax.lax.axis_size(axis_name)
-    slots = {i: leaves[i].slot(n) for i in shards}
+    slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
     out = list(leaves)
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
         if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
-            for i, piece in zip(group, pieces, strict=True):
-                out[i] = slots[i].uncut(piece)
-            continue
-        rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
-        for i, (start, stop) in zip(group, spans([p.size for p in pieces]), strict=True):
-            out[i] = slots[i].uncut(rows[:, start:stop])
+            every = [p[None] for p in pieces]
+        else:
+            rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
+            every = [rows[:, a:b] for a, b in spans([p.size for p in pieces])]
+        for i, x in zip(group, every, strict=True):
+            out[i] = slots[i].uncut(x)
     return treedef.unflatten(out)
 
 
@@ -261,62 +260,25 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
 def exchange(blocks: Sequence[jax.Array | None], axis_name: str) -> tuple[jax.Array | None, ...]:
     """Stage 3: per bucket, row ``d`` of this device's ``(num_shards, owned_chunk)``
     blocks goes to device ``d``, which gets one row from each device (one
-    ``all_to_all`` per bucket with owned leaves; see :func:`owner_blocks` and
+    ``all_to_all`` per bucket with owned leaves; see :func:`to_owners` and
     :func:`piece_blocks` for what the rows hold)."""
-    return tuple(
-        None
-        if x is None
-        else x
-        if is_identity(x, axis_name)
-        else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
-        for x in blocks
+    to_all = lambda x: (
+        x if is_identity(x, axis_name) else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
     )
+    return tuple(None if x is None else to_all(x) for x in blocks)
 
 
 def to_owners(
-    pieces: Sequence[jax.Array | None], layout: Layout, axis_name: str, dtype: Any = None
+    pieces: Sequence[jax.Array | None], layout: Layout, axis_name: str, dtypes: Sequence[Any]
 ) -> tuple[jax.Array | None, ...]:
     """Stage 3: per bucket with owned leaves, what each device holds of the units this
-    device owns (``(num_shards, owned_chunk)``, row ``d`` from device ``d``), from
-    this device's 1-D ``pieces`` of every owned leaf (in ``dtype``, else the bucket's)."""
-    blocks = [
-        owner_blocks(layout, pieces, b, dtype or bucket.dtype) if bucket.owned_width else None
-        for b, bucket in enumerate(layout.buckets)
-    ]
+    device owns (``(num_shards, owned_chunk)``, row ``d`` from device ``d``), from this
+    device's 1-D ``pieces`` of every owned leaf, in ``dtypes[b]`` for bucket ``b``
+    (``None``: the bucket's stay where they are)."""
+    blocks = layout.per_owned_bucket(
+        lambda b, _: None if dtypes[b] is None else layout.owned_blocks(pieces, b, dtypes[b], True)
+    )
     return exchange(blocks, axis_name)
-
-
-def _chunk_start(layout: Layout, device: int, i: int) -> int:
-    """Where leaf ``i``'s units begin in ``device``'s chunk of its bucket."""
-    bucket = layout.buckets[layout.slots[i].bucket]
-    before = [j for j in bucket.slots if j < i and device in layout.slots[j].owners]
-    return sum(layout.slots[j].unit_piece * len(layout.slots[j].units_of(device)) for j in before)
-
-
-def owner_blocks(layout: Layout, pieces: Sequence[Any], bucket: int, dtype: Any) -> jax.Array:
-    """This device's pieces (1-D, per leaf) -> ``(num_shards, owned_chunk)``: row
-    ``d`` holds its pieces of the units device ``d`` owns (an ``all_to_all`` sends
-    row ``d`` to device ``d``)."""
-    b = layout.buckets[bucket]
-    rows = []
-    for d in range(layout.num_shards):
-        parts = []
-        for i in (i for i in b.slots if d in layout.slots[i].owners):
-            s = layout.slots[i]
-            layers = pieces[i].reshape(s.layers, s.width) if s.layered else None
-            parts += [layers[u] for u in s.units_of(d)] if s.layered else [pieces[i]]
-        rows.append(pack(parts, dtype, b.owned_chunk))
-    return jnp.stack(rows)
-
-
-def units_from_pieces(layout: Layout, received: jax.Array, i: int, device: int) -> jax.Array:
-    """``device``'s units of owned leaf ``i`` from the pieces every device sent it
-    (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
-    s = layout.slots[i]
-    start, k, w = _chunk_start(layout, device, i), len(s.units_of(device)), s.unit_piece
-    geometry = s.unit_geometry()
-    units = [geometry.uncut(received[:, start + j * w : start + (j + 1) * w]) for j in range(k)]
-    return jnp.stack(units) if s.layered else units[0]
 
 
 def piece_blocks(
@@ -334,13 +296,10 @@ def piece_blocks(
 
 def piece_from_owners(layout: Layout, received: jax.Array, i: int) -> jax.Array:
     """This device's 1-D piece of owned leaf ``i`` from what the owners sent it
-    (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
+    (``received``: ``(num_shards, owned_chunk)``, row ``d`` from device ``d``): each
+    unit's piece from its owner's row."""
     s = layout.slots[i]
-    if not s.layered:
-        start = _chunk_start(layout, s.owner, i)
-        return received[s.owner, start : start + s.piece_size]
-    layers = []
-    for u, d in enumerate(s.owners):
-        start = _chunk_start(layout, d, i) + s.units_of(d).index(u) * s.width
-        layers.append(received[d, start : start + s.width])
-    return jnp.concatenate(layers)
+    units = [
+        received[d, o : o + s.unit_piece] for d, o in zip(s.owners, s.chunk_offsets, strict=True)
+    ]
+    return jnp.concatenate(units)

@@ -26,7 +26,7 @@ from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
-from zeroshard.update import Route, update
+from zeroshard.update import Route, updated
 
 
 class TrainState(NamedTuple):
@@ -182,7 +182,7 @@ class TrainStep:
         if scale is not None:
             loss = loss / scale.scale
         opt = (self.opt.inner, self.opt.config, plan, self.route)
-        params, opt_state = update(*opt, parts, state.opt_state, state.params)
+        params, opt_state = updated(*opt, parts, state.opt_state, state.params)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(self.opt.config, loss, aux, batch, self.batch_axes, states)
         if not self.per_device_loss:  # (averaged already)

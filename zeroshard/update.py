@@ -5,15 +5,16 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 1. the gradients *arrive* as this device's part of the mean gradient, by the
    :class:`zeroshard.arrival.Arrival` the entry point chose (reduce-scattered local
    gradients, stage-3 pieces sent to their owners, or the mean gradient cut);
-2. :func:`update` averages that part over the replica axis (if the arrival has not),
-   casts it to the inner dtypes, skips the step everywhere if it is not finite, and
-   runs the inner optimizer on this device's part (a 1/N piece of every sliced leaf
-   and the whole of each leaf it owns), with the moments and master weights kept here;
+2. :func:`updated` (the new parameters and state) averages that part over the
+   replica axis (if the arrival has not), casts it to the inner dtypes, skips the step
+   everywhere if it is not finite, and runs the inner optimizer on this device's part
+   (a 1/N piece of every sliced leaf and the whole of each leaf it owns), with the
+   moments and master weights kept here;
 3. the parameters *leave* by the :class:`zeroshard.departure.Departure` chosen with
    the arrival: all-gathered whole, or as :class:`zeroshard.Shard` pieces again.
 
 ``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
-(stages 1-3, with and without accumulation) and the Flax steps all call :func:`update`;
+(stages 1-3, with and without accumulation) and the Flax steps all call :func:`updated`;
 they differ only in the arrival and departure they give it.
 
 Each part runs in a named scope (:mod:`zeroshard.scopes`): the arrival's
@@ -52,7 +53,7 @@ from zeroshard.state import ShardedState
 
 class Route(NamedTuple):
     """How the gradients arrive and the new weights leave: chosen once, where a step
-    or ``tx.update`` is built, and given to :func:`update`."""
+    or ``tx.update`` is built, and given to :func:`updated`."""
 
     arrival: Arrival
     departure: Departure
@@ -67,7 +68,7 @@ class Route(NamedTuple):
         return cls(ReduceScatter(config), AllGather(config))
 
 
-def update(
+def updated(
     inner: optax.GradientTransformationExtraArgs,
     config: ShardConfig,
     plan: Plan,
@@ -93,82 +94,17 @@ def update(
       **extra_args: passed on to the inner ``update``.
     """
     arrival, departure = route
-    parts = arrival.across_replicas(parts)
+    grad_pieces, grad_rows = arrival.across_replicas(parts)
+    # The owned leaves' current weights, as the departure reads them, used where no
+    # separate master is kept.
     weights = departure.owned_weights(plan, params)
-    with scope(UPDATE):
-        parts = to_inner(plan, parts)
+    with scope(UPDATE):  # this device's part in the dtypes the inner optimizer works in
+        grad_pieces, dtypes = plan.to_inner(grad_pieces), plan.inner_dtypes
+        grad_rows = plan.layout.per_owned_bucket(lambda b, _: grad_rows[b].astype(dtypes[b]))
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
-    new, rows, state = update_parts(
-        inner, config, plan, route, parts, state, pieces, weights, **extra_args
-    )
-    return departure.send(plan, new, rows, params), state
-
-
-def to_inner(plan: Plan, parts: GradParts) -> GradParts:
-    """``parts`` in the dtypes the inner optimizer works in."""
-    pieces, rows = parts
-    dtypes = plan.inner_dtypes
-    return plan.to_inner(pieces), tuple(
-        None if r is None else r.astype(d) for r, d in zip(rows, dtypes, strict=True)
-    )
-
-
-def master_pieces(
-    plan: Plan, state: ShardedState, own: list[jax.Array | None]
-) -> list[jax.Array | None]:
-    """This device's pieces of the sliced leaves' master weights (1-D, inner dtypes;
-    ``None`` for owned leaves).
-
-    Args:
-      plan: the plan for the parameters.
-      state: this device's :class:`zeroshard.ShardedState`.
-      own: this device's pieces of the parameters themselves (used where no separate
-        master is kept).
-    """
-    layout = plan.layout
-    master = (
-        [None] * len(own) if state.master is None else layout.treedef.flatten_up_to(state.master)
-    )
-    return [
-        None if s.owned else p.astype(plan.inner_dtypes[s.bucket]) if m is None else m.reshape(-1)
-        for p, m, s in zip(own, master, layout.slots, strict=True)
-    ]
-
-
-def update_parts(
-    inner: optax.GradientTransformationExtraArgs,
-    config: ShardConfig,
-    plan: Plan,
-    route: Route,
-    grads: GradParts,
-    state: ShardedState,
-    pieces: list[jax.Array | None],
-    weights: Any,
-    **extra_args: Any,
-) -> tuple[list[jax.Array | None], tuple[jax.Array | None, ...], ShardedState]:
-    """The inner update on this device's part: returns the new pieces of the sliced
-    leaves, the new owned row per bucket (as :data:`GradParts`) and the new state.
-
-    Args:
-      inner: the inner optimizer.
-      config: the sharded optimizer's options.
-      plan: its plan for the parameters.
-      route: the arrival and departure (see :func:`update`).
-      grads: this device's part of the mean gradient, in the inner dtypes.
-      state: this device's :class:`zeroshard.ShardedState`.
-      pieces: this device's pieces of the sliced leaves' master weights (see
-        :func:`master_pieces`).
-      weights: the owned leaves' current weights, as the departure reads them
-        (:meth:`zeroshard.departure.Departure.owned_weights`), used where no separate
-        master is kept.
-      **extra_args: passed on to the inner ``update``.
-    """
-    grad_pieces, grad_rows = grads
-    if config.loss_scale is not None:  # the gradients are of the scaled loss
-        unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
-        with scope(UPDATE):
-            grad_pieces = list(map(unscale, grad_pieces))
-            grad_rows = tuple(map(unscale, grad_rows))
+        if config.loss_scale is not None:  # the gradients are of the scaled loss
+            unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
+            grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
     present = [g for g in (*grad_pieces, *grad_rows) if g is not None]
     with scope(GRAD_NORM):
         grad_norm, finite = norm_and_finite(present, config.axis_name)
@@ -184,15 +120,29 @@ def update_parts(
         scale = None
         if config.loss_scale is not None:
             scale = config.loss_scale.adjust(state.loss_scale, finite)
-    new_state = state._replace(
-        inner_state=inner_state,
-        master=master,
-        grad_norm=grad_norm,
-        skipped=skipped,
-        loss_scale=scale,
-        owned=owned,
+    new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
+    return departure.send(plan, new, rows, params), new_state
+
+
+def master_pieces(
+    plan: Plan, state: ShardedState, own: list[jax.Array | None]
+) -> list[jax.Array | None]:
+    """This device's pieces of the sliced leaves' master weights (1-D, inner dtypes;
+    ``None`` for owned leaves).
+
+    Args:
+      plan: the plan for the parameters.
+      state: this device's :class:`zeroshard.ShardedState`.
+      own: this device's pieces of the parameters themselves (used where no separate
+        master is kept).
+    """
+    layout, dtypes = plan.layout, plan.inner_dtypes
+    master = (
+        [None] * len(own) if state.master is None else layout.treedef.flatten_up_to(state.master)
     )
-    return new, rows, new_state
+    return layout.sliced(
+        lambda s, p, m: p.astype(dtypes[s.bucket]) if m is None else m.reshape(-1), own, master
+    )
 
 
 def _branch_update(
@@ -206,19 +156,12 @@ def _branch_update(
 
     def update_branch(b, grad_pieces, grad_rows, pieces, weights, state, finite):
         stored, device = plan.storage.unpack(state.owned, b), plan.branch_of.index(b)
-        owned = dict(plan.branches[b])
-        g = [
-            arrival.owned(layout, grad_rows[s.bucket], i, device) if i in owned else None
-            for i, s in enumerate(layout.slots)
-        ]
+        g = plan.in_branch(b, lambda i, s, _: arrival.owned(layout, grad_rows[s.bucket], i, device))
         local = departure.local(plan, b, weights, device)
         zeros = lambda i: jnp.zeros_like(g[i], plan.inner_dtypes[layout.slots[i].bucket])
-        p = [  # weights the update does not read, in stage 3: zeros (see departure.unread)
-            stored.get(("master", i), zeros(i) if local[i] is None else local[i])
-            if i in owned
-            else None
-            for i in range(len(g))
-        ]
+        p = plan.in_branch(  # weights the update does not read, in stage 3: zeros (see unread)
+            b, lambda i, s, _: stored.get(("master", i), zeros(i) if local[i] is None else local[i])
+        )
         inner_state = stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
@@ -226,32 +169,27 @@ def _branch_update(
         grads = plan.view(b, grad_pieces, g, axis)
 
         def step(inner_state, params):
-            updates, new_state = plan.update(inner, grads, inner_state, params, axis, **extra_args)
+            updates, new_state = plan.updates_and_state(
+                inner, grads, inner_state, params, axis, **extra_args
+            )
             new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
             return new, varying_like(new_state, inner_state, axis)
 
         if config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
             # no copy of the old state kept alive until the verdict.
-            new, new_state = jax.lax.cond(finite, step, _unchanged, inner_state, params)
+            unchanged = lambda inner_state, params: (params, inner_state)
+            new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params)
         else:
             new, new_state = step(inner_state, params)
         new = layout.treedef.flatten_up_to(new)
-        rows = tuple(
-            departure.row(layout, new, device, k, dtype) if bucket.owned_width else None
-            for k, (bucket, dtype) in enumerate(zip(layout.buckets, plan.inner_dtypes, strict=True))
+        rows = layout.per_owned_bucket(
+            lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
         )
         kept, owned_rows = kept_and_stored(plan, b, new_state, new)
-        new_pieces = [
-            None if s.owned else jnp.ravel(x) for x, s in zip(new, layout.slots, strict=True)
-        ]
-        return new_pieces, rows, kept, owned_rows
+        return layout.sliced(lambda s, x: jnp.ravel(x), new), rows, kept, owned_rows
 
     return update_branch
-
-
-def _unchanged(inner_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
-    return params, inner_state
 
 
 def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
