@@ -457,12 +457,6 @@ class Layout:
         ``None`` for owned leaves."""
         return self.sliced(lambda s, x: s.cut(x, index), self.treedef.flatten_up_to(tree))
 
-    def shard_pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array]:
-        """Device ``index``'s 1-D piece of every leaf of ``tree`` (full leaves), owned
-        ones too: the stage-3 parameters."""
-        leaves = self.treedef.flatten_up_to(tree)
-        return [s.cut(leaf, index) for leaf, s in zip(leaves, self.slots, strict=True)]
-
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 
     def owned_row(

@@ -185,9 +185,10 @@ def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtyp
         return "\n".join(lines)
     nbytes, costs = plan.owned_bytes(), plan.owned_costs()
     lines += ["", "| device | owned units | owned bytes | update cost |", "|---:|---|---:|---:|"]
+    layers = lambda k: f"{k} layer" + "s" * (k != 1)
     for d in range(num_devices):
         units = [
-            s.path if s.placement == "owned" else f"{s.path}[{_layers(len(s.units_of(d)))}]"
+            s.path if s.placement == "owned" else f"{s.path}[{layers(len(s.units_of(d)))}]"
             for s in slots
             if d in s.owners
         ]
@@ -199,10 +200,6 @@ def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtyp
         f"update cost {max(costs) / mean(costs):.2f}"
     )
     return "\n".join(lines)
-
-
-def _layers(k: int) -> str:
-    return f"{k} layer" + "s" * (k != 1)
 
 
 def plan_table(count: float | PyTree, num_devices: int, **kwargs: Any) -> str:

@@ -69,12 +69,6 @@ class Storage:
             ends.append(used)
         return cls(dtypes, tuple(max(w) for w in zip(*ends, strict=True)), tuple(entries))
 
-    def nbytes(self, branch: int) -> int:
-        """Bytes of the values ``branch`` stores (without padding)."""
-        return sum(
-            math.prod(shape) * self.dtypes[r].itemsize for _, r, _, shape in self.entries[branch]
-        )
-
     def find(self, branch: int, key: Key) -> tuple[int, int, tuple[int, ...]]:
         """``(row, offset, shape)`` of ``key`` on ``branch``."""
         return next(e[1:] for e in self.entries[branch] if e[0] == key)
@@ -133,18 +127,15 @@ class Plan:
         """Dtype the inner optimizer works in, per bucket."""
         return [m or b.dtype for m, b in zip(self.master_dtypes, self.layout.buckets, strict=True)]
 
-    def keeps_master(self, i: int) -> bool:
-        """Whether sliced leaf ``i`` has master weights of its own in the state (its
-        bucket is narrower than the master dtype); owned leaves keep theirs in storage."""
-        s = self.layout.slots[i]
-        return not s.owned and self.master_dtypes[s.bucket] is not None
-
     def master_tree(self, pieces: list[Any]) -> PyTree:
         """The state's ``master``: a tree like the parameters with ``pieces[i]`` (an array
         shaped as the leaf's piece, or any other value as it is, e.g. a
         ``PartitionSpec``) where leaf ``i`` keeps master weights, ``None`` elsewhere;
         ``None`` as a whole when no leaf keeps any."""
-        keeps = [self.keeps_master(i) for i in range(len(self.layout.slots))]
+        # Owned leaves keep their master weights in storage.
+        keeps = [
+            not s.owned and self.master_dtypes[s.bucket] is not None for s in self.layout.slots
+        ]
         if not any(keeps):
             return None
         shaped = lambda p, s: jnp.reshape(p, s.piece_shape) if isinstance(p, jax.Array) else p
@@ -244,8 +235,10 @@ class Plan:
         return "owned" if owned else "replicated"
 
     def owned_bytes(self) -> list[int]:
-        """Per device, the bytes of the owned leaves' state and master it keeps."""
-        return [self.storage.nbytes(b) for b in self.branch_of]
+        """Per device, the bytes of the owned leaves' state and master it keeps (without
+        the rows' padding)."""
+        nbytes = lambda entry: math.prod(entry[3]) * self.storage.dtypes[entry[1]].itemsize
+        return [sum(map(nbytes, self.storage.entries[b])) for b in self.branch_of]
 
     def owned_costs(self) -> list[float]:
         """Per device, the summed update cost of the leaves (and layers) it owns."""

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.arrival import CutMean
@@ -212,19 +212,14 @@ def _with_layout(tree: PyTree, like: Any) -> PyTree:
     def put(x: Any, y: Any = None) -> Any:
         target = like if one else getattr(jax.typeof(y), "sharding", None)
         mesh = getattr(target, "mesh", None)
-        if mesh is None or mesh.empty or not _explicit(jax.typeof(x)):
+        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is None or mesh.empty or AxisType.Explicit not in getattr(own, "axis_types", ()):
             return x
         return jax.sharding.reshard(x, target)
 
     return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)
 
 
-def _explicit(aval: Any) -> bool:
-    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-
-
-@functools.lru_cache(maxsize=256)
 def _plan(opt: Sharded, layout: Layout) -> Plan:
     plan = make_plan(opt.inner, opt.config, layout)
     _log_owned(plan)

@@ -110,8 +110,9 @@ def init_train_state(
         params = jax.tree.map(cast, master_params)
         opt_state = tx.optimizer.init_local(params, master_params)
         if stage == 3:
-            layout = tx.plan(params, num_shards).layout
-            params = to_shards(layout, layout.shard_pieces(params, jax.lax.axis_index(axis_name)))
+            layout, index = tx.plan(params, num_shards).layout, jax.lax.axis_index(axis_name)
+            leaves = zip(layout.slots, layout.treedef.flatten_up_to(params), strict=True)
+            params = to_shards(layout, [s.cut(x, index) for s, x in leaves])  # owned ones too
         model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 

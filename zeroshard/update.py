@@ -32,15 +32,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zeroshard import branches
 from zeroshard.arrival import Arrival, GradParts, Pieces, ReduceScatter
-from zeroshard.branches import (
-    kept_and_stored,
-    replicated_again,
-    run_branches,
-    stored_state,
-    varying,
-    varying_like,
-)
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import is_identity
 from zeroshard.config import ShardConfig
@@ -111,15 +104,16 @@ def updated(
     with scope(UPDATE):
         update_branch = _branch_update(inner, config, plan, route, extra_args)
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
-        new, rows, inner_state, owned = run_branches(plan, config.axis_name, update_branch, *args)
-        inner_state = replicated_again(plan, config.axis_name, inner_state)
+        new, rows, inner_state, owned = branches.run_branches(
+            plan, config.axis_name, update_branch, *args
+        )
+        inner_state = branches.replicated_again(plan, config.axis_name, inner_state)
         skipped = state.skipped
         if config.skip_nonfinite:
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
         master = None if state.master is None else plan.master_tree(new)
-        scale = None
-        if config.loss_scale is not None:
-            scale = config.loss_scale.adjust(state.loss_scale, finite)
+        loss_scale = config.loss_scale
+        scale = None if loss_scale is None else loss_scale.adjust(state.loss_scale, finite)
     new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
     return departure.send(plan, new, rows, params), new_state
 
@@ -162,10 +156,10 @@ def _branch_update(
         p = plan.in_branch(  # weights the update does not read, in stage 3: zeros (see unread)
             b, lambda i, s, _: stored.get(("master", i), zeros(i) if local[i] is None else local[i])
         )
-        inner_state = stored_state(plan, b, state.inner_state, stored)
+        inner_state = branches.stored_state(plan, b, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
-        params = varying(plan.view(b, pieces, p, axis), axis)
+        params = branches.varying(plan.view(b, pieces, p, axis), axis)
         grads = plan.view(b, grad_pieces, g, axis)
 
         def step(inner_state, params):
@@ -173,7 +167,7 @@ def _branch_update(
                 inner, grads, inner_state, params, axis, **extra_args
             )
             new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-            return new, varying_like(new_state, inner_state, axis)
+            return new, branches.varying_like(new_state, inner_state, axis)
 
         if config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
@@ -186,7 +180,7 @@ def _branch_update(
         rows = layout.per_owned_bucket(
             lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
         )
-        kept, owned_rows = kept_and_stored(plan, b, new_state, new)
+        kept, owned_rows = branches.kept_and_stored(plan, b, new_state, new)
         return layout.sliced(lambda s, x: jnp.ravel(x), new), rows, kept, owned_rows
 
     return update_branch

@@ -114,6 +114,8 @@ def save_item(
       logical layout, with ``"model_state"`` when the state has one and ``"extra"``
       when ``extra`` has leaves.
     """
+    from zeroshard import __version__  # (the package imports this module)
+
     params, opt_state = to_optax_state(state, tx)
     item = {"step": state.step, "params": params, "opt_state": opt_state}
     if state.model_state is not None:
@@ -121,7 +123,7 @@ def save_item(
     scale, mesh, compute = state.opt_state.loss_scale, mesh_of(state), full_structs(state.params)
     metadata = {
         "format": FORMAT,
-        "zeroshard_version": _version(),
+        "zeroshard_version": __version__,
         "jax_version": jax.__version__,
         "optax_version": optax.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -361,9 +363,3 @@ def placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = Non
         ),
         structs,
     )
-
-
-def _version() -> str:
-    from zeroshard import __version__
-
-    return __version__
