@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh
-from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import layer
 from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import auto_twin, output_mesh, plain_outputs
@@ -119,7 +119,7 @@ def nnx_optimizer(
     Returns:
       An ``nnx.Optimizer(model, tx, wrt=wrt)`` with its state 1/N per device.
     """
-    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
+    axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
     master = nnx.as_pure(nnx.state(model, wrt))
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))

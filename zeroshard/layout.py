@@ -1,4 +1,4 @@
-"""Partition: how a parameter tree maps onto N devices, leaf by leaf.
+"""Layout: how a parameter tree maps onto N devices, leaf by leaf.
 
 Each floating-point leaf has a *placement*, held by its :class:`Slot` together with
 the geometry that cuts a leaf into pieces and puts the pieces back together:

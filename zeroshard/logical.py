@@ -43,7 +43,7 @@ from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
 from zeroshard.placement import Key, Plan
-from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, stage_of, to_shards
 from zeroshard.state import ShardedState
 from zeroshard.step import TrainState, state_specs
@@ -310,7 +310,7 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
+    axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(

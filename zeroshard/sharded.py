@@ -274,7 +274,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         return self.optimizer.state_specs(params, num_shards)
 
 
-def sharding_of(tx: Any) -> Sharded:
+def optimizer_of(tx: Any) -> Sharded:
     """The :class:`Sharded` behind a transformation from :func:`sharded`.
 
     Raises:

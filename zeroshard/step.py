@@ -24,7 +24,7 @@ from zeroshard.checks import check_batch, check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
-from zeroshard.sharded import ShardedState, ShardedTransformation, sharding_of
+from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.update import Route, updated
 
@@ -101,7 +101,7 @@ def init_train_state(
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
-    axis_name = check_mesh(sharding_of(tx).config, mesh, axis_name)
+    axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
     num_shards = mesh.shape[axis_name]
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
@@ -150,7 +150,7 @@ class TrainStep:
     per_device_loss: bool = False
 
     def __post_init__(self) -> None:
-        self.opt = sharding_of(self.tx)
+        self.opt = optimizer_of(self.tx)
         axes, stage, k = self.opt.config.batch_axes, self.stage, self.accum_steps
         self.axis_name = check_mesh(self.opt.config, self.mesh, self.axis_name)
         check_stage(stage)

@@ -70,7 +70,7 @@ from zeroshard.logical import (
 )
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of
-from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs
 from zeroshard.step import TrainState
 
@@ -275,7 +275,7 @@ def restore_item(
       CheckpointCorruptedError: if a file is unreadable or a leaf's checksum differs.
     """
     like, model_state = full_structs(like), full_structs(model_state)
-    check_mesh(sharding_of(tx).config, mesh, tx.axis_name)
+    check_mesh(optimizer_of(tx).config, mesh, tx.axis_name)
     logical = logical_structs(tx.plan(like, mesh.shape[tx.axis_name]), tx)
     check_matches(saved, where, like, logical, model_state)
     params, opt_state = logical

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.mesh import find_mesh, mesh_of
-from zeroshard.sharded import ShardedTransformation, sharding_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import stage_of
 from zeroshard.state import ShardedState
 from zeroshard.step import TrainState
@@ -108,7 +108,7 @@ def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
         rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
         core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
         extra = {"model": rest} if _has_leaves(rest) else {}
-    sharding_of(tx)  # a TypeError with the fix for a plain optax optimizer
+    optimizer_of(tx)  # a TypeError with the fix for a plain optax optimizer
     return kind, Parts(core, extra, tx)
 
 
