@@ -220,6 +220,7 @@ def _with_layout(tree: PyTree, like: Any) -> PyTree:
     return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)
 
 
+@functools.lru_cache(maxsize=256)
 def _plan(opt: Sharded, layout: Layout) -> Plan:
     plan = make_plan(opt.inner, opt.config, layout)
     _log_owned(plan)
