@@ -1,20 +1,24 @@
-"""Time to first step: zeroshard stage 1 against replicated data parallelism.
+"""Time to first step: zeroshard against replicated data parallelism and GSPMD.
 
 The model is an MLP of ``--width``-wide tanh layers (a weight and a bias per layer, so
-``L`` leaves are ``L / 2`` layers), trained with AdamW on ``--devices`` devices. Every
-measurement runs in a fresh Python process, so no jax cache from another variant helps
-(the persistent compilation cache is off unless the environment turns it on).
+``L`` leaves are ``L / 2`` layers), its parameters in ``--dtype`` (fp32 or bf16),
+trained with AdamW on ``--devices`` devices. Every measurement runs in a fresh Python
+process, so no jax cache from another variant helps (the persistent compilation cache
+is off unless the environment turns it on).
 
 - ``total``: what a user waits for, from parameters on the host to the first step's
-  result: zeroshard's ``zs.init_train_state`` and first ``train_step(state, batch)``,
-  or replicated data parallelism's jitted state copy + ``optax.adamw(...).init`` and
-  first call of a jitted ``shard_map`` step with ``pmean`` (plain optax).
+  result: zeroshard's ``zs.init_train_state`` and first ``train_step(state, batch)``
+  (``--stage`` 1 or 3; stage 3 applies each layer through ``zs.layer``); replicated
+  data parallelism's jitted state copy + ``optax.adamw(...).init`` and first call of
+  a jitted ``shard_map`` step with ``pmean`` (plain optax); ``gspmd``: plain optax
+  under ``jax.jit`` with the optimizer state sharded by ``NamedSharding``.
 - ``breakdown`` (another fresh process per variant): the same work split into the
   plan and guard (``tx.plan``, zeroshard only), the state init, tracing
   (``jitted.trace``), lowering, XLA's compile and the first run of the compiled step,
   plus the number of instructions of the compiled HLO and some of their kinds, and
   ``retrace``: the step traced again for a batch of another size (the plan and the
-  inner update's cached trace reused).
+  inner update's cached trace reused). ``--xla-passes`` adds XLA's time per HLO pass
+  pipeline of the step's compile (from XLA's own log), the passes summed by name.
 
 ``--optimizer lamb`` or ``clip`` (``clip_by_global_norm`` then AdamW) takes the path
 where global sums are inserted into the inner update. ``--trees before=DIR after=DIR``
@@ -48,6 +52,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="params")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=1, help="zeroshard's")
+    parser.add_argument("--no-gspmd", action="store_true", help="leave out jit + NamedSharding")
+    parser.add_argument(
+        "--xla-passes", action="store_true", help="(breakdown) XLA's time per HLO pass"
+    )
     parser.add_argument(
         "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
     )
@@ -78,6 +88,7 @@ def main() -> None:
     modes = ("breakdown",) if args.until == "lower" else modes
     trees = dict(t.split("=", 1) for t in args.trees)
     variants = [f"zeroshard:{label}" for label in trees] or ["zeroshard"]
+    variants = variants if args.no_gspmd or args.no_replicated else ["gspmd", *variants]
     variants = variants if args.no_replicated else ["replicated", *variants]
     machine = None
     for leaves in args.leaves:
@@ -101,14 +112,36 @@ def run_child(args, variant: str, mode: str, leaves: int, trees: dict) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, mode, str(leaves)]
     cmd += ["--devices", str(args.devices), "--width", str(args.width)]
     cmd += ["--batch", str(args.batch), "--optimizer", args.optimizer, "--until", args.until]
+    cmd += ["--dtype", args.dtype, "--stage", str(args.stage)]
     if args.pack_bytes is not None:
         cmd += ["--pack-bytes", str(args.pack_bytes)]
     env = dict(os.environ)
     tree = trees.get(variant.partition(":")[2])
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), env.get("PYTHONPATH", "")])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    passes = args.xla_passes and mode == "breakdown"
+    if passes:  # XLA logs each HLO pass's time at this verbosity
+        env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if passes:
+        row["xla_passes"] = pass_times(done.stderr)
+    return row
+
+
+def pass_times(log: str) -> dict[str, dict[str, float]]:
+    """Seconds per HLO pass (summed over its runs), per compiled module, from XLA's
+    ``hlo_pass_pipeline`` log."""
+    out: dict[str, dict[str, float]] = {}
+    module, unit = "?", {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    for line in log.splitlines():
+        m = re.search(r"pipeline on module (\S+):", line)
+        module = m.group(1) if m else module
+        m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) ", line)
+        if m:
+            times = out.setdefault(module, {})
+            times[m.group(1)] = times.get(m.group(1), 0.0) + float(m.group(2)) * unit[m.group(3)]
+    return out
 
 
 def measure(args, variant: str, mode: str, leaves: int) -> dict:
@@ -128,14 +161,15 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
 
     import zeroshard as zs
 
-    t_import = time.perf_counter() - t_start
+    t_import, cpu_import = time.perf_counter() - t_start, time.process_time()
     n, w = args.devices, args.width
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     rng = np.random.default_rng(0)
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
     params = {
         f"layer{i:04d}": {
-            "w": (rng.normal(size=(w, w)) / np.sqrt(w)).astype(np.float32),
-            "b": np.zeros(w, np.float32),
+            "w": (rng.normal(size=(w, w)) / np.sqrt(w)).astype(dtype),
+            "b": np.zeros(w, dtype),
         }
         for i in range(leaves // 2)
     }
@@ -144,11 +178,15 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         "y": rng.normal(size=(args.batch, w)).astype(np.float32),
     }
 
+    def dense(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"])
+
     def loss_fn(p, b):
-        x = b["x"]
+        gathered = args.stage == 3 and variant.startswith("zeroshard")
+        x, apply = b["x"].astype(dtype), zs.layer(dense) if gathered else dense
         for i in range(leaves // 2):
-            x = jnp.tanh(x @ p[f"layer{i:04d}"]["w"] + p[f"layer{i:04d}"]["b"])
-        return jnp.mean((x - b["y"]) ** 2)
+            x = apply(p[f"layer{i:04d}"], x)
+        return jnp.mean((x.astype(jnp.float32) - b["y"]) ** 2)
 
     halved = jax.tree.map(lambda x: x[: len(x) // 2], batch)  # to trace the step again
     inner = OPTIMIZERS[args.optimizer](optax)
@@ -172,9 +210,9 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         if mode == "breakdown" and hasattr(tx, "plan"):
             tx.plan(params, n)
             t0 = lap("plan+guard", t0)
-        state = jax.block_until_ready(zs.init_train_state(params, tx, mesh))
+        state = jax.block_until_ready(zs.init_train_state(params, tx, mesh, stage=args.stage))
         t0 = lap("init", t0)
-        train_step = zs.make_train_step(loss_fn, tx, mesh)
+        train_step = zs.make_train_step(loss_fn, tx, mesh, stage=args.stage)
         if mode == "total":
             out = jax.block_until_ready(train_step(state, batch))
             lap("first step", t0)
@@ -185,10 +223,21 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             out, sizes = staged(train_step.jitted, args_, lap, t0, args.until)
     else:
         replicated = NamedSharding(mesh, P())
-
-        dp = replicated_step(loss_fn, inner, mesh)
+        # gspmd: the optimizer state sharded along its first dimension that divides.
+        spread = lambda x: NamedSharding(
+            mesh, P(*(None,) * next((k for k, d in enumerate(x.shape) if d % n == 0), 0), "data")
+        )
+        opt_shardings = jax.tree.map(
+            lambda x: spread(x) if any(d % n == 0 for d in x.shape) else replicated,
+            jax.eval_shape(inner.init, params),
+        )
+        shardings = (replicated, replicated if variant == "replicated" else opt_shardings)
+        if variant == "replicated":
+            dp = replicated_step(loss_fn, inner, mesh)
+        else:
+            dp = gspmd_step(loss_fn, inner, mesh, shardings)
         init = jax.jit(
-            lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=replicated
+            lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=shardings
         )
         state = jax.block_until_ready(init(params))
         t0 = lap("init", t0)
@@ -214,6 +263,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         "import_s": t_import,
         "times": times,
         "seconds": sum(times.values()),
+        "cpu_s": time.process_time() - cpu_import,
         "machine": (
             f"{jax.devices()[0].device_kind} x{jax.device_count()} "
             f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
@@ -222,6 +272,23 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     if mode == "breakdown":
         row.update(sizes)
     return row
+
+
+def gspmd_step(loss_fn, inner, mesh, shardings):
+    """Plain optax under ``jax.jit``, the state's shardings annotated (GSPMD)."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(p, s, b):
+        updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, updates), s
+
+    batch = NamedSharding(mesh, P("data"))
+    return jax.jit(
+        step, in_shardings=(*shardings, batch), out_shardings=shardings, donate_argnums=(0, 1)
+    )
 
 
 def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[object, dict]:
@@ -274,17 +341,19 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
     leaves_list = sorted({r["leaves"] for r in results})
     print(
         f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, "
-        f"{args.optimizer}\n\n{machine}; one fresh process per measurement, "
-        f"median of {args.repeats}\n"
+        f"{args.optimizer}, {args.dtype} params, zeroshard stage {args.stage}\n\n{machine}; "
+        f"one fresh process per measurement, median of {args.repeats}; ratio: zeroshard "
+        "over replicated, wall (CPU)\n"
     )
     if any(r["mode"] == "total" for r in results):
-        print("| leaves | params | " + " | ".join(f"{v} s" for v in variants) + " | ratio |")
+        print("| leaves | params | " + " | ".join(f"{v} s (CPU)" for v in variants) + " | ratio |")
         print("|---:|---:|" + "---:|" * (len(variants) + 1))
         for leaves in leaves_list:
             rows = [by[leaves, "total", v] for v in variants]
-            cells = " | ".join(f"{total(r):.2f}" for r in rows)
-            ratio = total(rows[-1]) / total(rows[0])
-            print(f"| {leaves} | {rows[0][0]['params']:,} | {cells} | {ratio:.2f} |")
+            cpu = lambda rows: statistics.median(r["cpu_s"] for r in rows)
+            cells = " | ".join(f"{total(r):.2f} ({cpu(r):.2f})" for r in rows)
+            ratio = f"{total(rows[-1]) / total(rows[0]):.2f} ({cpu(rows[-1]) / cpu(rows[0]):.2f})"
+            print(f"| {leaves} | {rows[0][0]['params']:,} | {cells} | {ratio} |")
     if not any(r["mode"] == "breakdown" for r in results):
         return
     print("\n### Breakdown (seconds; HLO: instructions of the compiled step)\n")
@@ -307,6 +376,27 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
                 f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | "
                 f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | {ops} |"
             )
+    passes = [r for r in results if "xla_passes" in r]
+    if passes:
+        print_passes(passes)
+
+
+def print_passes(results: list[dict], top: int = 6) -> None:
+    """XLA's HLO-pass seconds in each variant's step (its costliest compiled module)."""
+    step = lambda r: max(r["xla_passes"].values(), key=lambda t: sum(t.values()))
+    totals: dict[str, float] = {}
+    for r in results:
+        for name, t in step(r).items():
+            totals[name] = totals.get(name, 0.0) + t
+    names = sorted(totals, key=lambda k: -totals[k])[:top]
+    print("\n### XLA's HLO passes in the step's compile (seconds, one process each)\n")
+    print("| leaves | variant | all passes | " + " | ".join(names) + " | other |")
+    print("|---:|---|" + "---:|" * (len(names) + 2))
+    for r in results:
+        t = step(r)
+        cells = " | ".join(f"{t.get(k, 0.0):.2f}" for k in names)
+        other = sum(t.values()) - sum(t.get(k, 0.0) for k in names)
+        print(f"| {r['leaves']} | {r['variant']} | {sum(t.values()):.2f} | {cells} | {other:.2f} |")
 
 
 OPTIMIZERS = {

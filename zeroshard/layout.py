@@ -225,7 +225,9 @@ class Slot:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
         if self.num_shards == 1:
             return jnp.ravel(leaf)
-        cols = jax.lax.dynamic_slice_in_dim(self._padded(leaf), index * self.width, self.width, 1)
+        cols = jax.lax.dynamic_slice_in_dim(
+            self._padded(leaf), index * self.width, self.width, 1, allow_negative_indices=False
+        )
         return cols.reshape(-1)
 
     def blocks(self, leaf: jax.Array) -> jax.Array:

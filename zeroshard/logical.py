@@ -80,7 +80,7 @@ def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
         return full
     block = full.shape[k] // n
     index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, axis=k)
+    return jax.lax.dynamic_slice_in_dim(full, index * block, block, k, allow_negative_indices=False)
 
 
 def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:

@@ -190,7 +190,9 @@ def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array,
     """The global L2 norm of the pieces and whether every element on every device is
     finite: one scalar all-reduce, so every device takes the same decision."""
     squares = local_squares(pieces)
-    bad = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in pieces), jnp.int32(0))
+    # Per piece one "all finite" reduction over booleans (not a count, which would turn
+    # every element into an int32 first): the number of pieces with a non-finite element.
+    bad = sum((jnp.any(~jnp.isfinite(x)).astype(jnp.int32) for x in pieces), jnp.int32(0))
     if not is_identity((squares, bad), axis_name):
         squares, bad = jax.lax.psum((squares, bad), axis_name)
     return jnp.sqrt(squares), bad == 0
