@@ -1,5 +1,10 @@
 """make_train_step / init_train_state: metrics, donation, compilation, bad input."""
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,3 +125,23 @@ def test_bf16_compute_copy_and_step_counter(setup):
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     state, metrics = zs.make_train_step(awkward_loss, tx, mesh)(state, data[0])
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_second_process_takes_every_compiled_program_from_the_persistent_cache(tmp_path):
+    """Nothing in the plan, init or step defeats jax's persistent compilation cache (a
+    host callback, a constant that differs per process): a second process compiles
+    nothing, and trains to the same bits."""
+    worker = pathlib.Path(__file__).with_name("cache_worker.py")
+    run = lambda: json.loads(
+        subprocess.run(
+            [sys.executable, str(worker), str(tmp_path / "cache")],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout.splitlines()[-1]
+    )
+    first, second = run(), run()
+    assert first["misses"] >= 2 and first["hits"] == 0  # at least init and the step
+    assert (second["hits"], second["misses"]) == (first["misses"], 0)
+    assert second["weights"] == first["weights"]

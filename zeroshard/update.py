@@ -187,12 +187,12 @@ def _branch_update(
 
 
 def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
-    """The global L2 norm of the pieces and whether every element on every device is
-    finite: one scalar all-reduce, so every device takes the same decision."""
+    """The global L2 norm of the pieces and whether it is finite: one scalar all-reduce,
+    so every device takes the same decision. A ``nan`` or ``inf`` anywhere makes the
+    summed squares non-finite, so they carry the verdict with no reduction of their
+    own (as does a norm past float32's range, about 1.8e19, where every update would
+    overflow anyway)."""
     squares = local_squares(pieces)
-    # Per piece one "all finite" reduction over booleans (not a count, which would turn
-    # every element into an int32 first): the number of pieces with a non-finite element.
-    bad = sum((jnp.any(~jnp.isfinite(x)).astype(jnp.int32) for x in pieces), jnp.int32(0))
-    if not is_identity((squares, bad), axis_name):
-        squares, bad = jax.lax.psum((squares, bad), axis_name)
-    return jnp.sqrt(squares), bad == 0
+    if not is_identity(squares, axis_name):
+        squares = jax.lax.psum(squares, axis_name)
+    return jnp.sqrt(squares), jnp.isfinite(squares)
