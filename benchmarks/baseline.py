@@ -26,3 +26,41 @@ def replicated_step(loss_fn: Callable, inner: Any, mesh: Any) -> Any:
     specs = (P(), P(), P("data"))
     step = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[:2])
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def state_shardings(inner: Any, params: Any, mesh: Any) -> Any:
+    """``NamedSharding``s for ``inner``'s state on ``params``, as flax's
+    ``optimizer_sharding`` and MaxText lay it out: each leaf split over ``"data"`` along
+    its first dimension that the axis divides, replicated where none does."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape["data"]
+
+    def spread(x):
+        k = next((i for i, d in enumerate(x.shape) if d % n == 0 and d > 0), None)
+        return NamedSharding(mesh, P() if k is None else P(*(None,) * k, "data"))
+
+    return jax.tree.map(spread, jax.eval_shape(inner.init, params))
+
+
+def jit_sharded_step(loss_fn: Callable, inner: Any, mesh: Any, opt_shardings: Any) -> Any:
+    """Plain optax under ``jax.jit``: params replicated, the state laid out by
+    ``opt_shardings``, the batch split over ``"data"``; donates its state."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(p, s, b):
+        updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, updates), s
+
+    whole = NamedSharding(mesh, P())
+    return jax.jit(
+        step,
+        in_shardings=(whole, opt_shardings, NamedSharding(mesh, P("data"))),
+        out_shardings=(whole, opt_shardings),
+        donate_argnums=(0, 1),
+    )

@@ -282,29 +282,10 @@ def replicated(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
 def jit_sharded(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
     """(b): plain optax under ``jax.jit``, its state sharded by ``NamedSharding``."""
     import jax
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from baseline import jit_sharded_step, state_shardings
 
-    n, loss_fn = mesh.shape["data"], model.make_loss(1)
-
-    def spread(x):
-        k = next((i for i, d in enumerate(x.shape) if d % n == 0 and d > 0), None)
-        return NamedSharding(mesh, P() if k is None else P(*(None,) * k, "data"))
-
-    opt_shardings = jax.tree.map(spread, jax.eval_shape(inner.init, model.params))
-
-    def jit_step(p, s, b):
-        updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
-        return optax.apply_updates(p, updates), s
-
-    whole = NamedSharding(mesh, P())
-    js = jax.jit(
-        jit_step,
-        in_shardings=(whole, opt_shardings, NamedSharding(mesh, P("data"))),
-        out_shardings=(whole, opt_shardings),
-        donate_argnums=(0, 1),
-    )
+    opt_shardings = state_shardings(inner, model.params, mesh)
+    js = jit_sharded_step(model.make_loss(1), inner, mesh, opt_shardings)
     opt = jax.jit(inner.init, out_shardings=opt_shardings)(model.params)
     state = (replicate(model.params, mesh), opt)
     return Variant(lambda s: js(*s, batch), lambda s: js.lower(*s, batch), state, lambda s: s[1])

@@ -155,7 +155,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from baseline import replicated_step
+    from baseline import jit_sharded_step, replicated_step, state_shardings
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -181,9 +181,11 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     def dense(p, x):
         return jnp.tanh(x @ p["w"] + p["b"])
 
+    gathered = args.stage == 3 and variant.startswith("zeroshard")  # stage-3 pieces
+    apply = zs.layer(dense) if gathered else dense
+
     def loss_fn(p, b):
-        gathered = args.stage == 3 and variant.startswith("zeroshard")
-        x, apply = b["x"].astype(dtype), zs.layer(dense) if gathered else dense
+        x = b["x"].astype(dtype)
         for i in range(leaves // 2):
             x = apply(p[f"layer{i:04d}"], x)
         return jnp.mean((x.astype(jnp.float32) - b["y"]) ** 2)
@@ -223,19 +225,12 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             out, sizes = staged(train_step.jitted, args_, lap, t0, args.until)
     else:
         replicated = NamedSharding(mesh, P())
-        # gspmd: the optimizer state sharded along its first dimension that divides.
-        spread = lambda x: NamedSharding(
-            mesh, P(*(None,) * next((k for k, d in enumerate(x.shape) if d % n == 0), 0), "data")
-        )
-        opt_shardings = jax.tree.map(
-            lambda x: spread(x) if any(d % n == 0 for d in x.shape) else replicated,
-            jax.eval_shape(inner.init, params),
-        )
-        shardings = (replicated, replicated if variant == "replicated" else opt_shardings)
         if variant == "replicated":
+            shardings = (replicated, replicated)
             dp = replicated_step(loss_fn, inner, mesh)
-        else:
-            dp = gspmd_step(loss_fn, inner, mesh, shardings)
+        else:  # gspmd
+            shardings = (replicated, state_shardings(inner, params, mesh))
+            dp = jit_sharded_step(loss_fn, inner, mesh, shardings[1])
         init = jax.jit(
             lambda p: (jax.tree.map(jnp.copy, p), inner.init(p)), out_shardings=shardings
         )
@@ -272,23 +267,6 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     if mode == "breakdown":
         row.update(sizes)
     return row
-
-
-def gspmd_step(loss_fn, inner, mesh, shardings):
-    """Plain optax under ``jax.jit``, the state's shardings annotated (GSPMD)."""
-    import jax
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    def step(p, s, b):
-        updates, s = inner.update(jax.grad(loss_fn)(p, b), s, p)
-        return optax.apply_updates(p, updates), s
-
-    batch = NamedSharding(mesh, P("data"))
-    return jax.jit(
-        step, in_shardings=(*shardings, batch), out_shardings=shardings, donate_argnums=(0, 1)
-    )
 
 
 def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[object, dict]:
@@ -338,6 +316,7 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
         by.setdefault((r["leaves"], r["mode"], r["variant"]), []).append(r)
     med = lambda rows, key: statistics.median(r["times"].get(key, 0.0) for r in rows)
     total = lambda rows: statistics.median(r["seconds"] for r in rows)
+    cpu = lambda rows: statistics.median(r["cpu_s"] for r in rows)
     leaves_list = sorted({r["leaves"] for r in results})
     print(
         f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, "
@@ -350,7 +329,6 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
         print("|---:|---:|" + "---:|" * (len(variants) + 1))
         for leaves in leaves_list:
             rows = [by[leaves, "total", v] for v in variants]
-            cpu = lambda rows: statistics.median(r["cpu_s"] for r in rows)
             cells = " | ".join(f"{total(r):.2f} ({cpu(r):.2f})" for r in rows)
             ratio = f"{total(rows[-1]) / total(rows[0]):.2f} ({cpu(rows[-1]) / cpu(rows[0]):.2f})"
             print(f"| {leaves} | {rows[0][0]['params']:,} | {cells} | {ratio} |")

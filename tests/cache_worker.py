@@ -27,12 +27,11 @@ if __name__ == "__main__":
     import zeroshard as zs
 
     events = {"hits": 0, "misses": 0}
-    names = {"/jax/compilation_cache/cache_hits": "hits"}
-    names["/jax/compilation_cache/cache_misses"] = "misses"
 
     def count(event: str, **_) -> None:
-        if event in names:
-            events[names[event]] += 1
+        name = event.removeprefix("/jax/compilation_cache/cache_")
+        if event.startswith("/jax/compilation_cache/") and name in events:
+            events[name] += 1
 
     jax.monitoring.register_event_listener(count)
     rng = np.random.default_rng(0)
