@@ -16,7 +16,6 @@ from helpers import (
 )
 
 import zeroshard as zs
-from zeroshard.layout import Layout
 
 STEPS = 4
 
@@ -77,19 +76,11 @@ def test_parity_global_norm_clipping_that_clips(n, rng):
     assert float(metrics["grad_norm"]) > 0.05
 
 
-def sharded_master(state, params, n):
-    """The master weights as full fp32 leaves (fp32 params are their own master)."""
-    layout = Layout.from_tree(params, n)
-    master = state.opt_state.master
-    pieces = layout.treedef.flatten_up_to(master) if master is not None else layout.slots
-    leaves = []
-    for leaf, piece, s in zip(jax.tree.leaves(state.params), pieces, layout.slots, strict=True):
-        if not hasattr(piece, "dtype"):  # no master of its own
-            leaves.append(np.asarray(leaf, np.float32))
-            continue
-        # The global array of the pieces: device d's piece is block d of the last axis.
-        leaves.append(np.asarray(piece).reshape(-1)[: s.size].reshape(s.shape))
-    return layout.treedef.unflatten(leaves)
+def params_and_masters(params, state):
+    """The master weights (``None`` where none is kept) of each leaf of ``params``."""
+    return jax.tree.leaves(
+        jax.tree.map(lambda p, m: m, params, state.opt_state.master), is_leaf=lambda x: x is None
+    )
 
 
 @pytest.mark.parametrize("n", [1, 8])
@@ -105,11 +96,16 @@ def test_parity_mixed_dtype_tree_with_master(n, rng):
     train_step = zs.make_train_step(awkward_loss, tx, mesh)
     for batch in data:
         state, _ = train_step(state, batch)
-    kept = jax.tree.map(lambda p, m: m is not None, params, state.opt_state.master)
-    assert kept == jax.tree.map(lambda p: p.dtype == jnp.bfloat16, params)  # only bf16 leaves
+    # Only bf16 leaves keep a master, all of them (alike leaves' pieces end to end in
+    # one of theirs): as many elements as their pieces.
+    pairs = zip(jax.tree.leaves(params), params_and_masters(params, state), strict=True)
+    held = [m.size for p, m in pairs if m is not None and p.dtype == jnp.bfloat16]
+    pieces = [-(-p.size // n) * n for p in jax.tree.leaves(params) if p.dtype == jnp.bfloat16]
+    assert sum(held) == sum(pieces)
+    assert len(held) == len(jax.tree.leaves(state.opt_state.master))
     assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(state.opt_state.master))
     assert jax.tree.map(lambda x: x.dtype, state.params) == dtypes
-    master = sharded_master(state, params, n)
+    master = zs.to_optax_state(state, tx)[0]  # the master weights, full
     if n == 1:
         assert_trees_close(master, expected, 1e-6)
     else:
@@ -127,7 +123,7 @@ def test_bf16_compute_fp32_master_trajectory(n, rng):
     train_step = zs.make_train_step(awkward_loss, tx, mesh)
     for batch in data:
         state, _ = train_step(state, batch)
-    master = sharded_master(state, params, n)
+    master = zs.to_optax_state(state, tx)[0]  # the master weights, full
     if n == 1:
         assert_trees_close(master, expected, 1e-6)
     else:

@@ -103,7 +103,7 @@ class ReduceScatter(Arrival):
             )
             # One device: each piece is the whole leaf, raveled (no concatenation).
             pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
-            for group in () if one else layout.groups(self.config.pack_bytes):
+            for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
                 row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
                 for i, start, stop in layout.columns(group):
                     pieces[i] = row[start:stop]

@@ -89,7 +89,7 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     """Inner ``state`` of ``branch`` split into the tree it keeps (``None`` at owned
     leaves) and its storage rows (owned state, plus the owned master weights taken
     from ``local``, what the branch holds of its owned leaves)."""
-    leaves = plan.state_treedef.flatten_up_to(state)
+    leaves = plan.state_treedef.flatten_up_to(plan.compact_state(state))
     values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
@@ -121,12 +121,13 @@ def init_parts(
     pieces: list[jax.Array | None],
     wholes: list[jax.Array | None],
 ) -> tuple[PyTree, tuple[jax.Array, ...]]:
-    """This device's initial inner state (``None`` at owned leaves) and owned rows, from
-    its master pieces of the sliced leaves and the owned leaves' full master weights."""
+    """This device's initial inner state (``None`` at owned leaves and hidden ones') and
+    owned rows, from its master pieces of the sliced leaves (grouped) and the owned
+    leaves' full master weights."""
 
     def init_branch(b, pieces, wholes):
         local = plan.local_wholes(b, wholes, axis_name)
-        state = inner.init(plan.view(b, pieces, local, axis_name))
+        state = inner.init(plan.filled(plan.view(b, pieces, local, axis_name), axis_name))
         return kept_and_stored(plan, b, state, local)
 
     inner_state, owned = run_branches(plan, axis_name, init_branch, pieces, wholes)

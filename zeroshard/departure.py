@@ -90,20 +90,25 @@ class AllGather(Departure):
 
     def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
         with scope(ALL_GATHER):
-            return self.gather(plan.layout, new, rows)
+            return self.gather(plan.layout, new, rows, plan.leaf_order)
 
     def gather(
-        self, layout: Layout, pieces: Sequence[jax.Array | None], rows: Sequence[jax.Array | None]
+        self,
+        layout: Layout,
+        pieces: Sequence[jax.Array | None],
+        rows: Sequence[jax.Array | None],
+        order: Sequence[int] | None = None,
     ) -> PyTree:
         """The full parameter tree, invariant over the axis (usable with ``P()``), from
         this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
-        and its row of owned leaves per bucket (``None`` where it owns nothing)."""
+        and its row of owned leaves per bucket (``None`` where it owns nothing); small
+        leaves packed in ``order`` (see :meth:`zeroshard.layout.Layout.groups`)."""
         axis = self.config.axis_name
         every = lambda row: all_gathered(row, axis, to="invarying")  # (num_shards, row)
         # One device: each leaf is its piece, reshaped (no concatenation).
         one = is_identity([p for p in pieces if p is not None], axis)
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
-        for group in () if one else layout.groups(self.config.pack_bytes):
+        for group in () if one else layout.groups(self.config.pack_bytes, order):
             full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
             for i, start, stop in layout.columns(group):
                 leaves[i] = layout.slots[i].uncut(full[:, start:stop])

@@ -25,7 +25,8 @@ the geometry that cuts a leaf into pieces and puts the pieces back together:
 
 Leaves of one dtype form a *bucket*: the pieces a device holds of its sliced leaves,
 laid end to end, are that device's *row* of the bucket (what a packed collective
-moves; the state itself keeps one piece per leaf). The collectives of a step move a
+moves; the state keeps one piece per leaf, or per group of leaves with the same
+update: :attr:`zeroshard.placement.Plan.groups`). The collectives of a step move a
 large leaf's pieces directly, with no copy into or out of a packed buffer; small
 leaves of one dtype are packed together (:meth:`Layout.groups`).
 
@@ -384,13 +385,18 @@ class Layout:
         units. Devices with one profile see views of the same shapes."""
         return tuple((i, len(self.slots[i].units_of(device))) for i in self.owned_by(device))
 
-    def groups(self, pack_bytes: int) -> tuple[tuple[int, ...], ...]:
+    def groups(
+        self, pack_bytes: int, order: Sequence[int] | None = None
+    ) -> tuple[tuple[int, ...], ...]:
         """The sliced leaves that share one collective: each leaf of at least ``pack_bytes``
-        alone, and the smaller leaves of each dtype packed together, in leaf order, into
-        groups of at most ``pack_bytes`` (so no packed copy is larger)."""
+        alone, and the smaller leaves of each dtype packed together, in leaf order (or
+        in ``order``, a permutation of the leaves), into groups of at most ``pack_bytes``
+        (so no packed copy is larger)."""
         groups = []
         for b in self.buckets:
-            sliced = [i for i in b.slots if not self.slots[i].owned]
+            members = set(b.slots)
+            ordered = b.slots if order is None else [i for i in order if i in members]
+            sliced = [i for i in ordered if not self.slots[i].owned]
             nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in sliced}
             run: list[int] = []
             for i in (i for i in sliced if nbytes[i] < pack_bytes):

@@ -238,7 +238,7 @@ def _to_optax_converter(
     departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
-        pieces = master_pieces(plan, opt_state, departure.own_pieces(plan, params))
+        pieces = plan.ungrouped(master_pieces(plan, opt_state, departure.own_pieces(plan, params)))
 
         def block(i: int, s: Slot, x: Any) -> jax.Array:  # of leaf i's master weights
             if not s.owned:
@@ -251,7 +251,7 @@ def _to_optax_converter(
 
         leaves = layout.treedef.flatten_up_to(params)
         master = [block(i, s, x) for i, (s, x) in enumerate(zip(layout.slots, leaves, strict=True))]
-        inner = plan.state_treedef.flatten_up_to(opt_state.inner_state)
+        inner = plan.ungrouped_state(plan.state_treedef.flatten_up_to(opt_state.inner_state))
         inner = [
             to_logical(layout.slots[plan.state_slots[k]], x, axis)
             if plan.state_kind(k) == "sliced"
@@ -344,7 +344,7 @@ def _from_logical_local(
             None if s.owned else from_logical(s, x, axis)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
-        master = plan.master_tree(pieces)
+        master = plan.master_tree(plan.grouped(pieces))
         fulls = [
             logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
         ]
@@ -362,7 +362,7 @@ def _from_logical_local(
                 x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)
             )
         wholes = owned_wholes(plan, layout.treedef.unflatten(fulls))
-        inner_state, owned = init_parts(tx.inner, plan, axis, pieces, wholes)
+        inner_state, owned = init_parts(tx.inner, plan, axis, plan.grouped(pieces), wholes)
         kept = plan.state_treedef.flatten_up_to(inner_state)
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
             if plan.state_kind(k) == "sliced":
@@ -373,7 +373,7 @@ def _from_logical_local(
                 full = logical_gather(x, opt_leaves[k].shape, axis)
                 owned = _store_full(plan, owned, ("state", k), full, axis)
         grad_norm = jnp.zeros((), jnp.float32)
-        state = plan.state_treedef.unflatten(kept)
+        state = plan.state_treedef.unflatten(plan.grouped_state(kept))
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
         return TrainState(step, compute, opt, model_state)
 

@@ -18,10 +18,17 @@ Built once per parameter layout, at trace time, from shapes alone:
    owned leaf, or differs between views). Owned state, and the master weights of
    owned leaves, live in :class:`Storage` rows: one per dtype and device, padded to
    the most loaded device.
+4. On more than one device, sliced leaves whose elementwise update is the same
+   computation on pieces of the same shape form a *group* (:attr:`Plan.groups`): their
+   pieces lie end to end in the first leaf's place, in the view, the state and the
+   master weights, so the inner optimizer runs once per group (the compiled step has
+   one fused update per group instead of one per leaf). Every element is computed as
+   before.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -106,6 +113,12 @@ class Plan:
         first axis the layers of a layer-owned leaf, each on that layer's owner) the
         leaf, else ``None``.
       storage: where owned state and owned master weights live.
+      groups: the sliced leaves updated as one buffer (:func:`_groups`): per group its
+        leaves, whose pieces are laid end to end, in the first one's place, in the
+        view, the state and the master weights (``None`` at the others').
+      state_groups: per group, the inner state leaves of each of its leaves, one
+        group per state role (``mu``, ``nu``, ...), in the same order.
+      state_dtypes: per leaf of the inner state, its dtype.
       updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
         traces cached).
     """
@@ -120,6 +133,9 @@ class Plan:
     state_sources: tuple[int | None, ...] = ()
     state_layers: tuple[int | None, ...] = ()
     storage: Storage = Storage((), (), ())
+    groups: tuple[tuple[int, ...], ...] = ()
+    state_groups: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[Any, ...] = ()
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -134,14 +150,97 @@ class Plan:
         ``None`` as a whole when no leaf keeps any."""
         # Owned leaves keep their master weights in storage.
         keeps = [
-            not s.owned and self.master_dtypes[s.bucket] is not None for s in self.layout.slots
+            not s.owned and i not in self.hidden and self.master_dtypes[s.bucket] is not None
+            for i, s in enumerate(self.layout.slots)
         ]
         if not any(keeps):
             return None
-        shaped = lambda p, s: jnp.reshape(p, s.piece_shape) if isinstance(p, jax.Array) else p
+        shaped = lambda p, i: jnp.reshape(p, self.piece_shape(i)) if isinstance(p, jax.Array) else p
         return self.layout.treedef.unflatten(
-            shaped(p, s) if k else None
-            for p, s, k in zip(pieces, self.layout.slots, keeps, strict=True)
+            shaped(p, i) if k else None for i, (p, k) in enumerate(zip(pieces, keeps, strict=True))
+        )
+
+    @functools.cached_property
+    def hidden(self) -> frozenset[int]:
+        """The grouped leaves whose pieces are in another leaf's place."""
+        return frozenset(i for g in self.groups for i in g[1:])
+
+    @functools.cached_property
+    def hidden_state(self) -> frozenset[int]:
+        """The inner state leaves of :attr:`hidden` leaves."""
+        return frozenset(k for g in self.state_groups for k in g[1:])
+
+    @functools.cached_property
+    def leaf_order(self) -> tuple[int, ...]:
+        """The leaves in order, each group's together at its first leaf's place: the
+        order packed collectives lay pieces out in, so that a group's pieces are
+        neighbours in a packed row (grouping them there is a slice, not a copy)."""
+        first = {g[0]: g for g in self.groups}
+        order = (first.get(i, (i,)) for i in range(len(self.layout.slots)) if i not in self.hidden)
+        return tuple(i for g in order for i in g)
+
+    def piece_shape(self, i: int) -> tuple[int, ...]:
+        """The shape sliced leaf ``i``'s piece has in the view and the state: its
+        group's pieces end to end for a group's first leaf, none of them (zero
+        elements) for a hidden one."""
+        s, group = self.layout.slots[i], next((g for g in self.groups if i in g), None)
+        if group is None:
+            return s.piece_shape
+        return (*s.piece_shape[:-1], 0 if i in self.hidden else s.piece_size * len(group))
+
+    def grouped(self, pieces: list) -> list:
+        """Per-leaf 1-D pieces (``None`` at owned leaves) with each group's laid end to
+        end in its first leaf's place and ``None`` at its other leaves'."""
+        return _grouped(pieces, self.groups)
+
+    def ungrouped(self, pieces: list) -> list:
+        """The inverse of :meth:`grouped`: each leaf's 1-D piece again."""
+        return _ungrouped(pieces, self.groups)
+
+    def grouped_state(self, leaves: list) -> list:
+        """Inner state leaves with the per-element ones of each group laid end to end,
+        as :meth:`grouped` lays out the pieces (shaped as the state keeps them)."""
+        out = _grouped(leaves, self.state_groups)
+        for g in self.state_groups:
+            out[g[0]] = out[g[0]].reshape(self.piece_shape(self.state_slots[g[0]]))
+        return out
+
+    def ungrouped_state(self, leaves: list) -> list:
+        """The inverse of :meth:`grouped_state` (the per-element leaves 1-D)."""
+        return _ungrouped(leaves, self.state_groups)
+
+    def filled(self, view: PyTree, axis_name: str) -> PyTree:
+        """A view (see :meth:`view`) with a zero-element piece at each hidden leaf, what
+        the inner optimizer sees there."""
+        dtype = lambda i: self.inner_dtypes[self.layout.slots[i].bucket]
+        empty = lambda i: _empty(self.piece_shape(i), dtype(i), axis_name)
+        leaves = self.layout.treedef.flatten_up_to(view)
+        return self.layout.treedef.unflatten(
+            empty(i) if i in self.hidden else x for i, x in enumerate(leaves)
+        )
+
+    def compact(self, view: PyTree) -> PyTree:
+        """A view with ``None`` at each hidden leaf (the inverse of :meth:`filled`)."""
+        leaves = self.layout.treedef.flatten_up_to(view)
+        return self.layout.treedef.unflatten(
+            None if i in self.hidden else x for i, x in enumerate(leaves)
+        )
+
+    def filled_state(self, state: PyTree, axis_name: str) -> PyTree:
+        """An inner state with a zero-element leaf at each hidden leaf's per-element
+        state (the inverse of :meth:`compact_state`)."""
+        leaves = self.state_treedef.flatten_up_to(state)
+        shape = lambda k: self.piece_shape(self.state_slots[k])
+        return self.state_treedef.unflatten(
+            _empty(shape(k), self.state_dtypes[k], axis_name) if k in self.hidden_state else x
+            for k, x in enumerate(leaves)
+        )
+
+    def compact_state(self, state: PyTree) -> PyTree:
+        """An inner state with ``None`` at each hidden leaf's per-element state."""
+        leaves = self.state_treedef.flatten_up_to(state)
+        return self.state_treedef.unflatten(
+            None if k in self.hidden_state else x for k, x in enumerate(leaves)
         )
 
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
@@ -200,15 +299,15 @@ class Plan:
         return [fn(i, s, owned[i]) if i in owned else None for i, s in enumerate(self.layout.slots)]
 
     def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
-        """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (reshaped to
-        the piece shape) for a sliced leaf, ``local[i]`` (see :meth:`local_wholes`) for
-        a leaf it owns, a one-element stand-in for any other owned leaf."""
+        """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (grouped,
+        reshaped to :meth:`piece_shape`) for a sliced leaf (``None`` for a hidden one:
+        see :meth:`filled`), ``local[i]`` (see :meth:`local_wholes`) for a leaf it
+        owns, a one-element stand-in for any other owned leaf."""
         dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
-        stand_in = lambda s: jax.lax.pcast(
-            jnp.zeros(s.stand_in_shape, dtypes[s.bucket]), axis_name, to="varying"
-        )
+        stand_in = lambda s: _empty(s.stand_in_shape, dtypes[s.bucket], axis_name)
+        piece = lambda i: None if i in self.hidden else pieces[i].reshape(self.piece_shape(i))
         leaves = [
-            local[i] if i in owned else stand_in(s) if s.owned else pieces[i].reshape(s.piece_shape)
+            local[i] if i in owned else stand_in(s) if s.owned else piece(i)
             for i, s in enumerate(self.layout.slots)
         ]
         return self.layout.treedef.unflatten(leaves)
@@ -245,6 +344,28 @@ class Plan:
         slots, matrix = self.layout.slots, self.analysis.matrix
         cost = lambda i, count: leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
         return [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
+
+
+def _empty(shape: tuple[int, ...], dtype: Any, axis_name: str) -> jax.Array:
+    """Zeros of ``shape``, typed varying over the axis as the pieces they stand with."""
+    return jax.lax.pcast(jnp.zeros(shape, dtype), axis_name, to="varying")
+
+
+def _grouped(values: list, groups: tuple[tuple[int, ...], ...]) -> list:
+    out = list(values)
+    for g in groups:
+        out[g[0]] = jnp.concatenate([jnp.ravel(values[i]) for i in g])
+        for i in g[1:]:
+            out[i] = None
+    return out
+
+
+def _ungrouped(values: list, groups: tuple[tuple[int, ...], ...]) -> list:
+    out = list(values)
+    for g in groups:
+        for i, piece in zip(g, jnp.split(jnp.ravel(values[g[0]]), len(g)), strict=True):
+            out[i] = piece
+    return out
 
 
 def leaf_cost(slot: Any, matrix: bool) -> float:
@@ -320,7 +441,44 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         ]
         storage.append(values)
     kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
-    return dataclasses.replace(plan, storage=Storage.build(storage), **kinds)
+    groups, state_groups = _groups(layout, analysis, slots)
+    return dataclasses.replace(
+        plan,
+        storage=Storage.build(storage),
+        groups=groups,
+        state_groups=state_groups,
+        state_dtypes=tuple(x.dtype for x in views[0]),
+        **kinds,
+    )
+
+
+def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tuple, tuple]:
+    """The groups of sliced leaves updated as one buffer, and their state leaves (see
+    :class:`Plan`): alike leaves (:func:`zeroshard.analysis.groups.alike_leaves`: the
+    same computation on pieces of the same shape) of one dtype that are cut whole (not
+    layer by layer), whose update is elementwise (no sum over a leaf) and whose state
+    is per element. On such leaves, laying the pieces end to end changes no result:
+    every element is computed as before. On one device the pieces are the leaves
+    themselves, and are left as they are (plain optax's own layout, no copies)."""
+    summed = set().union(*analysis.sums, analysis.layer_sums)
+    own = collections.defaultdict(list)  # per leaf, its state leaves
+    for k, i in enumerate(analysis.state_leaves):
+        own[i].append(k)
+
+    def fit(i: int) -> bool:
+        s = layout.slots[i]
+        per_element = all(state_slots[k] == i for k in own[i])
+        shaped = sum(j == i for j in state_slots) == len(own[i])
+        return not (s.owned or s.stacked or i in summed) and per_element and shaped
+
+    groups = []
+    for alike in analysis.alike if layout.num_shards > 1 else ():
+        for b in dict.fromkeys(layout.slots[i].bucket for i in alike):
+            g = tuple(i for i in alike if layout.slots[i].bucket == b and fit(i))
+            if len(g) > 1:
+                groups.append(g)
+    state_groups = [tuple(ks) for g in groups for ks in zip(*(own[i] for i in g), strict=True)]
+    return tuple(groups), tuple(state_groups)
 
 
 def _check_structure(treedef: Any, state: PyTree) -> None:

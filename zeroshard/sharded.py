@@ -60,8 +60,9 @@ class Sharded:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan, axis = self.plan(params, num_shards), self.config.axis_name
         other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
+        spec = lambda k, i: None if k in plan.hidden_state else plan.layout.slots[i].spec(axis)
         specs = [
-            other[plan.state_kind(k)] if i is None else plan.layout.slots[i].spec(axis)
+            other[plan.state_kind(k)] if i is None else spec(k, i)
             for k, i in enumerate(plan.state_slots)
         ]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
@@ -90,7 +91,7 @@ class Sharded:
         plan = self.plan(params, jax.lax.axis_size(axis))
         source = params if master_params is None else master_params
         plan.layout.check_matches(source, "master_params")
-        pieces = plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis)))
+        pieces = plan.grouped(plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis))))
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, owned_wholes(plan, source))
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()

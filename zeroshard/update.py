@@ -26,6 +26,7 @@ the compiled program's op names tell them apart.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -102,6 +103,7 @@ def updated(
     with scope(GRAD_NORM):
         grad_norm, finite = norm_and_finite(present, config.axis_name)
     with scope(UPDATE):
+        grad_pieces = plan.grouped(grad_pieces)
         update_branch = _branch_update(inner, config, plan, route, extra_args)
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
         new, rows, inner_state, owned = branches.run_branches(
@@ -115,14 +117,15 @@ def updated(
         loss_scale = config.loss_scale
         scale = None if loss_scale is None else loss_scale.adjust(state.loss_scale, finite)
     new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
-    return departure.send(plan, new, rows, params), new_state
+    return departure.send(plan, plan.ungrouped(new), rows, params), new_state
 
 
 def master_pieces(
     plan: Plan, state: ShardedState, own: list[jax.Array | None]
 ) -> list[jax.Array | None]:
-    """This device's pieces of the sliced leaves' master weights (1-D, inner dtypes;
-    ``None`` for owned leaves).
+    """This device's pieces of the sliced leaves' master weights, grouped
+    (:meth:`zeroshard.placement.Plan.grouped`; 1-D, inner dtypes; ``None`` for owned
+    and hidden leaves).
 
     Args:
       plan: the plan for the parameters.
@@ -134,9 +137,10 @@ def master_pieces(
     master = (
         [None] * len(own) if state.master is None else layout.treedef.flatten_up_to(state.master)
     )
-    return layout.sliced(
-        lambda s, p, m: p.astype(dtypes[s.bucket]) if m is None else m.reshape(-1), own, master
+    pick = lambda s, p, m: (
+        m.reshape(-1) if m is not None else None if p is None else p.astype(dtypes[s.bucket])
     )
+    return layout.sliced(pick, plan.grouped(own), master)
 
 
 def _branch_update(
@@ -162,26 +166,31 @@ def _branch_update(
         params = branches.varying(plan.view(b, pieces, p, axis), axis)
         grads = plan.view(b, grad_pieces, g, axis)
 
-        def step(inner_state, params):
+        def step(inner_state, params, grads):
+            # The hidden leaves' zero-element pieces are made here, not passed in: an
+            # operand of the conditional costs XLA's partitioner even when empty.
+            full, fill = plan.filled(params, axis), functools.partial(plan.filled, axis_name=axis)
             updates, new_state = plan.updates_and_state(
-                inner, grads, inner_state, params, axis, **extra_args
+                inner, fill(grads), plan.filled_state(inner_state, axis), full, axis, **extra_args
             )
-            new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-            return new, branches.varying_like(new_state, inner_state, axis)
+            new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), full, updates)
+            new_state = plan.compact_state(new_state)
+            return plan.compact(new), branches.varying_like(new_state, inner_state, axis)
 
         if config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
             # no copy of the old state kept alive until the verdict.
-            unchanged = lambda inner_state, params: (params, inner_state)
-            new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params)
+            unchanged = lambda inner_state, params, _: (params, inner_state)
+            new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params, grads)
         else:
-            new, new_state = step(inner_state, params)
+            new, new_state = step(inner_state, params, grads)
         new = layout.treedef.flatten_up_to(new)
         rows = layout.per_owned_bucket(
             lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
         )
         kept, owned_rows = branches.kept_and_stored(plan, b, new_state, new)
-        return layout.sliced(lambda s, x: jnp.ravel(x), new), rows, kept, owned_rows
+        ravel = lambda s, x: None if x is None else jnp.ravel(x)
+        return layout.sliced(ravel, new), rows, kept, owned_rows
 
     return update_branch
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroshard.analysis.groups import alike_leaves
 from zeroshard.analysis.jaxprs import open_jaxpr, primitives
 from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
@@ -50,6 +51,9 @@ class Analysis:
         hold some of its layers.
       reads: the leaves whose weights the update reads (weight decay, trust ratios):
         the others' need not reach their owners.
+      alike: the classes of leaves whose update on their pieces is the same
+        computation (:func:`zeroshard.analysis.groups.alike_leaves`); ``()`` where the
+        update was not traced on pieces.
     """
 
     whole: frozenset[int]
@@ -60,6 +64,7 @@ class Analysis:
     layered: frozenset[int] = frozenset()
     layer_sums: frozenset[int] = frozenset()
     reads: frozenset[int] = frozenset()
+    alike: tuple[tuple[int, ...], ...] = ()
 
     def in_tags(self, num_params: int) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
@@ -133,11 +138,12 @@ def analyze(
             f"parameters over {num_shards} devices: {e}. {_FIX}"
         ) from None
     state_leaves = _state_leaves(outs, names, full_state)
-    whole = set(tagger.whole)
+    whole, alike = set(tagger.whole), ()
     try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
         pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
         sliced = tag(pieces, state_in)[0]
         whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
+        alike = tuple(map(tuple, alike_leaves(pieces, n_params, state_leaves)))
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
@@ -157,6 +163,7 @@ def analyze(
         frozenset(layered),
         frozenset(summed & layered),
         _reads(full, n_params, n_state),
+        alike,
     )
 
 

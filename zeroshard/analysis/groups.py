@@ -1,0 +1,116 @@
+"""Groups: the leaves whose traced update is one and the same computation.
+
+Two leaves are *alike* when, in the update traced on this device's pieces, the
+equations that compute each one's new values are the same: the same primitives with
+the same parameters, literals, constants and shapes, applied to its own gradient,
+weights and state in the same roles and to the same shared values (the step count,
+a learning rate, an extra argument). A different learning rate, a mask, a
+``multi_transform`` label or a per-leaf weight decay shows in those equations and
+keeps two leaves apart. Alike leaves' pieces laid end to end can then be updated as
+one buffer, element for element as they are updated one by one, when the update is
+elementwise (no sums over a leaf: :mod:`zeroshard.placement` checks that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex_core
+
+from zeroshard.analysis.jaxprs import open_jaxpr
+
+# Parameters of custom-derivative calls that hold rules for differentiating, not the
+# value computed (``call_jaxpr`` is): functions made anew at every call.
+_RULES = ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees")
+
+
+def alike_leaves(
+    closed: Any, n_params: int, state_leaves: tuple[int | None, ...]
+) -> list[list[int]]:
+    """The classes of alike leaves (each sorted, in order of their first leaf) of the
+    update jaxpr ``closed``, traced as ``update(grads, state, params, *extra)``.
+
+    Args:
+      closed: the traced update (closed jaxpr).
+      n_params: the number of parameter leaves.
+      state_leaves: per leaf of the inner state, the parameter leaf it derives from,
+        or ``None`` (shared, like a step count).
+
+    A leaf whose update reads another leaf's gradient, weights or state is in a class
+    of its own.
+    """
+    jaxpr = open_jaxpr(closed)
+    n_state = len(state_leaves)
+    roles: dict[Any, tuple[int, str]] = {}  # an input -> (its leaf, its role)
+    counts: dict[int, int] = defaultdict(int)
+    outs: dict[int, list[tuple[str, Any]]] = defaultdict(list)
+    for i in range(n_params):
+        roles[jaxpr.invars[i]] = (i, "g")
+        roles[jaxpr.invars[n_params + n_state + i]] = (i, "p")
+        outs[i].append(("u", jaxpr.outvars[i]))
+    for k, i in enumerate(state_leaves):
+        if i is not None:
+            roles[jaxpr.invars[n_params + k]] = (i, f"s{counts[i]}")
+            outs[i].append((f"s{counts[i]}", jaxpr.outvars[n_params + k]))
+            counts[i] += 1
+    # Each value's digest: of its computation, with a leaf's own inputs named by their
+    # role alone, so alike leaves' values have equal digests; and the leaves it reads.
+    digest: dict[Any, bytes] = {}
+    reads: dict[Any, frozenset[int]] = {}
+    for k, v in enumerate(jaxpr.invars):
+        role = roles.get(v)
+        digest[v] = _digest(f"{role[1] if role else f'in{k}'}:{v.aval}")
+        reads[v] = frozenset([role[0]]) if role else frozenset()
+    for v, c in zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False):
+        digest[v], reads[v] = _digest(_const(c)), frozenset()
+    none: frozenset[int] = frozenset()
+    for e in jaxpr.eqns:
+        ins = [digest[v] if isinstance(v, jex_core.Var) else _literal(v) for v in e.invars]
+        head = f"{e.primitive.name}[{_params(e)}]".encode() + b"".join(ins)
+        read = none.union(*(reads.get(v, none) for v in e.invars if isinstance(v, jex_core.Var)))
+        for j, v in enumerate(e.outvars):
+            digest[v], reads[v] = _digest(head + f"{j}:{v.aval}".encode()), read
+    classes: dict[Any, list[int]] = {}
+    for i in range(n_params):
+        value = lambda v: digest[v] if isinstance(v, jex_core.Var) else _literal(v)
+        alone = any(reads.get(v, none) - {i} for _, v in outs[i])
+        key = ("alone", i) if alone else tuple((role, value(v)) for role, v in outs[i])
+        classes.setdefault(key, []).append(i)
+    return list(classes.values())
+
+
+def _digest(text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _literal(v: Any) -> bytes:
+    return _digest(f"{np.asarray(v.val)!r}:{v.aval}")
+
+
+def _params(eqn: Any) -> str:
+    params = eqn.params
+    if eqn.primitive.name.startswith("custom_"):
+        params = {k: v for k, v in params.items() if k not in _RULES}
+    return ", ".join(f"{k}={_value(v)}" for k, v in sorted(params.items()))
+
+
+def _value(v: Any) -> str:
+    """A parameter's text: a called jaxpr with its constants' values."""
+    if isinstance(v, tuple):
+        return "(" + ", ".join(map(_value, v)) + ")"
+    if open_jaxpr(v) is not None:
+        return f"{v} consts {[_const(c) for c in getattr(v, 'consts', ())]}"
+    return repr(v)
+
+
+def _const(c: Any) -> str:
+    """A constant's text: its type and a digest of its bytes."""
+    try:
+        a = np.asarray(c)
+    except Exception:  # not an array (an opaque value): by identity, conservatively
+        return f"const {id(c)}"
+    return f"const {a.dtype}{a.shape} {hashlib.sha1(a.tobytes()).hexdigest()}"
