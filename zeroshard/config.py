@@ -57,6 +57,8 @@ class ShardConfig:
       mesh: the mesh the state lives on when ``init`` and ``update`` run outside
         ``shard_map`` (in the user's own ``jax.jit``), or ``None``: then the mesh set
         with ``jax.set_mesh``, else the mesh of the state's arrays.
+      group_alike: update alike sliced leaves as one buffer (see
+        :attr:`zeroshard.placement.Plan.groups`).
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -75,6 +77,7 @@ class ShardConfig:
     stacked: Stacked = None
     placement: Placement = None
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+    group_alike: bool = True
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_name, self.replica_axis)
@@ -88,6 +91,7 @@ class ShardConfig:
         normal("master_dtype", _dtype(self.master_dtype))
         normal("reduce_dtype", _dtype(self.reduce_dtype))
         normal("skip_nonfinite", bool(self.skip_nonfinite))
+        normal("group_alike", bool(self.group_alike))
         normal("stacked", _stacked(self.stacked))
 
     @property

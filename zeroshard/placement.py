@@ -404,10 +404,10 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
-    return _with_state(plan, inner, full_state)
+    return _with_state(plan, inner, full_state, config.group_alike)
 
 
-def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
+def _with_state(plan: Plan, inner: Any, full_state: PyTree, group: bool) -> Plan:
     """``plan`` with each inner state leaf classified (sliced: the parameter it is
     shaped like; owned: the device holding it) and the owned values' storage."""
     layout, analysis = plan.layout, plan.analysis
@@ -441,7 +441,7 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree) -> Plan:
         ]
         storage.append(values)
     kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
-    groups, state_groups = _groups(layout, analysis, slots)
+    groups, state_groups = _groups(layout, analysis, slots) if group else ((), ())
     return dataclasses.replace(
         plan,
         storage=Storage.build(storage),

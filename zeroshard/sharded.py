@@ -303,6 +303,7 @@ def sharded(
     stacked: Stacked = None,
     placement: Placement = None,
     mesh: jax.sharding.Mesh | None = None,
+    group_alike: bool = True,
 ) -> ShardedTransformation:
     """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
@@ -391,6 +392,13 @@ def sharded(
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
         the mesh set with ``jax.set_mesh``, else that of the state's arrays.
+      group_alike: on more than one device, update the sliced leaves whose update is
+        the same elementwise computation (the same optimizer and hyperparameters,
+        mask and label, on pieces of one shape and dtype) as one buffer: their
+        pieces lie end to end in the state, and the compiled step has one update per
+        group instead of one per leaf (a model of many layers compiles faster). Every
+        element is computed as before: the same bits. ``False`` keeps one piece per
+        leaf. Checkpoints are per leaf either way.
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``
@@ -441,6 +449,7 @@ def sharded(
         stacked=stacked,
         placement=placement,
         mesh=mesh,
+        group_alike=group_alike,
     )
     opt = Sharded(optax.with_extra_args_support(inner), config)
     return ShardedTransformation(opt.init, opt.update)
