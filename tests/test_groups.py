@@ -76,6 +76,41 @@ def test_alike_leaves_in_one_buffer_give_the_same_bits(name, stage, rng):
     jax.tree.map(np.testing.assert_array_equal, after_a, after_b)
 
 
+def test_a_global_norm_spans_the_groups_buffers(rng):
+    """Clipping by the global norm: the leaves are grouped (the norm's sum runs over the
+    groups' buffers, padding left out), and the result is plain optax's. The sum is
+    taken in another order than leaf by leaf, so the clipping factor may differ in its
+    last bits: the two layouts agree to float32 rounding, not bit for bit."""
+    params, data = layers_params(rng), layers_batches(rng, 3)
+    inner = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))
+    grouped = zs.sharded(inner(), axis_name="data")
+    apart = zs.sharded(inner(), axis_name="data", group_alike=False)
+    assert [len(g) for g in grouped.plan(params, N).groups] == [LAYERS, LAYERS]
+    a, b = train(grouped, params, data, 1), train(apart, params, data, 1)
+    logical_a, logical_b = zs.to_optax_state(a, grouped), zs.to_optax_state(b, apart)
+    assert_trees_close(logical_a, logical_b, 1e-6)
+    expected = reference_run(layers_loss, inner(), params, data)
+    assert_trees_close(logical_a[0], expected, 1e-5)
+    unclipped = reference_run(layers_loss, optax.adamw(1e-2), params, data)
+    assert not np.allclose(unclipped["l0"]["w"], expected["l0"]["w"], atol=1e-4)  # it clipped
+
+
+def test_grouped_leaves_beside_leaves_with_norms_of_their_own(rng):
+    """Adam's leaves grouped, LAMB's (a trust ratio per leaf) each on its own: the
+    update runs with the sums made whole, on a tree without the grouped leaves' holes."""
+    params, data = layers_params(rng), layers_batches(rng, 3)
+    labels = {k: {"w": "lamb" if k in ("l0", "l1") else "adam", "b": "adam"} for k in params}
+    inner = lambda: optax.multi_transform(
+        {"lamb": optax.lamb(1e-2), "adam": optax.adam(1e-2)}, labels
+    )
+    tx = zs.sharded(inner(), axis_name="data")
+    plan = tx.plan(params, N)
+    assert plan.holes and [len(g) for g in plan.groups] == [LAYERS, LAYERS - 2]
+    state = train(tx, params, data, 1)
+    expected = reference_run(layers_loss, inner(), params, data)
+    assert_trees_close(zs.to_optax_state(state, tx)[0], expected, 1e-5)
+
+
 def test_hyperparameters_masks_and_labels_keep_leaves_apart(rng):
     params = {f"m{k}": jnp.zeros((WIDTH, WIDTH)) for k in range(6)}
     groups = lambda inner: zs.sharded(inner, axis_name="data").plan(params, N).groups
@@ -87,6 +122,7 @@ def test_hyperparameters_masks_and_labels_keep_leaves_apart(rng):
     assert groups(same_rate) == ((0, 1), (2, 3, 4, 5))  # each label has its own step count
     mask = {f"m{k}": k % 3 == 0 for k in range(6)}
     assert groups(optax.adamw(1e-2, mask=mask)) == ((0, 3), (1, 2, 4, 5))
+    assert groups(optax.lamb(1e-2)) == ()  # a norm per leaf: each leaf its own update
 
 
 def count(text: str, op: str) -> int:

@@ -38,7 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.analysis import Analysis, NotElementwiseError, analyze
+from zeroshard.analysis import (
+    Analysis,
+    NotElementwiseError,
+    analyze,
+    input_names,
+    leaf_forms,
+    trace_update,
+)
 from zeroshard.layout import Layout, PyTree
 from zeroshard.rows import pack, unpack
 from zeroshard.sums import run_with_sums
@@ -119,6 +126,9 @@ class Plan:
       state_groups: per group, the inner state leaves of each of its leaves, one
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
+      holes: whether the inner optimizer takes trees with ``None`` at the hidden
+        leaves (and their state) and computes the others as it does with every leaf
+        present; else the hidden leaves are zero-element arrays.
       updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
         traces cached).
     """
@@ -136,6 +146,7 @@ class Plan:
     groups: tuple[tuple[int, ...], ...] = ()
     state_groups: tuple[tuple[int, ...], ...] = ()
     state_dtypes: tuple[Any, ...] = ()
+    holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -211,7 +222,9 @@ class Plan:
 
     def filled(self, view: PyTree, axis_name: str) -> PyTree:
         """A view (see :meth:`view`) with a zero-element piece at each hidden leaf, what
-        the inner optimizer sees there."""
+        the inner optimizer sees there (the view as it is, with :attr:`holes`)."""
+        if self.holes:
+            return view
         dtype = lambda i: self.inner_dtypes[self.layout.slots[i].bucket]
         empty = lambda i: _empty(self.piece_shape(i), dtype(i), axis_name)
         leaves = self.layout.treedef.flatten_up_to(view)
@@ -228,7 +241,9 @@ class Plan:
 
     def filled_state(self, state: PyTree, axis_name: str) -> PyTree:
         """An inner state with a zero-element leaf at each hidden leaf's per-element
-        state (the inverse of :meth:`compact_state`)."""
+        state (the inverse of :meth:`compact_state`; as it is, with :attr:`holes`)."""
+        if self.holes:
+            return state
         leaves = self.state_treedef.flatten_up_to(state)
         shape = lambda k: self.piece_shape(self.state_slots[k])
         return self.state_treedef.unflatten(
@@ -273,15 +288,22 @@ class Plan:
 
     def _updates_and_state(self, inner, axis_name, grads, state, params, extra_args):
         slots, sums = self.layout.slots, self.analysis.layer_sums
-        sliced = {  # the leaves whose sums are partial here
+        sliced = {  # the leaves whose sums are partial here (a group's: its buffer's)
+            i: Joined(tuple(slots[j] for j in g)) for g in self.groups for i in g[:1]
+        }
+        sliced |= {
             i: s
             for i, s in enumerate(slots)
-            if not s.owned or (i in sums and s.placement == "layer-owned")
+            if (not s.owned and i not in sliced) or (i in sums and s.placement == "layer-owned")
         }
         if not (sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
-        tags = self.analysis.in_tags(len(slots))  # the extra arguments: clean
+        present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
+        kept = [
+            k for k in range(len(self.state_dtypes)) if not self.holes or k not in self.hidden_state
+        ]
+        tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
         args = (grads, state, params, extra_args)
         return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced)
 
@@ -312,12 +334,15 @@ class Plan:
         ]
         return self.layout.treedef.unflatten(leaves)
 
-    def view_structs(self, branch: int, longer: bool = False) -> PyTree:
-        """``ShapeDtypeStruct``s of branch ``branch``'s view (sliced pieces one element
-        longer with ``longer``: a probe of which state leaves are per-element)."""
+    def view_structs(self, branch: int, longer: bool = False, holes: bool = False) -> PyTree:
+        """``ShapeDtypeStruct``s of branch ``branch``'s view, leaf by leaf (sliced pieces
+        one element longer with ``longer``: a probe of which state leaves are
+        per-element; ``None`` at the hidden leaves with ``holes``)."""
         dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
 
         def struct(i, s):
+            if holes and i in self.hidden:
+                return None
             if not s.owned:
                 shape = (*s.piece_shape[:-1], s.piece_shape[-1] + longer)
             else:
@@ -344,6 +369,32 @@ class Plan:
         slots, matrix = self.layout.slots, self.analysis.matrix
         cost = lambda i, count: leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
         return [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """A group's buffer, as the sums over its leaves see it: its leaves' pieces end to
+    end (see :class:`zeroshard.layout.Slot`, whose attributes it has for the sums)."""
+
+    slots: tuple[Any, ...]
+    placement = "sliced"
+    owned = False
+
+    @property
+    def num_shards(self) -> int:
+        return self.slots[0].num_shards
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.slots)
+
+    @property
+    def piece_size(self) -> int:
+        return sum(s.piece_size for s in self.slots)
+
+    def padding_mask(self, index: jax.Array | int) -> jax.Array:
+        """Which elements of device ``index``'s buffer are its leaves' (not padding)."""
+        return jnp.concatenate([s.padding_mask(index) for s in self.slots])
 
 
 def _empty(shape: tuple[int, ...], dtype: Any, axis_name: str) -> jax.Array:
@@ -404,10 +455,10 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
-    return _with_state(plan, inner, full_state, config.group_alike)
+    return _with_state(plan, inner, full_state, config)
 
 
-def _with_state(plan: Plan, inner: Any, full_state: PyTree, group: bool) -> Plan:
+def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan:
     """``plan`` with each inner state leaf classified (sliced: the parameter it is
     shaped like; owned: the device holding it) and the owned values' storage."""
     layout, analysis = plan.layout, plan.analysis
@@ -441,8 +492,8 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, group: bool) -> Plan
         ]
         storage.append(values)
     kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
-    groups, state_groups = _groups(layout, analysis, slots) if group else ((), ())
-    return dataclasses.replace(
+    groups, state_groups = _groups(layout, analysis, slots) if config.group_alike else ((), ())
+    plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
         groups=groups,
@@ -450,17 +501,47 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, group: bool) -> Plan
         state_dtypes=tuple(x.dtype for x in views[0]),
         **kinds,
     )
+    return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
+
+
+def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> bool:
+    """Whether the inner update, given the view with ``None`` at the hidden leaves,
+    keeps the state's structure (``None`` at their state) and computes each group's
+    first leaf as it does with every leaf present: its form (see
+    :func:`zeroshard.analysis.groups.leaf_forms`) traced so equals the analysis's.
+    Not tried where sums span leaves (a global norm then sums other terms). Tracing
+    the update once per group instead of once per leaf is what this saves."""
+    analysis = plan.analysis
+    if not plan.groups or any(len(x) > 1 for x in analysis.sums):
+        return False
+    view, n = plan.view_structs(0, holes=True), plan.layout.num_shards
+    try:  # a tree with holes it cannot take: the hidden leaves stay zero-element arrays
+        state = jax.eval_shape(inner.init, view)
+        if jax.tree.structure(state) != jax.tree.structure(plan.compact_state(full_state)):
+            return False
+        closed, extra = trace_update(inner, view, state, axis_name, n, {})
+    except Exception:  # any failure of the inner optimizer on it means no
+        return False
+    present = [i for i in range(len(plan.layout.slots)) if i not in plan.hidden]
+    kept = [j for k, j in enumerate(analysis.state_leaves) if k not in plan.hidden_state]
+    forms = leaf_forms(closed, present, kept, input_names((view, state, view, extra)))
+    return all(forms[g[0]] == analysis.forms[g[0]] for g in plan.groups)
 
 
 def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tuple, tuple]:
     """The groups of sliced leaves updated as one buffer, and their state leaves (see
-    :class:`Plan`): alike leaves (:func:`zeroshard.analysis.groups.alike_leaves`: the
-    same computation on pieces of the same shape) of one dtype that are cut whole (not
-    layer by layer), whose update is elementwise (no sum over a leaf) and whose state
-    is per element. On such leaves, laying the pieces end to end changes no result:
-    every element is computed as before. On one device the pieces are the leaves
-    themselves, and are left as they are (plain optax's own layout, no copies)."""
-    summed = set().union(*analysis.sums, analysis.layer_sums)
+    :class:`Plan`): alike leaves (equal forms, see
+    :func:`zeroshard.analysis.groups.leaf_forms`: the same computation on pieces of
+    one shape) of one dtype that are cut whole (not layer by layer), whose update is
+    elementwise but for sums over several leaves (a global norm; no sum over one
+    leaf) and whose state is per element. On such leaves, laying the pieces end to
+    end changes no elementwise result: every element is computed as before from the
+    same values (a global norm's sum in another order). On one device the pieces are
+    the leaves themselves, and are left as they are (plain optax's layout, no
+    copies)."""
+    # A sum over one leaf (a norm, an RMS) is per leaf: it keeps the leaf apart. A sum
+    # over several (a global norm) is over the group's buffer too, padding left out.
+    summed = set().union(*(x for x in analysis.sums if len(x) == 1), analysis.layer_sums)
     own = collections.defaultdict(list)  # per leaf, its state leaves
     for k, i in enumerate(analysis.state_leaves):
         own[i].append(k)
@@ -472,11 +553,14 @@ def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tupl
         return not (s.owned or s.stacked or i in summed) and per_element and shaped
 
     groups = []
-    for alike in analysis.alike if layout.num_shards > 1 else ():
-        for b in dict.fromkeys(layout.slots[i].bucket for i in alike):
-            g = tuple(i for i in alike if layout.slots[i].bucket == b and fit(i))
-            if len(g) > 1:
-                groups.append(g)
+    classes: dict[Any, list[int]] = {}  # alike leaves, by form and dtype
+    for i, form in enumerate(analysis.forms if layout.num_shards > 1 else ()):
+        if form is not None:
+            classes.setdefault((form, layout.slots[i].bucket), []).append(i)
+    for alike in classes.values():
+        g = tuple(i for i in alike if fit(i))
+        if len(g) > 1:
+            groups.append(g)
     state_groups = [tuple(ks) for g in groups for ks in zip(*(own[i] for i in g), strict=True)]
     return tuple(groups), tuple(state_groups)
 

@@ -396,9 +396,10 @@ def sharded(
         the same elementwise computation (the same optimizer and hyperparameters,
         mask and label, on pieces of one shape and dtype) as one buffer: their
         pieces lie end to end in the state, and the compiled step has one update per
-        group instead of one per leaf (a model of many layers compiles faster). Every
-        element is computed as before: the same bits. ``False`` keeps one piece per
-        leaf. Checkpoints are per leaf either way.
+        group instead of one per leaf (a model of many layers traces and compiles
+        faster). Every element is computed as before, the same bits; only a sum over
+        several leaves (``optax.clip_by_global_norm``'s norm) is taken in another
+        order. ``False`` keeps one piece per leaf. Checkpoints are per leaf either way.
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``

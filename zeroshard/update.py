@@ -26,7 +26,6 @@ the compiled program's op names tell them apart.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -167,11 +166,12 @@ def _branch_update(
         grads = plan.view(b, grad_pieces, g, axis)
 
         def step(inner_state, params, grads):
-            # The hidden leaves' zero-element pieces are made here, not passed in: an
-            # operand of the conditional costs XLA's partitioner even when empty.
-            full, fill = plan.filled(params, axis), functools.partial(plan.filled, axis_name=axis)
+            # The hidden leaves are absent (None) from the conditional's operands: an
+            # operand costs XLA's partitioner even when empty. Where the inner
+            # optimizer needs them present, their zero-element pieces are made here.
+            full, state = plan.filled(params, axis), plan.filled_state(inner_state, axis)
             updates, new_state = plan.updates_and_state(
-                inner, fill(grads), plan.filled_state(inner_state, axis), full, axis, **extra_args
+                inner, plan.filled(grads, axis), state, full, axis, **extra_args
             )
             new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), full, updates)
             new_state = plan.compact_state(new_state)

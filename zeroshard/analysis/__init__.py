@@ -27,7 +27,15 @@ jaxpr), not from a list of names:
   depends on its shape (factored only when large, masked by shape) is owned too.
 """
 
-from zeroshard.analysis.leaves import Analysis, analyze
+from zeroshard.analysis.groups import input_names, leaf_forms
+from zeroshard.analysis.leaves import Analysis, analyze, trace_update
 from zeroshard.analysis.tags import NotElementwiseError
 
-__all__ = ["Analysis", "NotElementwiseError", "analyze"]
+__all__ = [
+    "Analysis",
+    "NotElementwiseError",
+    "analyze",
+    "input_names",
+    "leaf_forms",
+    "trace_update",
+]

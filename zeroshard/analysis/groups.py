@@ -17,6 +17,7 @@ import hashlib
 from collections import defaultdict
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -27,30 +28,38 @@ from zeroshard.analysis.jaxprs import open_jaxpr
 _RULES = ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees")
 
 
-def alike_leaves(
-    closed: Any, n_params: int, state_leaves: tuple[int | None, ...]
-) -> list[list[int]]:
-    """The classes of alike leaves (each sorted, in order of their first leaf) of the
-    update jaxpr ``closed``, traced as ``update(grads, state, params, *extra)``.
+def leaf_forms(
+    closed: Any,
+    leaves: list[int],
+    state_leaves: list[int | None],
+    names: list[str],
+) -> dict[int, tuple | None]:
+    """Each leaf's *form*: a digest of the computation of its outputs in the update
+    jaxpr ``closed``, traced as ``update(grads, state, params, *extra)``; alike leaves
+    have equal forms.
 
     Args:
       closed: the traced update (closed jaxpr).
-      n_params: the number of parameter leaves.
-      state_leaves: per leaf of the inner state, the parameter leaf it derives from,
-        or ``None`` (shared, like a step count).
+      leaves: the parameter leaf at each place of the traced parameters.
+      state_leaves: per leaf of the traced inner state, the parameter leaf it derives
+        from, or ``None`` (shared, like a step count).
+      names: the name of each input (its path in the arguments): a shared input is
+        known by it, so forms from traces of different trees compare.
 
-    A leaf whose update reads another leaf's gradient, weights or state is in a class
-    of its own.
+    Returns:
+      Per leaf its form, or ``None`` where its update reads another leaf's gradient,
+      weights or state other than through a total sum (a global norm over several
+      leaves, shared by all of them).
     """
     jaxpr = open_jaxpr(closed)
-    n_state = len(state_leaves)
+    n_params, n_state = len(leaves), len(state_leaves)
     roles: dict[Any, tuple[int, str]] = {}  # an input -> (its leaf, its role)
     counts: dict[int, int] = defaultdict(int)
     outs: dict[int, list[tuple[str, Any]]] = defaultdict(list)
-    for i in range(n_params):
-        roles[jaxpr.invars[i]] = (i, "g")
-        roles[jaxpr.invars[n_params + n_state + i]] = (i, "p")
-        outs[i].append(("u", jaxpr.outvars[i]))
+    for k, i in enumerate(leaves):
+        roles[jaxpr.invars[k]] = (i, "g")
+        roles[jaxpr.invars[n_params + n_state + k]] = (i, "p")
+        outs[i].append(("u", jaxpr.outvars[k]))
     for k, i in enumerate(state_leaves):
         if i is not None:
             roles[jaxpr.invars[n_params + k]] = (i, f"s{counts[i]}")
@@ -60,9 +69,9 @@ def alike_leaves(
     # role alone, so alike leaves' values have equal digests; and the leaves it reads.
     digest: dict[Any, bytes] = {}
     reads: dict[Any, frozenset[int]] = {}
-    for k, v in enumerate(jaxpr.invars):
+    for v, name in zip(jaxpr.invars, names, strict=True):
         role = roles.get(v)
-        digest[v] = _digest(f"{role[1] if role else f'in{k}'}:{v.aval}")
+        digest[v] = _digest(f"{role[1] if role else name}:{v.aval}")
         reads[v] = frozenset([role[0]]) if role else frozenset()
     for v, c in zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False):
         digest[v], reads[v] = _digest(_const(c)), frozenset()
@@ -71,15 +80,22 @@ def alike_leaves(
         ins = [digest[v] if isinstance(v, jex_core.Var) else _literal(v) for v in e.invars]
         head = f"{e.primitive.name}[{_params(e)}]".encode() + b"".join(ins)
         read = none.union(*(reads.get(v, none) for v in e.invars if isinstance(v, jex_core.Var)))
+        if e.primitive.name == "reduce_sum" and all(v.aval.size == 1 for v in e.outvars):
+            read = none  # a total sum (a global norm's): a shared value, the same for all
         for j, v in enumerate(e.outvars):
             digest[v], reads[v] = _digest(head + f"{j}:{v.aval}".encode()), read
-    classes: dict[Any, list[int]] = {}
-    for i in range(n_params):
-        value = lambda v: digest[v] if isinstance(v, jex_core.Var) else _literal(v)
-        alone = any(reads.get(v, none) - {i} for _, v in outs[i])
-        key = ("alone", i) if alone else tuple((role, value(v)) for role, v in outs[i])
-        classes.setdefault(key, []).append(i)
-    return list(classes.values())
+    value = lambda v: digest[v] if isinstance(v, jex_core.Var) else _literal(v)
+    return {
+        i: None
+        if any(reads.get(v, none) - {i} for _, v in outs[i])
+        else tuple((role, value(v)) for role, v in outs[i])
+        for i in leaves
+    }
+
+
+def input_names(args: Any) -> list[str]:
+    """The path of each leaf of a traced function's arguments (``keystr``)."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
 
 
 def _digest(text: str | bytes) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeroshard.analysis.groups import alike_leaves
+from zeroshard.analysis.groups import input_names, leaf_forms
 from zeroshard.analysis.jaxprs import open_jaxpr, primitives
 from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
@@ -51,9 +51,9 @@ class Analysis:
         hold some of its layers.
       reads: the leaves whose weights the update reads (weight decay, trust ratios):
         the others' need not reach their owners.
-      alike: the classes of leaves whose update on their pieces is the same
-        computation (:func:`zeroshard.analysis.groups.alike_leaves`); ``()`` where the
-        update was not traced on pieces.
+      forms: per leaf, the form of its update on its piece
+        (:func:`zeroshard.analysis.groups.leaf_forms`: equal for alike leaves), or
+        ``None``; ``()`` where the update was not traced on pieces.
     """
 
     whole: frozenset[int]
@@ -64,16 +64,17 @@ class Analysis:
     layered: frozenset[int] = frozenset()
     layer_sums: frozenset[int] = frozenset()
     reads: frozenset[int] = frozenset()
-    alike: tuple[tuple[int, ...], ...] = ()
+    forms: tuple[tuple | None, ...] = ()
 
-    def in_tags(self, num_params: int) -> list[Tag]:
+    def in_tags(self, leaves: list[int], state: list[int]) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
-        are clean)."""
-        params = [(ELEM, frozenset([i])) for i in range(num_params)]
-        return params + list(self.state_tags) + params
+        are clean), for a tree of the parameter ``leaves`` and the inner state's
+        leaves ``state``."""
+        params = [(ELEM, frozenset([i])) for i in leaves]
+        return params + [self.state_tags[k] for k in state] + params
 
 
-def _trace(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
+def trace_update(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
     """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
     ``extra`` plus a float32 scalar for each keyword argument the update requires that
     ``extra`` lacks (e.g. the ``value=`` of ``optax.polyak_sgd``)."""
@@ -122,7 +123,10 @@ def analyze(
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(full_params)]
     n_params, n_state = len(names), len(jax.tree.leaves(full_state))
     params_in = [(ELEM, frozenset([i])) for i in range(n_params)]
-    full, extra = _trace(inner, full_params, full_state, axis_name, num_shards, extra_args or {})
+    trace = lambda params, state, extra: trace_update(
+        inner, params, state, axis_name, num_shards, extra
+    )
+    full, extra = trace(full_params, full_state, extra_args or {})
 
     def tag(jaxpr: Any, state_in: list[Tag]) -> tuple[Tagger, list[Tag]]:
         tagger = Tagger(axis_name, names)  # the extra arguments: clean
@@ -138,12 +142,14 @@ def analyze(
             f"parameters over {num_shards} devices: {e}. {_FIX}"
         ) from None
     state_leaves = _state_leaves(outs, names, full_state)
-    whole, alike = set(tagger.whole), ()
+    whole, forms = set(tagger.whole), ()
     try:  # leaf by leaf: does the update do on a slice what it does on the full leaf?
-        pieces = _trace(inner, piece_params, piece_state, axis_name, num_shards, extra)[0]
+        pieces = trace(piece_params, piece_state, extra)[0]
         sliced = tag(pieces, state_in)[0]
         whole |= {i for i in range(n_params) if sliced.ops[i] != tagger.ops[i]}
-        alike = tuple(map(tuple, alike_leaves(pieces, n_params, state_leaves)))
+        names = input_names((piece_params, piece_state, piece_params, extra))
+        found = leaf_forms(pieces, list(range(n_params)), list(state_leaves), names)
+        forms = tuple(found[i] for i in range(n_params))
     except NotElementwiseError:
         whole = set(range(n_params))
     candidates = [i for i in sorted(whole) if stacked and stacked[i] == 1]
@@ -151,7 +157,7 @@ def analyze(
     layered, summed = independent_layers(full, full_params, full_state, state_leaves, candidates)
     if layered:  # does the update do on one layer what it does on all of them?
         params, state = _some_layers(inner, full_params, full_state, state_leaves, layered)
-        one = _trace(inner, params, state, axis_name, num_shards, extra)[0] if layered else full
+        one = trace(params, state, extra)[0] if layered else full
         if primitives(one) != primitives(full):
             layered = set()
     return Analysis(
@@ -163,7 +169,7 @@ def analyze(
         frozenset(layered),
         frozenset(summed & layered),
         _reads(full, n_params, n_state),
-        alike,
+        forms,
     )
 
 
