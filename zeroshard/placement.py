@@ -259,9 +259,10 @@ class Plan:
         )
 
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
-        """Per-leaf pieces (``None`` for owned leaves) cast to the inner dtypes."""
+        """Per-leaf pieces (``None`` for owned and hidden leaves) cast to the inner dtypes."""
         dtypes = self.inner_dtypes
-        return self.layout.sliced(lambda s, p: p.astype(dtypes[s.bucket]), pieces)
+        cast = lambda s, p: None if p is None else p.astype(dtypes[s.bucket])
+        return self.layout.sliced(cast, pieces)
 
     def updates_and_state(
         self,
@@ -492,7 +493,9 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan
         ]
         storage.append(values)
     kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
-    groups, state_groups = _groups(layout, analysis, slots) if config.group_alike else ((), ())
+    groups, state_groups = ((), ())
+    if config.group_alike and layout.num_shards > 1:
+        groups, state_groups = _groups(layout, analysis, slots, config.pack_bytes)
     plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
@@ -528,7 +531,9 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
     return all(forms[g[0]] == analysis.forms[g[0]] for g in plan.groups)
 
 
-def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tuple, tuple]:
+def _groups(
+    layout: Layout, analysis: Analysis, state_slots: list, pack_bytes: int
+) -> tuple[tuple, tuple]:
     """The groups of sliced leaves updated as one buffer, and their state leaves (see
     :class:`Plan`): alike leaves (equal forms, see
     :func:`zeroshard.analysis.groups.leaf_forms`: the same computation on pieces of
@@ -536,9 +541,12 @@ def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tupl
     elementwise but for sums over several leaves (a global norm; no sum over one
     leaf) and whose state is per element. On such leaves, laying the pieces end to
     end changes no elementwise result: every element is computed as before from the
-    same values (a global norm's sum in another order). On one device the pieces are
-    the leaves themselves, and are left as they are (plain optax's layout, no
-    copies)."""
+    same values (a global norm's sum in another order). Only leaves smaller than
+    ``pack_bytes`` are grouped: they travel in packed collectives, whose rows lay a
+    group's pieces out together, so grouping them is a slice of the row; a larger
+    leaf's collective moves it directly, and a group would copy it. On one device the
+    pieces are the leaves themselves, and are left as they are (plain optax's layout,
+    no copies)."""
     # A sum over one leaf (a norm, an RMS) is per leaf: it keeps the leaf apart. A sum
     # over several (a global norm) is over the group's buffer too, padding left out.
     summed = set().union(*(x for x in analysis.sums if len(x) == 1), analysis.layer_sums)
@@ -548,13 +556,15 @@ def _groups(layout: Layout, analysis: Analysis, state_slots: list) -> tuple[tupl
 
     def fit(i: int) -> bool:
         s = layout.slots[i]
+        if s.size * s.dtype.itemsize >= pack_bytes:
+            return False
         per_element = all(state_slots[k] == i for k in own[i])
         shaped = sum(j == i for j in state_slots) == len(own[i])
         return not (s.owned or s.stacked or i in summed) and per_element and shaped
 
     groups = []
     classes: dict[Any, list[int]] = {}  # alike leaves, by form and dtype
-    for i, form in enumerate(analysis.forms if layout.num_shards > 1 else ()):
+    for i, form in enumerate(analysis.forms):
         if form is not None:
             classes.setdefault((form, layout.slots[i].bucket), []).append(i)
     for alike in classes.values():

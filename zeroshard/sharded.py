@@ -392,9 +392,10 @@ def sharded(
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
         the mesh set with ``jax.set_mesh``, else that of the state's arrays.
-      group_alike: on more than one device, update the sliced leaves whose update is
-        the same elementwise computation (the same optimizer and hyperparameters,
-        mask and label, on pieces of one shape and dtype) as one buffer: their
+      group_alike: on more than one device, update the sliced leaves smaller than
+        ``pack_bytes`` whose update is the same elementwise computation (the same
+        optimizer and hyperparameters, mask and label, on pieces of one shape and
+        dtype) as one buffer: their
         pieces lie end to end in the state, and the compiled step has one update per
         group instead of one per leaf (a model of many layers traces and compiles
         faster). Every element is computed as before, the same bits; only a sum over

@@ -92,17 +92,19 @@ def updated(
     # separate master is kept.
     weights = departure.owned_weights(plan, params)
     with scope(UPDATE):  # this device's part in the dtypes the inner optimizer works in
-        grad_pieces, dtypes = plan.to_inner(grad_pieces), plan.inner_dtypes
+        # Grouped first (a packed row's slices, laid out together: no copy), then cast
+        # once per group.
+        grad_pieces, dtypes = plan.to_inner(plan.grouped(grad_pieces)), plan.inner_dtypes
         grad_rows = plan.layout.per_owned_bucket(lambda b, _: grad_rows[b].astype(dtypes[b]))
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
         if config.loss_scale is not None:  # the gradients are of the scaled loss
             unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
             grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
-    present = [g for g in (*grad_pieces, *grad_rows) if g is not None]
+    # The norm leaf by leaf, as without groups (the same sum, the same bits).
+    present = [g for g in (*plan.ungrouped(grad_pieces), *grad_rows) if g is not None]
     with scope(GRAD_NORM):
         grad_norm, finite = norm_and_finite(present, config.axis_name)
     with scope(UPDATE):
-        grad_pieces = plan.grouped(grad_pieces)
         update_branch = _branch_update(inner, config, plan, route, extra_args)
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
         new, rows, inner_state, owned = branches.run_branches(
@@ -116,7 +118,10 @@ def updated(
         loss_scale = config.loss_scale
         scale = None if loss_scale is None else loss_scale.adjust(state.loss_scale, finite)
     new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
-    return departure.send(plan, plan.ungrouped(new), rows, params), new_state
+    # Cast to the parameters' dtypes once per group, then cut into the leaves' pieces.
+    cast = lambda s, x: None if x is None else x.astype(s.dtype)
+    new = plan.ungrouped(plan.layout.sliced(cast, new))
+    return departure.send(plan, new, rows, params), new_state
 
 
 def master_pieces(
