@@ -21,11 +21,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import open_jaxpr
-
-# Parameters of custom-derivative calls that hold rules for differentiating, not the
-# value computed (``call_jaxpr`` is): functions made anew at every call.
-_RULES = ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees")
+from zeroshard.analysis.jaxprs import called_jaxpr, open_jaxpr
 
 
 def leaf_forms(
@@ -55,42 +51,60 @@ def leaf_forms(
     n_params, n_state = len(leaves), len(state_leaves)
     roles: dict[Any, tuple[int, str]] = {}  # an input -> (its leaf, its role)
     counts: dict[int, int] = defaultdict(int)
-    outs: dict[int, list[tuple[str, Any]]] = defaultdict(list)
+    outs: dict[int, list[tuple[str, int]]] = defaultdict(list)  # (role, output)
     for k, i in enumerate(leaves):
         roles[jaxpr.invars[k]] = (i, "g")
         roles[jaxpr.invars[n_params + n_state + k]] = (i, "p")
-        outs[i].append(("u", jaxpr.outvars[k]))
+        outs[i].append(("u", k))
     for k, i in enumerate(state_leaves):
         if i is not None:
             roles[jaxpr.invars[n_params + k]] = (i, f"s{counts[i]}")
-            outs[i].append((f"s{counts[i]}", jaxpr.outvars[n_params + k]))
+            outs[i].append((f"s{counts[i]}", n_params + k))
             counts[i] += 1
     # Each value's digest: of its computation, with a leaf's own inputs named by their
     # role alone, so alike leaves' values have equal digests; and the leaves it reads.
-    digest: dict[Any, bytes] = {}
-    reads: dict[Any, frozenset[int]] = {}
+    ins = []
     for v, name in zip(jaxpr.invars, names, strict=True):
         role = roles.get(v)
-        digest[v] = _digest(f"{role[1] if role else name}:{v.aval}")
-        reads[v] = frozenset([role[0]]) if role else frozenset()
-    for v, c in zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False):
-        digest[v], reads[v] = _digest(_const(c)), frozenset()
-    none: frozenset[int] = frozenset()
-    for e in jaxpr.eqns:
-        ins = [digest[v] if isinstance(v, jex_core.Var) else _literal(v) for v in e.invars]
-        head = f"{e.primitive.name}[{_params(e)}]".encode() + b"".join(ins)
-        read = none.union(*(reads.get(v, none) for v in e.invars if isinstance(v, jex_core.Var)))
-        if e.primitive.name == "reduce_sum" and all(v.aval.size == 1 for v in e.outvars):
-            read = none  # a total sum (a global norm's): a shared value, the same for all
-        for j, v in enumerate(e.outvars):
-            digest[v], reads[v] = _digest(head + f"{j}:{v.aval}".encode()), read
-    value = lambda v: digest[v] if isinstance(v, jex_core.Var) else _literal(v)
+        read = frozenset([role[0]]) if role else _NONE
+        ins.append((_digest(f"{role[1] if role else name}:{v.aval}"), read))
+    values = _flow(closed, ins)
     return {
         i: None
-        if any(reads.get(v, none) - {i} for _, v in outs[i])
-        else tuple((role, value(v)) for role, v in outs[i])
+        if any(values[v][1] - {i} for _, v in outs[i])
+        else tuple((role, values[v][0]) for role, v in outs[i])
         for i in leaves
     }
+
+
+_NONE: frozenset[int] = frozenset()
+
+
+def _flow(closed: Any, ins: list[tuple[bytes, frozenset]]) -> list[tuple[bytes, frozenset]]:
+    """The ``(digest, leaves read)`` of a (closed) jaxpr's outputs from its inputs';
+    calls (``jit``, custom derivatives) are followed inside, so that a call over many
+    leaves (a jitted tree map) keeps each leaf's values apart."""
+    jaxpr = open_jaxpr(closed)
+    env = {
+        v: (_digest(_const(c)), _NONE)
+        for v, c in zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False)
+    }
+    env.update(zip(jaxpr.invars, ins, strict=True))
+    value = lambda v: env[v] if isinstance(v, jex_core.Var) else (_literal(v), _NONE)
+    for e in jaxpr.eqns:
+        xs = [value(v) for v in e.invars]
+        sub = called_jaxpr(e)
+        if sub is not None and e.primitive.name not in ("scan", "while", "cond"):
+            env.update(zip(e.outvars, _flow(sub, xs), strict=True))
+            continue
+        head = f"{e.primitive.name}[{_params(e)}]".encode() + b"".join(d for d, _ in xs)
+        read = _NONE.union(*(r for _, r in xs))
+        if e.primitive.name == "reduce_sum" and all(v.aval.size == 1 for v in e.outvars):
+            # A total sum (a global norm's) is a shared value, known by the leaves it sums.
+            head, read = head + repr(sorted(read)).encode(), _NONE
+        for j, v in enumerate(e.outvars):
+            env[v] = (_digest(head + f"{j}:{v.aval}".encode()), read)
+    return [value(v) for v in jaxpr.outvars]
 
 
 def input_names(args: Any) -> list[str]:
@@ -109,8 +123,6 @@ def _literal(v: Any) -> bytes:
 
 def _params(eqn: Any) -> str:
     params = eqn.params
-    if eqn.primitive.name.startswith("custom_"):
-        params = {k: v for k, v in params.items() if k not in _RULES}
     return ", ".join(f"{k}={_value(v)}" for k, v in sorted(params.items()))
 
 
