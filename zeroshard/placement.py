@@ -194,10 +194,15 @@ class Plan:
         """The shape sliced leaf ``i``'s piece has in the view and the state: its
         group's pieces end to end for a group's first leaf, none of them (zero
         elements) for a hidden one."""
-        s, group = self.layout.slots[i], next((g for g in self.groups if i in g), None)
+        s, group = self.layout.slots[i], self.group_of.get(i)
         if group is None:
             return s.piece_shape
         return (*s.piece_shape[:-1], 0 if i in self.hidden else s.piece_size * len(group))
+
+    @functools.cached_property
+    def group_of(self) -> dict[int, tuple[int, ...]]:
+        """The group of each grouped leaf (looked up per leaf at every trace)."""
+        return {i: g for g in self.groups for i in g}
 
     def grouped(self, pieces: list) -> list:
         """Per-leaf 1-D pieces (``None`` at owned leaves) with each group's laid end to
