@@ -12,6 +12,10 @@ Variants, per device count N and model size:
 - (d) ``zeroshard-1``, ``zeroshard-2``, ``zeroshard-3``: zeroshard's own step, the three
   stages (a reduce-scatter of the local gradients in ``shard_map``).
 
+``--quantize`` adds zeroshard's step with quantized collectives (``-int8``: int8
+gradients and weights, ``-int4``: int4 gradients, int8 weights) and prints their ring
+bytes over the exact step's.
+
 ``--optimizer muon`` runs ``optax.contrib.muon`` instead of Adam: replicated data
 parallelism orthogonalises every matrix on every device; zeroshard places each matrix
 whole on one device (owned), which orthogonalises only its own.
@@ -102,6 +106,7 @@ def main() -> None:
             results += rows.values()
             print_table(width, size, n, rows)
             print_plans(rows)
+            print_quantized(rows)
     write(args, machine, results)
 
 
@@ -120,6 +125,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=["dense", "stacked"], default="dense")
     parser.add_argument("--vocab", type=int, default=512, help="stacked: vocabulary size")
     parser.add_argument("--seq", type=int, default=32, help="stacked: tokens per sequence")
+    parser.add_argument(
+        "--quantize",
+        action="store_true",
+        help="add zeroshard's step with int8 gradients + int8 weights (-int8) and int4 "
+        "gradients + int8 weights (-int4), and their ring bytes over the exact step's",
+    )
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
     return parser.parse_args()
 
@@ -256,6 +267,9 @@ def variants(args: argparse.Namespace, model: Model, mesh: Any, batch: Any) -> d
     out |= own_steps(model, inner, mesh, batch, options, "")
     if args.optimizer == "muon" and args.model == "stacked":
         out |= own_steps(model, optax.adamw(1e-4), mesh, batch, options, "-adamw")
+    for grads in ("int8", "int4") if args.quantize else ():
+        quantized = options | {"quantize_grads": grads, "quantize_weights": "int8"}
+        out |= own_steps(model, inner, mesh, batch, quantized, f"-{grads}")
     return out
 
 
@@ -461,6 +475,15 @@ def print_table(width, size, n, rows):
             f"{ratio(r['step_ms'], a['step_ms'])} | {ratio(r['step_ms'], b['step_ms'])} | "
             f"{state_vs_plain(r)} | {imbalance(r)} |"
         )
+
+
+def print_quantized(rows: dict) -> None:
+    """Each quantized step's ring bytes over the exact step's of its stage."""
+    for name, r in rows.items():
+        exact = rows.get(name.rsplit("-", 1)[0])
+        if name.endswith(("-int8", "-int4")) and exact and exact["ring_bytes"]:
+            ratio = r["ring_bytes"] / exact["ring_bytes"]
+            print(f"{name}: ring bytes {r['ring_bytes']:,.0f} = {ratio:.3f} x the exact step's")
 
 
 def print_plans(rows: dict) -> None:

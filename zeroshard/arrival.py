@@ -28,10 +28,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroshard import quantized
 from zeroshard.collectives import is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
+from zeroshard.rows import spans
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
 from zeroshard.stage3 import full_structs, to_owners
 
@@ -87,7 +89,7 @@ class ReduceScatter(Arrival):
     row ``d`` holds the leaves device ``d`` owns). Scope ``zeroshard/reduce_scatter``."""
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        layout, axis, n = plan.layout, self.config.axis_name, plan.layout.num_shards
+        layout, axis = plan.layout, self.config.axis_name
         layout.check_matches(grads, "gradients")
         leaves = layout.treedef.flatten_up_to(grads)
         check_local(leaves, layout, axis)
@@ -96,21 +98,26 @@ class ReduceScatter(Arrival):
             # its row of the mean gradient of the leaves it owns.
             leaves = [x.astype(self.dtype(x)) for x in leaves]
             one = is_identity(leaves, axis)  # one device: its row holds every piece
-            mean = lambda matrix: (  # (num_shards, row) -> this device's row of the mean
-                matrix[0]
-                if one
-                else jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
-            )
             # One device: each piece is the whole leaf, raveled (no concatenation).
             pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
             for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
-                row = mean(jnp.concatenate([layout.slots[i].blocks(leaves[i]) for i in group], 1))
-                for i, start, stop in layout.columns(group):
-                    pieces[i] = row[start:stop]
+                means = self.means([layout.slots[i].blocks(leaves[i]) for i in group])
+                for i, mean in zip(group, means, strict=True):
+                    pieces[i] = mean
+            owned = lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))
             rows = layout.per_owned_bucket(
-                lambda b, bucket: mean(layout.owned_blocks(leaves, b, self.dtype(bucket)))
+                lambda b, bucket: owned(b, bucket)[0] if one else self.means([owned(b, bucket)])[0]
             )
         return pieces, rows
+
+    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
+        """This device's row of the mean over the axis of each of ``blocks`` (each
+        ``(num_shards, width)``, row ``d`` for device ``d``): one reduce-scatter of
+        them packed."""
+        axis, n = self.config.axis_name, len(blocks[0])
+        matrix = jnp.concatenate(blocks, 1)
+        row = jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
+        return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
 
     def nbytes(self, plan: Plan) -> int:
         if plan.layout.num_shards == 1:
@@ -119,6 +126,30 @@ class ReduceScatter(Arrival):
             (b.row_size + b.owned_width) * jnp.dtype(self.dtype(b)).itemsize
             for b in plan.layout.buckets
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedReduceScatter(ReduceScatter):
+    """Local full gradients, reduced as blockwise int8 or int4 codes
+    (:func:`zeroshard.quantized.reduce_scatter`: one ``all_to_all`` of codes and one of
+    scales per collective of :class:`ReduceScatter`, decoded and summed in float32),
+    and averaged over the replica axis in two levels
+    (:func:`zeroshard.quantized.all_reduce`). Scopes ``zeroshard/reduce_scatter`` and
+    ``zeroshard/replica_mean``."""
+
+    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
+        q, n = self.config.grad_quantizer, len(blocks[0])
+        return [x / n for x in quantized.reduce_scatter(q, blocks, self.config.axis_name)]
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        return quantized_replica_mean(self.config, parts)
+
+    def nbytes(self, plan: Plan) -> int:
+        layout = plan.layout
+        if layout.num_shards == 1:
+            return 0
+        widths = layout.collective_widths(self.config.pack_bytes, plan.leaf_order)
+        return layout.num_shards * sum(map(self.config.grad_quantizer.nbytes, widths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +193,29 @@ class Pieces(Arrival):
             layout.num_shards * b.owned_chunk * jnp.dtype(self.dtype(b)).itemsize
             for b in layout.buckets
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedPieces(Pieces):
+    """Stage 3 with quantized gradients: each layer's gradients are reduced as codes by
+    the transpose of its gather (:func:`zeroshard.quantized.gathered`, which the
+    step's :func:`zeroshard.gather` uses), then averaged over the replica axis in two
+    levels, as :class:`QuantizedReduceScatter` does. The owned leaves' pieces go to
+    their owners exactly (moving pieces sums nothing)."""
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        return quantized_replica_mean(self.config, parts)
+
+
+def quantized_replica_mean(config: ShardConfig, parts: GradParts) -> GradParts:
+    """``parts`` averaged over the replica axis, if any, as quantized codes
+    (:func:`zeroshard.quantized.all_reduce`; scope ``zeroshard/replica_mean``)."""
+    if config.replica_axis is None:
+        return parts
+    arrays, tree = jax.tree.flatten(parts)
+    with scope(REPLICA_MEAN):
+        means = quantized.all_reduce(config.grad_quantizer, arrays, config.replica_axis)
+    return jax.tree.unflatten(tree, [m.astype(x.dtype) for m, x in zip(means, arrays, strict=True)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ import numpy as np
 
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
+from zeroshard.quantized import Quantizer, quantizer
 
 Placement = Any
 """Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
@@ -59,6 +60,11 @@ class ShardConfig:
         with ``jax.set_mesh``, else the mesh of the state's arrays.
       group_alike: update alike sliced leaves as one buffer (see
         :attr:`zeroshard.placement.Plan.groups`).
+      quantize_grads: ``"int8"``, ``"int4"`` or ``None``: the format the gradients
+        are reduced in (:mod:`zeroshard.quantized`).
+      quantize_weights: ``"int8"`` or ``None``: the format the new weights are
+        gathered in.
+      quantize_block: the most elements per quantization block (one float32 scale).
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -78,9 +84,13 @@ class ShardConfig:
     placement: Placement = None
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
     group_alike: bool = True
+    quantize_grads: str | None = None
+    quantize_weights: str | None = None
+    quantize_block: int = 256
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_name, self.replica_axis)
+        _check_quantized(self)
         if not isinstance(self.pack_bytes, int) or self.pack_bytes < 0:
             raise ValueError(f"pack_bytes must be a non-negative int, got {self.pack_bytes!r}.")
         if self.loss_scale is not None:
@@ -93,6 +103,16 @@ class ShardConfig:
         normal("skip_nonfinite", bool(self.skip_nonfinite))
         normal("group_alike", bool(self.group_alike))
         normal("stacked", _stacked(self.stacked))
+
+    @property
+    def grad_quantizer(self) -> Quantizer | None:
+        """How the gradients are quantized on the wire, or ``None`` (exactly)."""
+        return quantizer(self.quantize_grads, self.quantize_block)
+
+    @property
+    def weight_quantizer(self) -> Quantizer | None:
+        """How the new weights are quantized on the wire, or ``None`` (exactly)."""
+        return quantizer(self.quantize_weights, self.quantize_block)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -119,6 +139,28 @@ def _check_axes(axis_name: Any, replica_axis: Any) -> None:
         raise ValueError(
             f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
             "sharded over axis_name and replicated over replica_axis."
+        )
+
+
+def _check_quantized(config: ShardConfig) -> None:
+    formats = {"quantize_grads": ("int8", "int4"), "quantize_weights": ("int8",)}
+    for name, allowed in formats.items():
+        value = getattr(config, name)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}.")
+    block = config.quantize_block
+    if not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"quantize_block must be an even int of at least 2, got {block!r}.")
+    if config.quantize_grads is not None and config.reduce_dtype is not None:
+        raise ValueError(
+            "reduce_dtype and quantize_grads both say how the gradients travel: the "
+            f"gradients are reduced as {config.quantize_grads} codes, so pass only one."
+        )
+    if config.quantize_weights is not None and config.master_dtype is None:
+        raise ValueError(
+            "quantize_weights needs master weights (master_dtype, float32 by default): "
+            "the parameters every device holds are the dequantized weights, so the exact "
+            "ones are kept in the optimizer state."
         )
 
 

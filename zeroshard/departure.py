@@ -25,11 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroshard import quantized
 from zeroshard.branches import owned_wholes
 from zeroshard.collectives import all_gathered, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
+from zeroshard.rows import spans
 from zeroshard.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
 from zeroshard.stage3 import (
     exchange,
@@ -103,23 +105,50 @@ class AllGather(Departure):
         this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
         and its row of owned leaves per bucket (``None`` where it owns nothing); small
         leaves packed in ``order`` (see :meth:`zeroshard.layout.Layout.groups`)."""
-        axis = self.config.axis_name
-        every = lambda row: all_gathered(row, axis, to="invarying")  # (num_shards, row)
         # One device: each leaf is its piece, reshaped (no concatenation).
-        one = is_identity([p for p in pieces if p is not None], axis)
+        one = is_identity([p for p in pieces if p is not None], self.config.axis_name)
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
         for group in () if one else layout.groups(self.config.pack_bytes, order):
-            full = every(jnp.concatenate([pieces[i].astype(layout.slots[i].dtype) for i in group]))
-            for i, start, stop in layout.columns(group):
-                leaves[i] = layout.slots[i].uncut(full[:, start:stop])
-        fulls = layout.per_owned_bucket(lambda b, bucket: every(rows[b].astype(bucket.dtype)))
+            fulls = self.everyone([pieces[i].astype(layout.slots[i].dtype) for i in group])
+            for i, full in zip(group, fulls, strict=True):
+                leaves[i] = layout.slots[i].uncut(full)
+        fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])
         for i in (i for i, s in enumerate(layout.slots) if s.owned):
             leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
         return layout.treedef.unflatten(leaves)
 
+    def everyone(self, parts: list[jax.Array]) -> list[jax.Array]:
+        """Every device's ``parts`` (1-D, one dtype), invariant over the axis: one
+        ``(num_shards, width)`` per part, row ``d`` from device ``d``; one all-gather
+        of them packed."""
+        full = all_gathered(jnp.concatenate(parts), self.config.axis_name, to="invarying")
+        return [full[:, a:b] for a, b in spans([p.shape[0] for p in parts])]
+
     def nbytes(self, plan: Plan) -> int:
         n = plan.layout.num_shards
         return sum(n * (b.row_size + b.owned_width) * b.dtype.itemsize for b in plan.layout.buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedAllGather(AllGather):
+    """Whole, replicated parameters gathered as blockwise int8 codes
+    (:func:`zeroshard.quantized.all_gather`: one all-gather of codes and one of scales
+    per collective of :class:`AllGather`). Every device, the owner included, holds the
+    decoded weights; the exact ones stay in the optimizer state's master weights,
+    which every bucket keeps. Scope ``zeroshard/all_gather``."""
+
+    def everyone(self, parts: list[jax.Array]) -> list[jax.Array]:
+        axis, dtype = self.config.axis_name, parts[0].dtype
+        if is_identity(parts, axis):  # nothing is sent
+            return [p[None] for p in parts]
+        return quantized.all_gather(
+            self.config.weight_quantizer, parts, axis, dtype, to="invarying"
+        )
+
+    def nbytes(self, plan: Plan) -> int:
+        layout = plan.layout
+        widths = layout.collective_widths(self.config.pack_bytes, plan.leaf_order)
+        return layout.num_shards * sum(map(self.config.weight_quantizer.nbytes, widths))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.rows import pack, spans
+from zeroshard.rows import pack
 
 PyTree = Any
 
@@ -408,10 +408,13 @@ class Layout:
             groups += [(i,) for i in sliced if nbytes[i] >= pack_bytes]
         return tuple(groups)
 
-    def columns(self, group: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """``(leaf, start, stop)`` of each leaf's piece in a group's packed row."""
-        sizes = [self.slots[i].piece_size for i in group]
-        return [(i, *span) for i, span in zip(group, spans(sizes), strict=True)]
+    def collective_widths(
+        self, pack_bytes: int, order: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        """Per collective of a step (each group of :meth:`groups`, then each bucket's
+        owned rows), the widths of the parts it moves per device."""
+        widths = [[self.slots[i].piece_size for i in g] for g in self.groups(pack_bytes, order)]
+        return widths + [[b.owned_width] for b in self.buckets if b.owned_width]
 
     def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one

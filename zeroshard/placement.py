@@ -439,10 +439,13 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
         forced sliced needs its whole tensor.
       ValueError: if the inner state's structure depends on the leaves' shapes.
     """
+    # Gathered as quantized codes, the parameters are not the exact weights: every
+    # bucket keeps a master then.
+    exact = config.quantize_weights is not None
     master_dtypes = tuple(
         config.master_dtype
         if config.master_dtype is not None
-        and jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits
+        and (exact or jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits)
         else None
         for b in base.buckets
     )

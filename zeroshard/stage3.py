@@ -28,16 +28,21 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroshard import quantized
 from zeroshard.collectives import is_identity
+from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.mesh import axis_of_step
+from zeroshard.quantized import Quantizer
 from zeroshard.rows import pack, spans
 from zeroshard.scopes import GATHER, scope
 
@@ -190,12 +195,32 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
         pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
         if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
             every = [p[None] for p in pieces]
+        elif any(quantizers := _quantizers.get()):
+            every = quantized.gathered(pieces, axis_name, *quantizers)
         else:
             rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
             every = [rows[:, a:b] for a, b in spans([p.size for p in pieces])]
         for i, x in zip(group, every, strict=True):
             out[i] = slots[i].uncut(x)
     return treedef.unflatten(out)
+
+
+_quantizers: contextvars.ContextVar[tuple[Quantizer | None, Quantizer | None]] = (
+    contextvars.ContextVar("gather_quantizers", default=(None, None))
+)
+
+
+@contextlib.contextmanager
+def quantized_gathers(config: ShardConfig) -> Iterator[None]:
+    """Inside: a zeroshard step with ``config`` is being traced, and :func:`gather`
+    sends the weights as ``config.quantize_weights`` codes and its transpose the
+    gradients as ``config.quantize_grads`` codes (:func:`zeroshard.quantized.gathered`;
+    per thread)."""
+    token = _quantizers.set((config.weight_quantizer, config.grad_quantizer))
+    try:
+        yield
+    finally:
+        _quantizers.reset(token)
 
 
 def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[..., Any]:

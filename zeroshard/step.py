@@ -25,7 +25,7 @@ from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
+from zeroshard.stage3 import full_structs, is_shard, quantized_gathers, shard_specs, to_shards
 from zeroshard.update import Route, updated
 
 
@@ -284,7 +284,8 @@ class TrainStep:
             # the gradients are not all-reduced for us and the collectives are left out.
             check_vma=self.batch_parts > 1,
         )
-        with step_axis(self.axis_name):  # zs.gather and zs.layer's default axis
+        # zs.gather and zs.layer's default axis, and how they quantize
+        with step_axis(self.axis_name), quantized_gathers(self.opt.config):
             return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:

@@ -33,11 +33,19 @@ import jax.numpy as jnp
 import optax
 
 from zeroshard import branches
-from zeroshard.arrival import Arrival, GradParts, Pieces, ReduceScatter
+from zeroshard.arrival import (
+    Arrival,
+    CutMean,
+    GradParts,
+    Pieces,
+    QuantizedPieces,
+    QuantizedReduceScatter,
+    ReduceScatter,
+)
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import is_identity
 from zeroshard.config import ShardConfig
-from zeroshard.departure import AllGather, Departure, ToPieces
+from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
 from zeroshard.scopes import GRAD_NORM, UPDATE, scope
@@ -52,13 +60,18 @@ class Route(NamedTuple):
     departure: Departure
 
     @classmethod
-    def of(cls, config: ShardConfig, stage: int) -> Route:
+    def of(cls, config: ShardConfig, stage: int, mean: bool = False) -> Route:
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
-        both ways."""
-        if stage == 3:
-            return cls(Pieces(config), ToPieces(config))
-        return cls(ReduceScatter(config), AllGather(config))
+        both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
+        ``jax.jit``). Each quantized where ``config`` says so."""
+        grads, weights = config.quantize_grads is not None, config.quantize_weights is not None
+        if stage == 3:  # (stage 3's weights are quantized in its gathers)
+            return cls((QuantizedPieces if grads else Pieces)(config), ToPieces(config))
+        departure = (QuantizedAllGather if weights else AllGather)(config)
+        if mean:
+            return cls(CutMean(config), departure)
+        return cls((QuantizedReduceScatter if grads else ReduceScatter)(config), departure)
 
 
 def updated(
