@@ -14,3 +14,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 PYTHONPATH=. JAX_PLATFORMS=cuda "$py" -c "import jax; print(jax.__version__, jax.devices())"
 PYTHONPATH=. JAX_PLATFORMS=cuda "$py" benchmarks/compare.py --devices 1 \
     --widths 2048 8192 --layers 8 --batch 512 --steps 50 --warmup 5 --out "$out"
+# The quantized collectives' encode + decode on the GPU (one device sends nothing, so
+# the quantized step itself equals the exact one there): their cost per buffer.
+PYTHONPATH=. JAX_PLATFORMS=cuda "$py" benchmarks/codec.py --sizes 16000000 128000000 --out "$out"

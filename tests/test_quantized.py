@@ -2,12 +2,14 @@
 mean gradient (built here, in numpy, from each device's local gradient), the payloads
 and bytes of the compiled step, and every shape of leaf."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import awkward_loss, awkward_params, batches, make_mesh
+from helpers import awkward_loss, awkward_params, batches, layered_loss, layered_params, make_mesh
 
 import zeroshard as zs
 from zeroshard.quantized import Quantizer
@@ -72,10 +74,10 @@ def dequantized_weights(params, n: int, block: int):
     return jax.tree.map(leaf, params)
 
 
-def local_grads(params, batch, n: int) -> list:
+def local_grads(params, batch, n: int, loss=awkward_loss) -> list:
     """Each device's gradient of its rows of the batch (the step's loss: their mean)."""
     parts = [jax.tree.map(lambda x, d=d: jnp.split(x, n)[d], batch) for d in range(n)]
-    return [jax.tree.map(np.asarray, jax.grad(awkward_loss)(params, part)) for part in parts]
+    return [jax.tree.map(np.asarray, jax.grad(loss)(params, part)) for part in parts]
 
 
 def one_step(tx, params, batch, n, stage):
@@ -183,6 +185,57 @@ def test_one_step_is_optax_on_the_dequantized_mean_gradient(stage, grads, weight
 
 def sgd_after(params, mean, lr=0.1):
     return jax.tree.map(lambda p, g: p.astype(jnp.float32) - lr * jnp.asarray(g), params, mean)
+
+
+def layers_of(tree):
+    """A stacked tree's leaves as lists of their layers (each gathered on its own)."""
+    return jax.tree.map(lambda x: list(np.asarray(x)), tree)
+
+
+def stacked(tree):
+    return jax.tree.map(np.stack, tree, is_leaf=lambda x: isinstance(x, list))
+
+
+@pytest.mark.parametrize("model", ["layers", "scan"])
+def test_stage3_layers_gather_and_reduce_each_layer_as_codes(model, rng):
+    """zs.layer per layer, and a scan over stacked layers (one layer's pieces per
+    iteration): each layer's weights arrive as codes forward and backward, and each
+    layer's gradient is reduced as codes; one SGD step is the reference's."""
+    n, block, width = 8, 8, 24
+    batch = {"x": jnp.asarray(rng.normal(size=(16, width)), jnp.float32)}
+    batch["y"] = jnp.tanh(batch["x"])
+    if model == "layers":
+        params, options = layered_params(rng, layers=2, width=width), {}
+        loss3, split = functools.partial(layered_loss, stage=3), lambda t: t
+        plain, merge = layered_loss, lambda t: t
+    else:
+        params = {"blocks": layered_params(rng, layers=1, width=width)["l0"]}
+        params = {"blocks": jax.tree.map(lambda x: jnp.stack([x, 0.5 * x, -x]), params["blocks"])}
+        options, split, merge = {"stacked": ["blocks"]}, layers_of, stacked
+        dense = lambda p, x: jnp.tanh(x @ p["w"] + p["b"])
+
+        def plain(p, b):
+            x, _ = jax.lax.scan(lambda x, w: (dense(w, x), None), b["x"], p["blocks"])
+            return jnp.mean((x - b["y"]) ** 2)
+
+        def loss3(p, b):
+            x, _ = jax.lax.scan(lambda x, w: (zs.layer(dense)(w, x), None), b["x"], p["blocks"])
+            return jnp.mean((x - b["y"]) ** 2)
+
+    tx = zs.sharded(
+        optax.sgd(0.1),
+        quantize_grads="int8",
+        quantize_weights="int8",
+        quantize_block=block,
+        **options,
+    )
+    mesh = make_mesh(n)
+    state = zs.init_train_state(params, tx, mesh, stage=3)
+    state, _ = zs.make_train_step(loss3, tx, mesh, stage=3)(state, batch)
+    at = merge(dequantized_weights(split(params), n, block))
+    grads = [split(g) for g in local_grads(at, batch, n, loss=plain)]
+    mean = merge(dequantized_mean(grads, 8, block))
+    assert_close(zs.to_optax_state(state, tx)[0], sgd_after(params, mean), "master")
 
 
 def test_owned_leaves_travel_in_their_owners_rows(rng):
@@ -364,3 +417,30 @@ def test_bad_options_are_clear_errors():
         zs.sharded(sgd, quantize_grads="int8", reduce_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="needs master weights"):
         zs.sharded(sgd, quantize_weights="int8", master_dtype=None)
+
+
+def test_checkpoints_hold_the_exact_master_and_restore_anywhere(rng, tmp_path):
+    """The checkpoint holds the exact master and state (no codes): restored on 8
+    devices the run continues bit for bit; on 4, from the same master and state."""
+    params, data = awkward_params(rng), batches(rng, 2)
+    tx = zs.sharded(optax.adamw(1e-2), quantize_grads="int8", quantize_weights="int8")
+    state = zs.init_train_state(params, tx, make_mesh(8), param_dtype=jnp.bfloat16)
+    step = zs.make_train_step(awkward_loss, tx, make_mesh(8))
+    state, _ = step(state, data[0])
+    ckpt = zs.CheckpointManager(tmp_path / "ckpt", tx)
+    ckpt.save(state)
+    ckpt.wait_until_finished()
+    master = zs.to_optax_state(state, tx)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    for n in (8, 4):
+        restored = ckpt.restore(make_mesh(n), like=like)
+        for a, b in zip(
+            *map(jax.tree.leaves, (zs.to_optax_state(restored, tx), master)), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if n == 8:
+            after = zs.make_train_step(awkward_loss, tx, make_mesh(n))(restored, data[1])[0]
+            ours = step(state, data[1])[0]
+            for a, b in zip(*map(jax.tree.leaves, (after.params, ours.params)), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ckpt.close()

@@ -12,12 +12,15 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   summed over the devices by the transpose of its gather; the owned leaves' pieces go
   to their owners;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
-  where ``jax.grad`` reduced it); each device cuts its part out.
+  where ``jax.grad`` reduced it); each device cuts its part out;
+- :class:`QuantizedReduceScatter` and :class:`QuantizedPieces`: the first two with
+  the gradients reduced as blockwise integer codes (``quantize_grads``;
+  :mod:`zeroshard.quantized`).
 
-A new kind of arrival (a quantized reduce-scatter over ``all_to_all``, a sum in a
-fixed order) is one more subclass of :class:`Arrival` defining ``bring`` and
-``nbytes`` (and :meth:`Arrival.owned` if its owned part is not one
-row per bucket); :func:`zeroshard.update.updated` takes any of them unchanged.
+A new kind of arrival (a sum in a fixed order, say) is one more subclass of
+:class:`Arrival` defining ``bring`` and ``nbytes`` (and :meth:`Arrival.owned` if its
+owned part is not one row per bucket); :func:`zeroshard.update.updated` takes any of
+them unchanged.
 """
 
 from __future__ import annotations

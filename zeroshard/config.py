@@ -70,7 +70,9 @@ class ShardConfig:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
         :class:`zeroshard.DynamicLossScale`.
       ValueError: if ``replica_axis`` equals ``axis_name``, ``pack_bytes`` is negative,
-        or ``loss_scale`` is given without ``skip_nonfinite`` or with bad constants.
+        ``loss_scale`` is given without ``skip_nonfinite`` or with bad constants, a
+        quantized format or block is unknown, ``quantize_grads`` comes with a
+        ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``.
     """
 
     axis_name: str = "data"

@@ -12,7 +12,10 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   sliced leaves' new pieces stay where they are; the owners' new units of owned
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
 
-A new kind (a quantized all-gather, say) is one more subclass of :class:`Departure`;
+- :class:`QuantizedAllGather`: the all-gather of :class:`AllGather` as blockwise
+  int8 codes (``quantize_weights``; stage 3 quantizes in its gathers instead).
+
+A new kind is one more subclass of :class:`Departure`;
 :func:`zeroshard.update.updated` takes any of them unchanged.
 """
 

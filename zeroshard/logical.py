@@ -337,6 +337,7 @@ def _from_logical_local(
     """The per-device body of :func:`from_optax_state`: this device's block of every
     logical leaf -> its part of the sharded :class:`zeroshard.TrainState`."""
     layout, axis = plan.layout, tx.axis_name
+    departure = Route.of(optimizer_of(tx).config, stage).departure
 
     def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
@@ -357,10 +358,13 @@ def _from_logical_local(
                     for p, f, s in zip(pieces, fulls, layout.slots, strict=True)
                 ],
             )
-        else:
-            compute = layout.treedef.unflatten(
-                x.astype(s.dtype) for x, s in zip(fulls, layout.slots, strict=True)
+        else:  # the weights every device holds after a step: what the departure sends
+            index = jax.lax.axis_index(axis)
+            rows = layout.per_owned_bucket(
+                lambda b, x: layout.owned_blocks(fulls, b, x.dtype)[index]
             )
+            cast = layout.sliced(lambda s, p: p.reshape(-1).astype(s.dtype), pieces)
+            compute = departure.gather(layout, cast, rows, plan.leaf_order)
         wholes = owned_wholes(plan, layout.treedef.unflatten(fulls))
         inner_state, owned = init_parts(tx.inner, plan, axis, plan.grouped(pieces), wholes)
         kept = plan.state_treedef.flatten_up_to(inner_state)

@@ -33,7 +33,7 @@ Example:
     >>> codes.dtype.name, codes.shape, scales.shape  # 2 blocks of 3: 6 codes
     ('int8', (1, 6), (1, 2))
     >>> [x.tolist() for x in q.decode(codes, scales, [5], jnp.float32)]
-    [[[1.0, -2.0, 0.5039370059967041, 4.0, 3.0]]]
+    [[[1.0078740119934082, -2.0, 0.5039370059967041, 4.0, 2.992125988006592]]]
 """
 
 from __future__ import annotations
