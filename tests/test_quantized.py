@@ -277,7 +277,8 @@ def test_accumulation_quantizes_each_reduction(rng):
         assert_close(zs.to_optax_state(state, tx)[0], sgd_after(params, mean), f"stage {stage}")
 
 
-def test_replica_axis_reduces_in_two_levels(rng):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_replica_axis_reduces_in_two_levels(stage, rng):
     """Over (replica 2, data 4): each replica reduces over its data axis as codes, then
     each piece is cut in two, the cuts reduced over the replicas as codes, and the mean
     re-quantized once and gathered."""
@@ -287,8 +288,9 @@ def test_replica_axis_reduces_in_two_levels(rng):
     tx = zs.sharded(
         optax.sgd(0.1), replica_axis="replica", quantize_grads="int8", quantize_block=block
     )
-    state = zs.init_train_state(params, tx, mesh)
-    state, _ = zs.make_train_step(awkward_loss, tx, mesh)(state, batch)
+    loss = awkward_loss if stage < 3 else lambda p, b: awkward_loss(zs.gather(p), b)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    state, _ = zs.make_train_step(loss, tx, mesh, stage=stage)(state, batch)
     grads = local_grads(params, batch, r * n)  # part r * n + e on replica r, data index e
 
     def leaf(*gs):
