@@ -23,7 +23,8 @@ is off unless the environment turns it on).
 ``--optimizer lamb`` or ``clip`` (``clip_by_global_norm`` then AdamW) takes the path
 where global sums are inserted into the inner update. ``--trees before=DIR after=DIR``
 compares zeroshard source trees (each ``DIR`` holding a ``zeroshard/`` package, put
-first on ``PYTHONPATH``), interleaved in one run.
+first on ``PYTHONPATH``), interleaved in one run. ``--quantize`` runs zeroshard with
+int8 gradients and weights.
 
     .venv/bin/python benchmarks/startup.py --leaves 32 128 512 2048
     .venv/bin/python benchmarks/startup.py --leaves 32 512 --optimizer lamb \
@@ -60,6 +61,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
+    )
+    parser.add_argument(
+        "--quantize",
+        action="store_true",
+        help="zeroshard with int8 gradients and weights (quantize_grads, quantize_weights)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per cell")
     parser.add_argument(
@@ -115,6 +121,7 @@ def run_child(args, variant: str, mode: str, leaves: int, trees: dict) -> dict:
     cmd += ["--dtype", args.dtype, "--stage", str(args.stage)]
     if args.pack_bytes is not None:
         cmd += ["--pack-bytes", str(args.pack_bytes)]
+    cmd += ["--quantize"] if args.quantize else []
     env = dict(os.environ)
     tree = trees.get(variant.partition(":")[2])
     if tree is not None:
@@ -208,6 +215,8 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     t0 = time.perf_counter()
     if variant.startswith("zeroshard"):
         pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+        if args.quantize:
+            pack |= {"quantize_grads": "int8", "quantize_weights": "int8"}
         tx = zs.sharded(inner, axis_name="data", **pack)
         if mode == "breakdown" and hasattr(tx, "plan"):
             tx.plan(params, n)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,16 +83,24 @@ class Quantizer:
         codes = values if self.bits == 8 else -(-values // 2)
         return codes + 4 * sum(c for c, _ in shapes)
 
+    def classes(self, widths: Sequence[int]) -> dict[int, list[int]]:
+        """The parts of ``widths`` elements by block size, in order: parts whose blocks
+        have one size are encoded together (the codes lie class by class)."""
+        out: dict[int, list[int]] = {}
+        for i, width in enumerate(widths):
+            out.setdefault(self.blocks(width)[1], []).append(i)
+        return out
+
     def encode(self, parts: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """``(codes, scales)`` of ``parts`` (each ``(rows, width)``, any float dtype),
-        laid end to end: ``(rows, codes)`` ``int8`` (``uint8`` for int4) and
-        ``(rows, scales)`` float32."""
-        codes, scales = [], []
-        for x in parts:
-            (count, size), (rows, width) = self.blocks(x.shape[1]), x.shape
-            v = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, count * size - width)))
-            v = v.reshape(rows, count, size)
-            # (times the reciprocal: what XLA's CPU backend makes of a division anyway)
+        """``(codes, scales)`` of ``parts`` (each ``(rows, width)``, any float dtype):
+        ``(rows, codes)`` ``int8`` (``uint8`` for int4) and ``(rows, scales)``
+        float32, the parts with one block size together (:meth:`classes`)."""
+        codes, scales, rows = [], [], parts[0].shape[0]
+        for size, members in self.classes([x.shape[1] for x in parts]).items():
+            pad = lambda x: ((0, 0), (0, math.prod(self.blocks(x.shape[1])) - x.shape[1]))
+            padded = [jnp.pad(parts[i], pad(parts[i])) for i in members]
+            v = jnp.concatenate(padded, axis=1).astype(jnp.float32).reshape(rows, -1, size)
+            # (times the reciprocal: what XLA makes of a division by a constant anyway)
             scale = jnp.max(jnp.abs(v), axis=2) * np.float32(1 / self.levels)  # nan, inf stay
             q = jnp.round(v * (1 / jnp.where(scale > 0, scale, 1))[..., None])
             codes.append(jnp.clip(q, -self.levels, self.levels).reshape(rows, -1))
@@ -104,12 +113,16 @@ class Quantizer:
         """The parts of ``widths`` elements (``(rows, width)`` each, in ``dtype``) that
         :meth:`encode` made ``codes`` and ``scales`` of."""
         q, rows = self._unpacked(codes), codes.shape[0]
-        parts, at, k = [], 0, 0
-        for width in widths:
-            count, size = self.blocks(width)
+        parts: list[Any] = [None] * len(widths)
+        at, k = 0, 0
+        for size, members in self.classes(widths).items():
+            count = sum(self.blocks(widths[i])[0] for i in members)
             v = q[:, at : at + count * size].reshape(rows, count, size)
-            v = v * scales[:, k : k + count, None]
-            parts.append(v.reshape(rows, -1)[:, :width].astype(dtype))
+            v = (v * scales[:, k : k + count, None]).reshape(rows, -1)
+            start = 0
+            for i in members:
+                parts[i] = v[:, start : start + widths[i]].astype(dtype)
+                start += self.blocks(widths[i])[0] * size
             at, k = at + count * size, k + count
         return parts
 
