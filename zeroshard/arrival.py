@@ -32,11 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard import quantized
-from zeroshard.collectives import is_identity
+from zeroshard.collectives import is_identity, summed_parts
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
-from zeroshard.rows import spans
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
 from zeroshard.stage3 import full_structs, to_owners
 
@@ -117,10 +116,7 @@ class ReduceScatter(Arrival):
         """This device's row of the mean over the axis of each of ``blocks`` (each
         ``(num_shards, width)``, row ``d`` for device ``d``): one reduce-scatter of
         them packed."""
-        axis, n = self.config.axis_name, len(blocks[0])
-        matrix = jnp.concatenate(blocks, 1)
-        row = jax.lax.psum_scatter(matrix, axis, scatter_dimension=0, tiled=True)[0] / n
-        return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
+        return summed_parts(blocks, self.config.axis_name, over=len(blocks[0]))
 
     def nbytes(self, plan: Plan) -> int:
         if plan.layout.num_shards == 1:

@@ -4,16 +4,20 @@ The collectives themselves belong to the kinds of arrival (:mod:`zeroshard.arriv
 and departure (:mod:`zeroshard.departure`) and to stage 3's gather
 (:mod:`zeroshard.stage3`). On one device (an axis of size 1, with no varying values)
 every collective is the identity and is left out (:func:`is_identity`;
-:func:`all_gathered` leaves out its all-gather so).
+:func:`all_gathered` leaves out its all-gather so), and a list of parts is packed
+into one collective (:func:`all_gathered_parts`, :func:`summed_parts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from zeroshard.layout import PyTree
+from zeroshard.rows import spans
 
 
 def is_identity(x: PyTree, axes: str | tuple[str, ...]) -> bool:
@@ -35,3 +39,21 @@ def all_gathered(x: jax.Array, axis_name: str, **kwargs: Any) -> jax.Array:
     """Every device's ``x`` (``(num_shards, ...)``, row ``d`` from device ``d``): one
     ``jax.lax.all_gather`` (with ``kwargs``), or ``x[None]`` where it is the identity."""
     return x[None] if is_identity(x, axis_name) else jax.lax.all_gather(x, axis_name, **kwargs)
+
+
+def all_gathered_parts(parts: Sequence[jax.Array], axis_name: str, **kwargs: Any) -> list:
+    """Every device's 1-D ``parts``, packed into one :func:`all_gathered` (with
+    ``kwargs``): one ``(num_shards, width)`` per part, row ``d`` from device ``d``."""
+    full = all_gathered(jnp.concatenate(parts), axis_name, **kwargs)
+    return [full[:, a:b] for a, b in spans([p.shape[0] for p in parts])]
+
+
+def summed_parts(blocks: Sequence[jax.Array], axis_name: str, over: int = 1) -> list:
+    """This device's row of the sum over ``axis_name`` of each of ``blocks`` (each
+    ``(num_shards, width)``, row ``d`` for device ``d``), divided by ``over`` (the
+    number of devices: the mean): one ``psum_scatter`` of them packed, its row divided
+    once (dividing each part instead compiled to other bits at N = 3)."""
+    matrix = jnp.concatenate(blocks, 1)
+    row = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)[0]
+    row = row if over == 1 else row / over
+    return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]

@@ -30,11 +30,10 @@ import jax.numpy as jnp
 
 from zeroshard import quantized
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered, is_identity
+from zeroshard.collectives import all_gathered_parts, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
-from zeroshard.rows import spans
 from zeroshard.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
 from zeroshard.stage3 import (
     exchange,
@@ -124,8 +123,7 @@ class AllGather(Departure):
         """Every device's ``parts`` (1-D, one dtype), invariant over the axis: one
         ``(num_shards, width)`` per part, row ``d`` from device ``d``; one all-gather
         of them packed."""
-        full = all_gathered(jnp.concatenate(parts), self.config.axis_name, to="invarying")
-        return [full[:, a:b] for a, b in spans([p.shape[0] for p in parts])]
+        return all_gathered_parts(parts, self.config.axis_name, to="invarying")
 
     def nbytes(self, plan: Plan) -> int:
         n = plan.layout.num_shards

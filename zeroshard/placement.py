@@ -441,11 +441,11 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     """
     # Gathered as quantized codes, the parameters are not the exact weights: every
     # bucket keeps a master then.
-    exact = config.quantize_weights is not None
+    quantized = config.quantize_weights is not None
     master_dtypes = tuple(
         config.master_dtype
         if config.master_dtype is not None
-        and (exact or jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits)
+        and (quantized or jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits)
         else None
         for b in base.buckets
     )

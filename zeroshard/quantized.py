@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.rows import spans
+from zeroshard.collectives import all_gathered_parts, summed_parts
 
 BITS = {"int8": 8, "int4": 4}
 """The quantized formats, by name, and their bits per value."""
@@ -192,11 +192,9 @@ def gathered(
 
 
 def _gather_parts(parts: list[jax.Array], axis_name: str, q: Quantizer | None) -> list[jax.Array]:
-    dtype = parts[0].dtype
-    if q is not None:
-        return all_gather(q, parts, axis_name, dtype)
-    rows = jax.lax.all_gather(jnp.concatenate(parts), axis_name)
-    return [rows[:, a:b] for a, b in spans([p.shape[0] for p in parts])]
+    if q is None:
+        return all_gathered_parts(parts, axis_name)
+    return all_gather(q, parts, axis_name, parts[0].dtype)
 
 
 def _gathered_forward(parts, axis_name, weights, grads):
@@ -205,9 +203,7 @@ def _gathered_forward(parts, axis_name, weights, grads):
 
 def _gathered_backward(axis_name, weights, grads, _, cotangents):
     if grads is None:
-        row = jnp.concatenate(cotangents, axis=1)
-        row = jax.lax.psum_scatter(row, axis_name, scatter_dimension=0, tiled=True)[0]
-        sums = [row[a:b] for a, b in spans([c.shape[1] for c in cotangents])]
+        sums = summed_parts(cotangents, axis_name)
     else:
         sums = reduce_scatter(grads, cotangents, axis_name)
     return ([s.astype(c.dtype) for s, c in zip(sums, cotangents, strict=True)],)

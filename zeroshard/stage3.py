@@ -38,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard import quantized
-from zeroshard.collectives import is_identity
+from zeroshard.collectives import all_gathered_parts, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.mesh import axis_of_step
 from zeroshard.quantized import Quantizer
-from zeroshard.rows import pack, spans
+from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
 
 
@@ -198,8 +198,7 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
         elif any(quantizers := _quantizers.get()):
             every = quantized.gathered(pieces, axis_name, *quantizers)
         else:
-            rows = jax.lax.all_gather(pack(pieces, dtype), axis_name)  # (N, sum of pieces)
-            every = [rows[:, a:b] for a, b in spans([p.size for p in pieces])]
+            every = all_gathered_parts(pieces, axis_name)
         for i, x in zip(group, every, strict=True):
             out[i] = slots[i].uncut(x)
     return treedef.unflatten(out)
