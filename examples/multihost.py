@@ -60,6 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="pause after each step (a slow step)"
     )
+    parser.add_argument(
+        "--deterministic",
+        type=int,
+        default=None,
+        help="zs.sharded(..., deterministic=M): the same bits on any device count dividing M",
+    )
+    parser.add_argument(
+        "--devices", type=int, default=None, help="use the first N devices only (one process)"
+    )
     args = parser.parse_args(argv)
     if args.restore and not args.ckpt:
         parser.error("--restore needs --ckpt")
@@ -97,12 +106,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import zeroshard as zs
 
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
     if args.mesh == "data":
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        tx = zs.sharded(optax.adamw(1e-2), axis_name="data")
+        devices = jax.devices()[: args.devices]
+        mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+        tx = zs.sharded(inner, axis_name="data", deterministic=args.deterministic)
     else:  # each process's devices form one "data" group
         mesh = jax.make_mesh((jax.process_count(), jax.local_device_count()), ("replica", "data"))
-        tx = zs.sharded(optax.adamw(1e-2), axis_name="data", replica_axis="replica")
+        tx = zs.sharded(inner, axis_name="data", replica_axis="replica")
     rng = np.random.default_rng(0)  # the same initial params on every process
     params = {
         "hidden": {"w": rng.normal(size=(16, 64)) / 4, "b": np.zeros(64)},

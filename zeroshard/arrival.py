@@ -15,12 +15,15 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   where ``jax.grad`` reduced it); each device cuts its part out;
 - :class:`QuantizedReduceScatter` and :class:`QuantizedPieces`: the first two with
   the gradients reduced as blockwise integer codes (``quantize_grads``;
-  :mod:`zeroshard.quantized`).
+  :mod:`zeroshard.quantized`);
+- :class:`CanonicalReduceScatter` and :class:`CanonicalPieces`: the first two with
+  every sum in a fixed order (``deterministic=``; :mod:`zeroshard.canonical`): the
+  same bits on any device count.
 
-A new kind of arrival (a sum in a fixed order, say) is one more subclass of
-:class:`Arrival` defining ``bring`` and ``nbytes`` (and :meth:`Arrival.owned` if its
-owned part is not one row per bucket); :func:`zeroshard.update.updated` takes any of
-them unchanged.
+A new kind of arrival is one more subclass of :class:`Arrival` defining ``bring``
+and ``nbytes`` (and :meth:`Arrival.owned` if its owned part is not one row per
+bucket, :meth:`Arrival.norm_and_finite` if its sums differ);
+:func:`zeroshard.update.updated` takes any of them unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeroshard import quantized
+from zeroshard import canonical, quantized
+from zeroshard.clipping import local_squares
 from zeroshard.collectives import is_identity, summed_parts
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
@@ -80,6 +84,21 @@ class Arrival:
     def dtype(self, bucket: Any) -> Any:
         """The dtype a bucket's (or an array's) gradients travel in."""
         return self.config.reduce_dtype or bucket.dtype
+
+    def norm_and_finite(
+        self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
+    ) -> tuple[jax.Array, jax.Array]:
+        """The global L2 norm of the mean gradient from this device's part (its
+        ``pieces`` of the sliced leaves, by leaf, and its owned ``rows``), and whether
+        it is finite: one scalar all-reduce, so every device takes the same decision.
+        A ``nan`` or ``inf`` anywhere makes the summed squares non-finite, so they carry
+        the verdict with no reduction of their own (as does a norm past float32's
+        range, about 1.8e19, where every update would overflow anyway)."""
+        axis = self.config.axis_name
+        squares = local_squares([g for g in (*pieces, *rows) if g is not None])
+        if not is_identity(squares, axis):
+            squares = jax.lax.psum(squares, axis)
+        return jnp.sqrt(squares), jnp.isfinite(squares)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +261,61 @@ class CutMean(Arrival):
 
     def nbytes(self, plan: Plan) -> int:
         return 0
+
+
+class Canonical:
+    """The fixed-order sums of ``deterministic=`` (:mod:`zeroshard.canonical`), mixed
+    into an arrival: the device sums of a round of micro-batches in device order,
+    returned as sums (the step divides the rounds' sum by the micro-batch count), and
+    the gradient norm from the leaves' canonical totals."""
+
+    def norm_and_finite(
+        self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
+    ) -> tuple[jax.Array, jax.Array]:
+        layout, parts = plan.layout, []
+        square = lambda x: jnp.square(x.astype(jnp.float32))
+        for i, s in enumerate(layout.slots):
+            if not s.owned:
+                parts.append(canonical.leaf_part(square(pieces[i]), s))
+                continue
+            spans = s.unit_spans(pieces=isinstance(self, Pieces))
+            units = [self.unit(layout, rows[s.bucket], s, a, b) for _, a, b in spans]
+            parts.append(canonical.unit_part([square(u) for u in units], s.owners))
+        return canonical.norm_and_finite(canonical.totals(parts, self.config.axis_name))
+
+
+@dataclasses.dataclass(frozen=True)
+class CanonicalReduceScatter(Canonical, ReduceScatter):
+    """Local full gradients, summed in device order: one ``all_to_all`` per collective
+    of :class:`ReduceScatter` (the same bytes on the wire), each device's rows summed
+    in float32 in a fixed tree (:func:`zeroshard.canonical.summed_rows`). Scope
+    ``zeroshard/reduce_scatter``."""
+
+    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
+        return canonical.summed_rows(blocks, self.config.axis_name)
+
+    def unit(self, layout: Layout, row: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
+        """An owned unit as this device's owned ``row`` holds it, if it is the owner."""
+        return row[start:stop]
+
+    def nbytes(self, plan: Plan) -> int:
+        return plan.layout.num_shards * super().nbytes(plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class CanonicalPieces(Canonical, Pieces):
+    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece (in float32),
+    summed in device order by the transpose of its gather
+    (:func:`zeroshard.canonical.gathered`, which the step's :func:`zeroshard.gather`
+    uses); the owned leaves' pieces then go to their owners."""
+
+    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+        layout.check_matches(full_structs(grads), "gradients")
+        return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
+
+    def unit(self, layout: Layout, part: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
+        """An owned unit from every device's pieces of it, as its owner receives them."""
+        return slot.unit_geometry().uncut(part[:, start:stop])
 
 
 def check_local(leaves: list, layout: Layout, axis_name: str) -> None:

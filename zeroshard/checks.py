@@ -51,10 +51,15 @@ def check_stage(stage: int) -> None:
 
 
 def check_batch(
-    batch: PyTree, num_shards: int, axis_name: str | tuple[str, ...], accum_steps: int = 1
+    batch: PyTree,
+    num_shards: int,
+    axis_name: str | tuple[str, ...],
+    accum_steps: int = 1,
+    deterministic: int | None = None,
 ) -> None:
     """Refuses an empty batch, or one whose leading dimension does not split evenly over
-    ``num_shards`` devices (times ``accum_steps`` micro-batches)."""
+    ``num_shards`` devices (times ``accum_steps`` micro-batches), or into the
+    ``deterministic`` micro-batches of a fixed-order step."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("the batch is empty: pass a pytree of arrays with a batch dimension.")
@@ -63,6 +68,8 @@ def check_batch(
     what = f"the {num_shards} devices of {noun} {axis_name!r}"
     if accum_steps > 1:
         what += f" times accum_steps={accum_steps}"
+    if deterministic is not None:
+        parts, what = deterministic, f"the deterministic={deterministic} micro-batches"
     for path, x in leaves:
         shape = jnp.shape(x)
         if not shape or shape[0] % parts:
@@ -71,3 +78,24 @@ def check_batch(
                 f"(global batch) dimension must be divisible by {what}. Use a global "
                 f"batch size that is a multiple of {parts}."
             )
+
+
+def check_deterministic(
+    parts: int | None, num_devices: int, axis_name: str | tuple[str, ...], accum_steps: int
+) -> None:
+    """Refuses a fixed-order step (``deterministic=parts``) on a device count that does
+    not divide ``parts``, or with ``accum_steps`` of its own."""
+    if parts is None:
+        return
+    if accum_steps != 1:
+        raise ValueError(
+            f"deterministic={parts} cuts the global batch into {parts} micro-batches itself "
+            f"({parts} // N per device), so accum_steps={accum_steps} has nothing to add: leave "
+            "it at 1 and choose deterministic= for the micro-batch size you can afford."
+        )
+    if parts % num_devices:
+        raise ValueError(
+            f"deterministic={parts} gives the same bits on device counts that divide {parts}, "
+            f"but {axis_name!r} has {num_devices} devices: run on a power of two up to {parts} "
+            f"devices, or pass a larger power of two (a multiple of {num_devices})."
+        )

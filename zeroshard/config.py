@@ -65,6 +65,9 @@ class ShardConfig:
       quantize_weights: ``"int8"`` or ``None``: the format the new weights are
         gathered in.
       quantize_block: the most elements per quantization block (one float32 scale).
+      deterministic: ``None``, or the number of canonical parts (a power of two):
+        every sum runs in an order fixed by it, so a step gives the same bits on any
+        device count that divides it (:mod:`zeroshard.canonical`).
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -72,7 +75,9 @@ class ShardConfig:
       ValueError: if ``replica_axis`` equals ``axis_name``, ``pack_bytes`` is negative,
         ``loss_scale`` is given without ``skip_nonfinite`` or with bad constants, a
         quantized format or block is unknown, ``quantize_grads`` comes with a
-        ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``.
+        ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``;
+        if ``deterministic`` is not a power of two or comes with a replica axis or
+        quantized collectives.
     """
 
     axis_name: str = "data"
@@ -89,10 +94,12 @@ class ShardConfig:
     quantize_grads: str | None = None
     quantize_weights: str | None = None
     quantize_block: int = 256
+    deterministic: int | None = None
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_name, self.replica_axis)
         _check_quantized(self)
+        _check_deterministic(self)
         if not isinstance(self.pack_bytes, int) or self.pack_bytes < 0:
             raise ValueError(f"pack_bytes must be a non-negative int, got {self.pack_bytes!r}.")
         if self.loss_scale is not None:
@@ -164,6 +171,34 @@ def _check_quantized(config: ShardConfig) -> None:
             "the parameters every device holds are the dequantized weights, so the exact "
             "ones are kept in the optimizer state."
         )
+
+
+def _check_deterministic(config: ShardConfig) -> None:
+    parts = config.deterministic
+    if parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or parts & (parts - 1):
+        raise ValueError(
+            f"deterministic must be a power of two (the number of micro-batches the global "
+            f"batch is cut into, at least the largest device count to run on), got {parts!r}."
+        )
+    clashes = {
+        "replica_axis": config.replica_axis,
+        "quantize_grads": config.quantize_grads,
+        "quantize_weights": config.quantize_weights,
+    }
+    for name, value in clashes.items():
+        if value is not None:
+            raise ValueError(
+                f"deterministic={parts} does not combine with {name}={value!r}: "
+                + (
+                    "the reduction over a replica axis"
+                    if name == "replica_axis"
+                    else "the reduction of quantized codes"
+                )
+                + " is not made to run in the fixed order. Leave it unset to get the same "
+                "bits on any device count."
+            )
 
 
 def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:

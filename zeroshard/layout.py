@@ -92,6 +92,10 @@ class Slot:
       unit_offsets: each unit's place in its owner's owned row of the bucket.
       chunk_offsets: each unit's place in its owner's stage-3 chunk of the bucket
         (where one device's pieces of the units it owns lie, ``unit_piece`` each).
+      chunks: ``0``, or the number of canonical chunks each layer is cut into, a
+        multiple of ``num_shards``: each device's piece is then ``chunks /
+        num_shards`` whole chunks (the fixed-order sums of ``deterministic=``; see
+        :mod:`zeroshard.canonical`).
     """
 
     path: str
@@ -104,6 +108,7 @@ class Slot:
     layered: bool = False
     unit_offsets: tuple[int, ...] = ()
     chunk_offsets: tuple[int, ...] = ()
+    chunks: int = 0
 
     @property
     def placement(self) -> str:
@@ -146,7 +151,9 @@ class Slot:
     def unit_geometry(self) -> Slot:
         """How one owned unit is cut into stage-3 pieces (a layer of a layer-owned leaf
         as a leaf of its own)."""
-        return Slot.of(self.unit_shape, self.dtype, self.num_shards) if self.layered else self
+        if not self.layered:
+            return self
+        return Slot.of(self.unit_shape, self.dtype, self.num_shards, chunks=self.chunks)
 
     def local_shape(self, count: int) -> tuple[int, ...]:
         """The shape of ``count`` units of this owned leaf, as their owner holds them."""
@@ -182,8 +189,14 @@ class Slot:
 
     @property
     def width(self) -> int:
-        """Elements per device of one layer: ``ceil(layer size / num_shards)``."""
-        return -(-math.prod(self.shape[self.stacked :]) // self.num_shards)
+        """Elements per device of one layer: ``ceil(layer size / num_shards)``, or with
+        ``chunks``, ``chunks / num_shards`` chunks of ``ceil(layer size / chunks)``."""
+        return self.chunk * (self.chunks // self.num_shards or 1)
+
+    @property
+    def chunk(self) -> int:
+        """Elements of one canonical chunk of a layer (with ``chunks``; else the width)."""
+        return -(-math.prod(self.shape[self.stacked :]) // (self.chunks or self.num_shards))
 
     @property
     def piece_size(self) -> int:
@@ -197,9 +210,11 @@ class Slot:
         return (*self.shape[:k], *(1,) * (len(self.shape) - k - 1), self.width)
 
     @classmethod
-    def of(cls, shape: tuple[int, ...], dtype: Any, num_shards: int, stacked: int = 0) -> Slot:
+    def of(
+        cls, shape: tuple[int, ...], dtype: Any, num_shards: int, stacked: int = 0, chunks: int = 0
+    ) -> Slot:
         """The geometry of a sliced (or stacked) leaf alone, outside any layout."""
-        return cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked)
+        return cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked, chunks=chunks)
 
     def spec(self, axis_name: str) -> P:
         """``PartitionSpec`` of the leaf's global array of pieces (``P()``: owned leaves
@@ -224,7 +239,7 @@ class Slot:
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
-        if self.num_shards == 1:
+        if self.num_shards == 1 and self.piece_size == self.size:
             return jnp.ravel(leaf)
         cols = jax.lax.dynamic_slice_in_dim(
             self._padded(leaf), index * self.width, self.width, 1, allow_negative_indices=False
@@ -242,7 +257,7 @@ class Slot:
     def uncut(self, pieces: jax.Array) -> jax.Array:
         """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
         device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
-        if self.num_shards == 1:  # one device: its piece is the whole leaf
+        if self.num_shards == 1 and self.piece_size == self.size:  # its piece: the leaf
             return pieces.reshape(self.shape)
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
         rows = pieces.reshape(n, self.layers, self.width)
@@ -325,6 +340,7 @@ class Layout:
         owned: Mapping[int, float] | None = None,
         layered: Collection[int] | None = None,
         spread: Collection[int] | None = None,
+        chunks: int = 0,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
@@ -340,6 +356,8 @@ class Layout:
             placed as a whole leaf is, with its share of the leaf's cost.
           spread: of the ``layered`` leaves, those whose layers go first, so that
             each device gets one where there are as many layers as devices.
+          chunks: ``0``, or the number of canonical chunks every layer is cut into
+            (see :class:`Slot`; a multiple of ``num_shards``).
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -368,9 +386,15 @@ class Layout:
             dtypes += [] if dtype in dtypes else [dtype]
             units, b = owners.get(i, ()), dtypes.index(dtype)
             lay = bool(units) and i in (layered or ())
-            slots.append(Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay))
+            slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
+            slots.append(dataclasses.replace(slot, chunks=chunks))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
+
+    @property
+    def chunks(self) -> int:
+        """The canonical chunks every layer is cut into (``0``: none; see :class:`Slot`)."""
+        return self.slots[0].chunks
 
     @property
     def has_owned(self) -> bool:

@@ -92,7 +92,7 @@ def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
     and the device keeps its block, or all of it when no dimension divides.
     """
     n, shape = slot.num_shards, slot.shape
-    if logical_dim(shape, n) == 0 and not slot.stacked:
+    if _rows(slot):
         return piece.reshape((shape[0] // n, *shape[1:]))
     full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
     return logical_block(full, axis_name)
@@ -100,10 +100,17 @@ def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
 
 def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
     """This device's block of the logical leaf -> its piece, shaped ``slot.piece_shape``."""
-    if logical_dim(slot.shape, slot.num_shards) == 0 and not slot.stacked:
+    if _rows(slot):
         return block.reshape(slot.piece_shape)
     full = logical_gather(block, slot.shape, axis_name)
     return slot.cut(full, jax.lax.axis_index(axis_name)).reshape(slot.piece_shape)
+
+
+def _rows(slot: Slot) -> bool:
+    """Whether a sliced leaf's piece is a block of its rows (its first dimension
+    divides by the device count, and the leaf is not padded)."""
+    n = slot.num_shards
+    return logical_dim(slot.shape, n) == 0 and not slot.stacked and slot.piece_size * n == slot.size
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:

@@ -311,7 +311,8 @@ class Plan:
         ]
         tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
         args = (grads, state, params, extra_args)
-        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced)
+        fixed = slots if self.layout.chunks else None  # deterministic=: sums in a fixed order
+        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced, fixed)
 
     def local_wholes(self, branch: int, wholes: list, axis_name: str) -> list:
         """What this device, on ``branch``, holds of the full owned leaves ``wholes``:
@@ -502,7 +503,9 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan
         storage.append(values)
     kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
     groups, state_groups = ((), ())
-    if config.group_alike and layout.num_shards > 1:
+    # Groups sum a buffer of several leaves at once, in an order of their own: not
+    # with the fixed-order sums of deterministic=.
+    if config.group_alike and layout.num_shards > 1 and not layout.chunks:
         groups, state_groups = _groups(layout, analysis, slots, config.pack_bytes)
     plan = dataclasses.replace(
         plan,
@@ -612,7 +615,13 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
     dims = {s.path: s.stacked for s in base.slots}  # the stacked layer axes, kept
     place = lambda layered: Layout.from_tree(
-        leaves, base.num_shards, lambda path, _: dims[path], costs, layered, sums & layered
+        leaves,
+        base.num_shards,
+        lambda path, _: dims[path],
+        costs,
+        layered,
+        sums & layered,
+        chunks=base.chunks,
     )
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards

@@ -51,7 +51,9 @@ class Sharded:
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """The (cached) :class:`zeroshard.placement.Plan` for ``params`` (arrays,
         ``ShapeDtypeStruct`` or stage-3 pieces) over ``num_shards`` devices."""
-        layout = Layout.from_tree(full_structs(params), num_shards, self.config.stacked)
+        parts = self.config.deterministic or 0
+        structs = full_structs(params)
+        layout = Layout.from_tree(structs, num_shards, self.config.stacked, chunks=parts)
         return _plan(self, layout)
 
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
@@ -121,7 +123,18 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_global`)."""
+        the mean gradient (:meth:`apply_global`).
+
+        Raises:
+          ValueError: with ``deterministic=``, which only a zeroshard step provides.
+        """
+        if self.config.deterministic is not None:
+            raise ValueError(
+                f"zs.sharded(..., deterministic={self.config.deterministic}) fixes the order of "
+                "the gradients' sums, which happen in the step: use it with "
+                "zs.make_train_step (or zs.flax's steps). In your own step the gradients "
+                "arrive summed already, in an order that depends on the device count."
+            )
         local = params is None or bound_axis_size(self.config.axis_name) is not None
         apply = self.apply if local else self.apply_global
         new, state = apply(updates, state, params, **extra_args)
@@ -313,6 +326,7 @@ def sharded(
     quantize_grads: str | None = None,
     quantize_weights: str | None = None,
     quantize_block: int = 256,
+    deterministic: int | None = None,
 ) -> ShardedTransformation:
     """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
@@ -432,6 +446,13 @@ def sharded(
         two leaves; a leaf's piece of ``w`` elements is cut in ``ceil(w / block)``
         equal blocks. The scales cost ``4 / block`` bytes per element (1.6% of the
         int8 codes at 256).
+      deterministic: ``None``, or a power of two ``M``: the same global batch gives
+        the same bits on every device count that divides ``M``
+        (:func:`zeroshard.make_train_step` only; see :mod:`zeroshard.canonical`). The
+        step cuts the global batch into ``M`` micro-batches whose gradients are summed
+        in one fixed binary tree, and every sum over a leaf's elements in the update
+        (global norms, trust ratios, RMS) runs over ``M`` fixed chunks of the leaf.
+        A checkpoint saved on 8 devices and resumed on 4 continues bit for bit.
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``
@@ -486,6 +507,7 @@ def sharded(
         quantize_grads=quantize_grads,
         quantize_weights=quantize_weights,
         quantize_block=quantize_block,
+        deterministic=deterministic,
     )
     opt = Sharded(optax.with_extra_args_support(inner), config)
     return ShardedTransformation(opt.init, opt.update)

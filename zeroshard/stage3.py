@@ -37,12 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard import quantized
+from zeroshard import canonical, quantized
 from zeroshard.collectives import all_gathered_parts, is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.mesh import axis_of_step
-from zeroshard.quantized import Quantizer
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
 
@@ -59,11 +58,15 @@ class Shard:
         indexed) along its layer axes, the shape of the layer the piece now holds.
       dtype: the parameter's dtype (static).
       stacked: the number of leading layer axes the piece still holds (static).
+      chunks: ``0``, or the canonical chunks each layer is cut into (static; see
+        :class:`zeroshard.layout.Slot`).
     """
 
-    def __init__(self, piece: Any, shape: tuple[int, ...], dtype: Any, stacked: int = 0):
+    def __init__(
+        self, piece: Any, shape: tuple[int, ...], dtype: Any, stacked: int = 0, chunks: int = 0
+    ):
         self.piece, self.dtype = piece, np.dtype(dtype)
-        self._shape, self._stacked = tuple(shape), int(stacked)
+        self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
 
     @property
     def _dropped(self) -> int:
@@ -88,7 +91,7 @@ class Shard:
             or vmapped in a way the layout does not support).
         """
         dropped = self._dropped
-        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked)
+        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks)
         if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
             how = (
                 f"laid out with {self._stacked} stacked layer axes"
@@ -105,7 +108,7 @@ class Shard:
         return slot
 
     def tree_flatten(self):
-        return (self.piece,), (self._shape, self.dtype, self._stacked)
+        return (self.piece,), (self._shape, self.dtype, self._stacked, self.chunks)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -143,7 +146,7 @@ def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     owners gather them for the update) -> :class:`Shard` pieces, in the parameters'
     dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked)
+        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked, s.chunks)
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
@@ -151,7 +154,7 @@ def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
     """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's spec."""
     return layout.treedef.unflatten(
-        Shard(s.piece_spec(axis_name), s.shape, s.dtype, s.stacked) for s in layout.slots
+        Shard(s.piece_spec(axis_name), s.shape, s.dtype, s.stacked, s.chunks) for s in layout.slots
     )
 
 
@@ -189,14 +192,20 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
     slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
-    out = list(leaves)
+    out, config = list(leaves), _step_config.get()
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
-        pieces = [jnp.ravel(leaves[i].piece).astype(dtype) for i in group]
+        raw = [jnp.ravel(leaves[i].piece) for i in group]
+        pieces = [p.astype(dtype) for p in raw]
         if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
             every = [p[None] for p in pieces]
-        elif any(quantizers := _quantizers.get()):
-            every = quantized.gathered(pieces, axis_name, *quantizers)
+        elif config is not None and config.deterministic is not None:
+            # (the pieces as given: float32, so the gradients' sums stay float32)
+            every = canonical.gathered(raw, axis_name, dtype)
+        elif config is not None and (config.weight_quantizer or config.grad_quantizer):
+            every = quantized.gathered(
+                pieces, axis_name, config.weight_quantizer, config.grad_quantizer
+            )
         else:
             every = all_gathered_parts(pieces, axis_name)
         for i, x in zip(group, every, strict=True):
@@ -204,22 +213,23 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     return treedef.unflatten(out)
 
 
-_quantizers: contextvars.ContextVar[tuple[Quantizer | None, Quantizer | None]] = (
-    contextvars.ContextVar("gather_quantizers", default=(None, None))
+_step_config: contextvars.ContextVar[ShardConfig | None] = contextvars.ContextVar(
+    "step_config", default=None
 )
 
 
 @contextlib.contextmanager
-def quantized_gathers(config: ShardConfig) -> Iterator[None]:
+def step_gathers(config: ShardConfig) -> Iterator[None]:
     """Inside: a zeroshard step with ``config`` is being traced, and :func:`gather`
-    sends the weights as ``config.quantize_weights`` codes and its transpose the
-    gradients as ``config.quantize_grads`` codes (:func:`zeroshard.quantized.gathered`;
-    per thread)."""
-    token = _quantizers.set((config.weight_quantizer, config.grad_quantizer))
+    gathers as ``config`` says (per thread): the weights as ``quantize_weights``
+    codes and its transpose the gradients as ``quantize_grads`` codes
+    (:func:`zeroshard.quantized.gathered`), or the transpose summing in a fixed order
+    (``deterministic``, :func:`zeroshard.canonical.gathered`)."""
+    token = _step_config.set(config)
     try:
         yield
     finally:
-        _quantizers.reset(token)
+        _step_config.reset(token)
 
 
 def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[..., Any]:

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard import step_io
-from zeroshard.checks import check_batch, check_other_axes, check_stage
+from zeroshard import canonical, step_io
+from zeroshard.checks import check_batch, check_deterministic, check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, quantized_gathers, shard_specs, to_shards
+from zeroshard.stage3 import full_structs, is_shard, shard_specs, step_gathers, to_shards
 from zeroshard.update import Route, updated
 
 
@@ -160,7 +160,12 @@ class TrainStep:
         self.route = Route.of(self.opt.config, stage)
         self.batch_axes = axes if len(axes) > 1 else self.axis_name
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
-        self.per_device_loss = self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2
+        self.parts = self.opt.config.deterministic  # micro-batches of a fixed-order step
+        check_deterministic(self.parts, self.batch_parts, self.batch_axes, k)
+        fixed = self.parts is not None
+        self.per_device_loss = (
+            self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2 and not fixed
+        )
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
     def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
@@ -174,7 +179,10 @@ class TrainStep:
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
         args = (self._varying(state.params), batch, step_io.device_key(key, self.batch_axes))
-        if self.accum_steps > 1:
+        fixed = self.parts is not None
+        if fixed:
+            out, parts = self._in_order(value_and_grad, *args[:2], key, state.model_state, plan)
+        elif self.accum_steps > 1:
             out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
         else:
             out, grads = value_and_grad(*args, state.model_state)
@@ -185,8 +193,10 @@ class TrainStep:
         opt = (self.opt.inner, self.opt.config, plan, self.route)
         params, opt_state = updated(*opt, parts, state.opt_state, state.params)
         states = (state.opt_state, opt_state)
-        metrics = step_io.step_metrics(self.opt.config, loss, aux, batch, self.batch_axes, states)
-        if not self.per_device_loss:  # (averaged already)
+        metrics = step_io.step_metrics(
+            self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=fixed
+        )
+        if not (self.per_device_loss or fixed):  # (averaged already)
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
@@ -258,8 +268,50 @@ class TrainStep:
             return out, arrival.bring(plan, acc)
         return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
 
+    def _in_order(self, value_and_grad, params, batch, key, model_state, plan):
+        """Loss, aux, model state and gradient parts of the fixed-order step
+        (``deterministic=``, :mod:`zeroshard.canonical`): this device's rows are
+        micro-batches ``d * R`` to ``(d + 1) * R - 1`` of the global batch's ``parts``
+        (``R = parts / N`` rounds); round ``i`` computes its micro-batch ``i`` (the
+        key folded with its index in the global batch, from the model state as
+        given) and sums the devices' gradients, losses, scalar aux and model state
+        in device order; the rounds meet in the rest of the fixed binary tree, and
+        the sums are divided by ``parts``. Per-example aux comes back in batch order."""
+        n, axis, arrival, stage = self.batch_parts, self.axis_name, self.route.arrival, self.stage
+        rounds, f32, aux_of = self.parts // n, lambda x: x.astype(jnp.float32), {}
+        micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
+        if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
+            params = jax.tree.map(f32, params)
+        devices = lambda x: canonical.gathered_all(x, axis)  # (N, ...), in device order
+        summed = lambda x: canonical.tree_sum(devices(f32(x)))
+
+        def one(i):
+            index = jax.lax.axis_index(axis) * rounds + i  # its place in the global batch
+            mb_key = None if key is None else jax.random.fold_in(key, index)
+            mb = jax.tree.map(lambda x: x[i], micro)
+            (loss, (aux, state)), grads = value_and_grad(params, mb, mb_key, model_state)
+            parts = arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
+            aux, aux_of["tree"] = jax.tree.flatten(aux)
+            aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
+            state = jax.tree.map(lambda x: summed(x) if _floating(x) else devices(x)[0], state)
+            scalar = [summed(x) for x, e in zip(aux, each, strict=True) if not e]
+            rest = [x for x, e in zip(aux, each, strict=True) if e]
+            return (jax.tree.map(f32, parts), summed(loss), scalar, state), rest
+
+        (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds)
+        mean = lambda x: x / self.parts
+        parts = jax.tree.map(mean, parts)
+        if stage == 3:
+            parts = arrival.to_owners(plan, parts)
+        ordered = lambda x: devices(x).reshape(-1, *x.shape[1:])  # in batch order
+        scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
+        aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
+        cast = lambda x, y: mean(x).astype(y.dtype) if _floating(y) else x
+        new_state = jax.tree.map(cast, new_state, model_state)
+        return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
+
     def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
-        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
+        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps, self.parts)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         if any(is_shard(x) != (self.stage == 3) for x in leaves):
             raise ValueError(
@@ -285,11 +337,11 @@ class TrainStep:
             check_vma=self.batch_parts > 1,
         )
         # zs.gather and zs.layer's default axis, and how they quantize
-        with step_axis(self.axis_name), quantized_gathers(self.opt.config):
+        with step_axis(self.axis_name), step_gathers(self.opt.config):
             return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
-        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps)
+        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps, self.parts)
         return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
@@ -410,3 +462,7 @@ def make_train_step(
       (['grad_norm', 'loss', 'skipped'], 0)
     """
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)

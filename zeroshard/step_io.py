@@ -92,10 +92,17 @@ def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
 
 
 def step_metrics(
-    config: ShardConfig, loss: jax.Array, aux: Any, batch: PyTree, axes: Axes, states: tuple
+    config: ShardConfig,
+    loss: jax.Array,
+    aux: Any,
+    batch: PyTree,
+    axes: Axes,
+    states: tuple,
+    reduced: bool = False,
 ) -> dict:
     """A step's metrics: the global mean ``loss``, the gradient norm, ``aux`` (when there
-    is one) as :func:`global_aux` returns it for this device's ``batch``, and what the
+    is one) as :func:`global_aux` returns it for this device's ``batch`` (with
+    ``reduced``, ``loss`` and ``aux`` are global already), and what the
     sharded update did, from its optimizer state before and after it (``states``;
     ``config``: the optimizer's options). Every value but ``aux`` is a replicated
     scalar, the same on every device:
@@ -110,9 +117,10 @@ def step_metrics(
     """
     before, after = states
     with scope(METRICS):
-        metrics = {"loss": pmean(loss.astype(jnp.float32), axes), "grad_norm": after.grad_norm}
+        loss = loss.astype(jnp.float32)
+        metrics = {"loss": loss if reduced else pmean(loss, axes), "grad_norm": after.grad_norm}
         if aux is not None:
-            metrics["aux"] = global_aux(aux, local_rows(batch), axes)
+            metrics["aux"] = aux if reduced else global_aux(aux, local_rows(batch), axes)
     if config.skip_nonfinite:
         metrics["skipped"] = after.skipped - before.skipped
     if config.loss_scale is not None:

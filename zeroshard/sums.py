@@ -6,18 +6,21 @@ clipping; a global norm over several leaves, as ``optax.clip_by_global_norm``), 
 tags of :mod:`zeroshard.analysis.tags` say where (:class:`~zeroshard.analysis.tags.Sums`);
 :func:`evaluate` then evaluates the update's jaxpr equation by equation, with a
 ``psum`` over the sharding axis inserted on those partial sums, so every device uses
-the sum over whole leaves.
+the sum over whole leaves. With ``slots`` (``deterministic=``), each such partial sum
+is instead the leaf's total in a fixed order (:func:`zeroshard.canonical.leaf_part`),
+the same on every device count, and no ``psum`` follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from zeroshard import canonical
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
 from zeroshard.layout import Slot
@@ -34,33 +37,51 @@ def run_with_sums(
     axis_name: str,
     leaf_names: list[str],
     sliced: Mapping[int, Slot],
+    slots: Sequence[Slot] | None = None,
 ) -> Any:
     """``fn(*args)``, evaluated from its jaxpr with each sum over the elements of the
     ``sliced`` leaves (this device's pieces) made the sum over the whole leaf where it
     meets a non-linear operation: summed over ``axis_name``, padding left out, a mean
     divided by the leaf's size (see :class:`zeroshard.analysis.tags.Tagger`). Inputs
-    past ``in_tags`` are clean."""
+    past ``in_tags`` are clean. With ``slots`` (every leaf's), the partial sums are
+    made totals in a fixed order where they are taken."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     program = Tagger(axis_name, leaf_names, sliced).run(closed, in_tags)[1]
-    values = evaluate(closed, program, jax.tree.leaves(args), axis_name)
+    values = evaluate(closed, program, jax.tree.leaves(args), axis_name, slots)
     return jax.tree.unflatten(jax.tree.structure(out_shape), values)
 
 
-def evaluate(closed: Any, program: Program, values: list, axis_name: str) -> list:
-    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``."""
+def evaluate(
+    closed: Any, program: Program, values: list, axis_name: str, slots: Sequence[Slot] | None
+) -> list:
+    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
+    (in a fixed order, with ``slots``)."""
     sums = iter(program)
-    return walk(closed, values, lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name))
+    return walk(closed, values, lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name, slots))
 
 
-def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
-    xs = xs if sums is None else _exact(sums, xs, axis)
+def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, slots: Sequence[Slot] | None) -> list:
+    xs = xs if sums is None else _exact(sums, xs, axis, fixed=slots is not None)
     if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
+    fixed = sums is not None and slots is not None
+    if fixed and ((sums.partial is not None and sums.partial >= 0) or sums.psum):
+        return _fixed_order(eqn, sums, xs, axis, slots)
     xs = _typed(eqn, xs, axis)
     if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside
-        return _switch(eqn, sums.branches, xs, axis)
+        return _switch(eqn, sums.branches, xs, axis, slots)
     ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]
+
+
+def _fixed_order(eqn: Any, sums: Sums, xs: list, axis: str, slots: Sequence[Slot]) -> list:
+    """A partial sum made the leaf's total in a fixed order, or an explicit ``psum``
+    of such totals left out (they are totals already)."""
+    if sums.psum:
+        return xs
+    part = canonical.leaf_part(xs[0], slots[sums.partial])
+    out = eqn.outvars[0].aval
+    return [canonical.totals([part], axis)[0].astype(out.dtype).reshape(out.shape)]
 
 
 def _varying(x: Any, axis: str) -> bool:
@@ -75,25 +96,37 @@ def _vary(x: Any, axis: str, traced: bool) -> Any:
     return jax.lax.pcast(x, axis, to="varying") if traced and not _varying(x, axis) else x
 
 
-def _exact(sums: Sums, xs: list, axis: str) -> list:
+def _exact(sums: Sums, xs: list, axis: str, fixed: bool = False) -> list:
     """Operands on a sliced leaf's piece made to give the leaf's own sums: padding left
     out of a total sum, a mean divided by the leaf's size, and partial sums summed (the
-    same on every device, typed invariant)."""
+    same on every device, typed invariant; where they are taken in a ``fixed`` order,
+    they are totals already)."""
     if sums.mask is not None:
         mask = sums.mask.padding_mask(jax.lax.axis_index(axis))
         xs = [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
     elif sums.size is not None:
         xs = [xs[0], _vary(jnp.asarray(sums.size, xs[1].dtype), axis, _varying(xs[1], axis))]
+    if fixed and sums.whole:
+        raise ValueError(
+            "zs.sharded(..., deterministic=...): the inner update sums over several "
+            "parameters (a global norm, say) including one updated whole on its owner, "
+            "whose sum has no fixed order across device counts yet. Clip before the "
+            "optimizer that needs whole tensors, or leave deterministic= unset."
+        )
+    if fixed:
+        return xs
     return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
 
 
-def _switch(eqn: Any, programs: tuple[Program, ...], xs: list, axis: str) -> list:
+def _switch(
+    eqn: Any, programs: tuple[Program, ...], xs: list, axis: str, slots: Sequence[Slot] | None
+) -> list:
     """A conditional evaluated branch by branch; the outputs typed as traced where the
     branches' types differ."""
 
     def branch(b: Any, program: Program, typed: bool) -> Any:
         def run(*a: Any) -> list:
-            outs = zip(evaluate(b, program, list(a), axis), eqn.outvars, strict=True)
+            outs = zip(evaluate(b, program, list(a), axis, slots), eqn.outvars, strict=True)
             return [_vary(y, axis, typed and _varying(v, axis)) for y, v in outs]
 
         return run

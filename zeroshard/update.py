@@ -35,6 +35,8 @@ import optax
 from zeroshard import branches
 from zeroshard.arrival import (
     Arrival,
+    CanonicalPieces,
+    CanonicalReduceScatter,
     CutMean,
     GradParts,
     Pieces,
@@ -42,8 +44,6 @@ from zeroshard.arrival import (
     QuantizedReduceScatter,
     ReduceScatter,
 )
-from zeroshard.clipping import local_squares
-from zeroshard.collectives import is_identity
 from zeroshard.config import ShardConfig
 from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
@@ -64,14 +64,20 @@ class Route(NamedTuple):
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
-        ``jax.jit``). Each quantized where ``config`` says so."""
+        ``jax.jit``). Each quantized, or summed in a fixed order, where ``config``
+        says so."""
         grads, weights = config.quantize_grads is not None, config.quantize_weights is not None
+        fixed = config.deterministic is not None
         if stage == 3:  # (stage 3's weights are quantized in its gathers)
-            return cls((QuantizedPieces if grads else Pieces)(config), ToPieces(config))
+            kind = CanonicalPieces if fixed else QuantizedPieces if grads else Pieces
+            return cls(kind(config), ToPieces(config))
         departure = (QuantizedAllGather if weights else AllGather)(config)
         if mean:
             return cls(CutMean(config), departure)
-        return cls((QuantizedReduceScatter if grads else ReduceScatter)(config), departure)
+        kind = (
+            CanonicalReduceScatter if fixed else QuantizedReduceScatter if grads else ReduceScatter
+        )
+        return cls(kind(config), departure)
 
 
 def updated(
@@ -114,9 +120,8 @@ def updated(
             unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
             grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
     # The norm leaf by leaf, as without groups (the same sum, the same bits).
-    present = [g for g in (*plan.ungrouped(grad_pieces), *grad_rows) if g is not None]
     with scope(GRAD_NORM):
-        grad_norm, finite = norm_and_finite(present, config.axis_name)
+        grad_norm, finite = arrival.norm_and_finite(plan, plan.ungrouped(grad_pieces), grad_rows)
     with scope(UPDATE):
         update_branch = _branch_update(inner, config, plan, route, extra_args)
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
@@ -211,15 +216,3 @@ def _branch_update(
         return layout.sliced(ravel, new), rows, kept, owned_rows
 
     return update_branch
-
-
-def norm_and_finite(pieces: list[jax.Array], axis_name: str) -> tuple[jax.Array, jax.Array]:
-    """The global L2 norm of the pieces and whether it is finite: one scalar all-reduce,
-    so every device takes the same decision. A ``nan`` or ``inf`` anywhere makes the
-    summed squares non-finite, so they carry the verdict with no reduction of their
-    own (as does a norm past float32's range, about 1.8e19, where every update would
-    overflow anyway)."""
-    squares = local_squares(pieces)
-    if not is_identity(squares, axis_name):
-        squares = jax.lax.psum(squares, axis_name)
-    return jnp.sqrt(squares), jnp.isfinite(squares)

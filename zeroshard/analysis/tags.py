@@ -59,12 +59,22 @@ class Sums:
       mask: for a total sum over a sliced leaf's piece, the leaf (its padding left out).
       size: for a mean over a sliced leaf's piece, the leaf's size (the divisor).
       branches: for a conditional, the sums of each branch.
+      partial: for a total sum of per-element values, giving a partial sum, the leaf
+        summed, where the sum is taken in a fixed order instead (``deterministic=``,
+        :mod:`zeroshard.canonical`); ``-1`` where that is not one sliced leaf (several,
+        or a leaf updated whole on its owner, whose sum is complete there).
+      psum: an explicit ``psum`` of partial sums over the axis.
+      whole: whether the ``summed`` partial sums include one of a leaf updated whole
+        on its owner (complete there, zero elsewhere).
     """
 
     summed: tuple[int, ...] = ()
     mask: Slot | None = None
     size: int | None = None
     branches: tuple[tuple[Sums | None, ...], ...] = ()
+    partial: int | None = None
+    psum: bool = False
+    whole: bool = False
 
 
 Program = tuple[Sums | None, ...]
@@ -144,13 +154,21 @@ class Tagger:
 
     def _eqn(self, eqn: Any, ins: list[Tag], program: list[Sums | None]) -> list[Tag]:
         """The output tags of ``eqn``; its :class:`Sums` appended to ``program``."""
-        outs, summed = self._tags(eqn, ins), ()
+        outs, summed, whole = self._tags(eqn, ins), (), False
         if outs is None:  # partial sums meet a non-linear operation: sum them over the axis
             summed = tuple(k for k, (kind, _) in enumerate(ins) if kind == PARTIAL)
-            self.sums.add(frozenset().union(*(ins[k][1] for k in summed)))
+            leaves = frozenset().union(*(ins[k][1] for k in summed))
+            self.sums.add(leaves)
+            whole = not leaves <= (self.sliced or {}).keys()
             outs = self._tags(eqn, [CLEAN_TAG if k in summed else t for k, t in enumerate(ins)])
-        branches = self._branches if eqn.primitive.name == "cond" else ()
-        sums = Sums(summed, *self._exact(eqn, ins), branches)
+        name, kinds = eqn.primitive.name, [k for k, _ in ins]
+        branches = self._branches if name == "cond" else ()
+        partial, sliced = None, self.sliced or {}
+        if name == "reduce_sum" and PARTIAL not in kinds and outs[0][0] == PARTIAL:
+            leaves = outs[0][1]
+            partial = next(iter(leaves)) if len(leaves) == 1 and leaves <= sliced.keys() else -1
+        psum = name.startswith("psum") and PARTIAL in kinds
+        sums = Sums(summed, *self._exact(eqn, ins), branches, partial, psum, whole)
         program.append(None if sums == Sums() else sums)
         return outs
 

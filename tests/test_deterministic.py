@@ -1,0 +1,191 @@
+"""deterministic=M: the same global batch gives the same bits on 1, 2, 4 and 8 devices.
+
+Every run is compared with ``np.array_equal`` (no tolerance) across device counts, and
+the one-device run with plain optax on one device on the global batch (within rounding:
+the fixed order is one order among others).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, make_mesh, reference_run
+
+import zeroshard as zs
+from zeroshard import canonical
+
+PARTS, STEPS, ROWS = 16, 20, 32  # micro-batches (2 per device on 8), steps, global batch
+
+
+def model(rng: np.random.Generator) -> dict:
+    """An MLP whose first matrix Adafactor factors (both dims >= 128) and Muon
+    orthogonalizes (owned whole); the other leaves are sliced."""
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+    return {"w1": f(128, 136), "b1": jnp.zeros(136), "w2": f(136, 5), "b2": jnp.zeros(5)}
+
+
+def loss_fn(p, batch, stage=1, key=None, model_state=None):
+    if stage == 3:
+        p = zs.gather(p)
+    p = jax.tree.map(lambda x: x.astype(jnp.float32), p)
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    if key is not None:  # dropout, by the micro-batch's key
+        h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
+    err = (h @ p["w2"] + p["b2"] - batch["y"]) ** 2
+    loss = jnp.mean(err)
+    if model_state is None:
+        return loss
+    # A BatchNorm-style running mean of the hidden units, and per-example aux.
+    mean = 0.9 * model_state["mean"] + 0.1 * jnp.mean(h, axis=0)
+    return loss, ({"mean": mean}, {"per_example": jnp.mean(err, axis=1)})
+
+
+def data(seed: int, steps: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": jnp.asarray(rng.normal(size=(ROWS, 128)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(ROWS, 5)), jnp.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+OPTIMIZERS = {
+    "adamw+clip": lambda: optax.chain(optax.clip_by_global_norm(0.3), optax.adamw(1e-2)),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "muon": lambda: optax.contrib.muon(1e-2),
+}
+
+
+def train(n, name, stage=1, dtype=jnp.float32, steps=STEPS, extras=False, state=None):
+    """``steps`` steps on the first ``n`` devices; returns the state, its logical form
+    (params, optimizer state) and the metrics of every step."""
+    mesh, tx = make_mesh(n), zs.sharded(OPTIMIZERS[name](), deterministic=PARTS)
+    rng = np.random.default_rng(0)
+    params = model(rng)
+    model_state = {"mean": jnp.zeros(136)} if extras else None
+    if state is None:
+        state = zs.init_train_state(
+            params, tx, mesh, param_dtype=dtype, stage=stage, model_state=model_state
+        )
+    step = zs.make_train_step(
+        lambda p, b, **kw: loss_fn(p, b, stage, **kw), tx, mesh, stage=stage, has_aux=extras
+    )
+    metrics = []
+    for i, batch in enumerate(data(1, STEPS)[int(state.step) : int(state.step) + steps]):
+        key = jax.random.key(i) if extras else None
+        state, m = step(state, batch, key)
+        metrics.append(jax.tree.map(np.asarray, m))
+    return state, jax.tree.map(np.asarray, zs.to_optax_state(state, tx)), metrics
+
+
+def assert_equal(actual, expected, what: str) -> None:
+    flat = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, e), a in zip(flat, jax.tree.leaves(actual), strict=True):
+        assert np.array_equal(a, e), f"{what}: {jax.tree_util.keystr(path)} differs"
+
+
+CASES = [
+    ("adamw+clip", 1, jnp.float32),
+    ("adamw+clip", 2, jnp.bfloat16),
+    ("adamw+clip", 3, jnp.bfloat16),
+    ("lamb", 1, jnp.float32),
+    ("adafactor", 1, jnp.float32),
+    ("adafactor", 3, jnp.float32),
+    ("muon", 1, jnp.bfloat16),
+    ("muon", 3, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("name,stage,dtype", CASES, ids=lambda c: getattr(c, "__name__", c))
+def test_bit_identical_on_1_2_4_8_devices(name, stage, dtype):
+    runs = {n: train(n, name, stage, dtype) for n in (1, 2, 4, 8)}
+    # Muon on one device: see test_muon_on_one_device_is_not_bit_identical_yet.
+    first, *rest = (2, 4, 8) if name == "muon" else (1, 2, 4, 8)
+    for n in rest:
+        assert_equal(runs[n][1], runs[first][1], f"{n} devices vs {first}")
+        assert [m["loss"] for m in runs[n][2]] == [m["loss"] for m in runs[first][2]]
+    # One order among others: plain optax on one device on the global batch, within
+    # rounding (bf16 compute: the reference's bf16 gradient of each micro-batch).
+    params = model(np.random.default_rng(0))
+    compute = None if dtype == jnp.float32 else dtype
+    inner = OPTIMIZERS[name]()
+    expected = reference_run(
+        lambda p, b: loss_fn(p, b), inner, params, data(1, STEPS), compute, PARTS
+    )
+    assert_trees_close(runs[1][1][0], expected, rtol=2e-5 if compute is None else 2e-3)
+
+
+@pytest.mark.xfail(strict=True, reason="one device's program rounds some Muon updates apart")
+def test_muon_on_one_device_is_not_bit_identical_yet():
+    """Known: Muon's whole-matrix updates agree bit for bit on 2, 4 and 8 devices (each
+    matrix on its own owner) but differ on one device, where one program updates
+    both matrices: 1 ulp in about 0.2% of the elements after one step (with or
+    without its Newton-Schulz iterations), so the compiled program's arithmetic for
+    the same update differs there. Passing this test means it was fixed."""
+    one, two = (train(n, "muon", steps=1)[1] for n in (1, 2))
+    assert_equal(one, two, "1 device vs 2")
+
+
+def test_dropout_model_state_and_aux_do_not_depend_on_the_device_count():
+    runs = {n: train(n, "adamw+clip", extras=True) for n in (1, 2, 8)}
+    for n in (2, 8):
+        assert_equal(runs[n][1], runs[1][1], f"{n} devices vs 1")
+        assert_equal(runs[n][0].model_state, runs[1][0].model_state, "model state")
+        assert_equal(runs[n][2], runs[1][2], "metrics (loss, grad norm, per-example aux)")
+    aux = runs[1][2][-1]["aux"]["per_example"]
+    assert aux.shape == (ROWS,) and np.all(aux > 0)
+
+
+def test_save_on_8_restore_on_4_and_1_continues_bit_for_bit(tmp_path):
+    uninterrupted = train(8, "adamw+clip", stage=1)[1]
+    state, _, _ = train(8, "adamw+clip", stage=1, steps=10)
+    tx = zs.sharded(OPTIMIZERS["adamw+clip"](), deterministic=PARTS)
+    with zs.CheckpointManager(tmp_path / "ckpt", tx) as ckpt:
+        ckpt.save(state)
+    like = model(np.random.default_rng(0))
+    for n in (4, 1):
+        restored = zs.CheckpointManager(tmp_path / "ckpt", tx).restore(make_mesh(n), like=like)
+        assert int(restored.step) == 10
+        resumed = train(n, "adamw+clip", stage=1, steps=10, state=restored)[1]
+        assert_equal(resumed, uninterrupted, f"saved on 8, resumed on {n}")
+
+
+def test_the_device_order_of_the_sum_is_what_makes_the_bits_agree(monkeypatch):
+    """A planted fault: each owner sums the devices' gradients in reverse device order.
+    The runs on 2 and 4 devices then differ from the one on 1 (which sums nothing
+    across devices), so the bit-identity check above can fail."""
+    expected = train(1, "adamw+clip", steps=3)[1]
+    summed_rows = canonical.summed_rows
+    monkeypatch.setattr(canonical, "summed_rows", lambda b, a: summed_rows([x[::-1] for x in b], a))
+    for n in (2, 4):
+        actual = train(n, "adamw+clip", steps=3)[1]
+        leaves = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
+        assert not all(np.array_equal(a, e) for a, e in leaves), f"{n} devices"
+
+
+def test_refused_where_the_bits_cannot_agree():
+    params, mesh = model(np.random.default_rng(0)), make_mesh(8)
+    with pytest.raises(ValueError, match="power of two"):
+        zs.sharded(optax.sgd(0.1), deterministic=12)
+    with pytest.raises(ValueError, match="replica_axis"):
+        zs.sharded(optax.sgd(0.1), replica_axis="replica", deterministic=8)
+    with pytest.raises(ValueError, match="quantize_grads"):
+        zs.sharded(optax.sgd(0.1), quantize_grads="int8", deterministic=8)
+    tx = zs.sharded(optax.sgd(0.1), deterministic=4)
+    with pytest.raises(ValueError, match="device counts that divide 4"):
+        zs.make_train_step(loss_fn, tx, mesh)
+    with pytest.raises(ValueError, match="accum_steps"):
+        zs.make_train_step(
+            loss_fn, zs.sharded(optax.sgd(0.1), deterministic=8), mesh, accum_steps=2
+        )
+    tx = zs.sharded(optax.sgd(0.1), deterministic=8)
+    step = zs.make_train_step(loss_fn, tx, mesh)
+    state = zs.init_train_state(params, tx, mesh)
+    with pytest.raises(ValueError, match="deterministic=8 micro-batches"):
+        step(state, jax.tree.map(lambda x: x[:12], data(0, 1)[0]))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="zs.make_train_step"):
+        tx.update(params, tx.init(params), params)

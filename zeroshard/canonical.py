@@ -1,0 +1,172 @@
+"""Canonical: sums in one fixed order, whatever the number of devices.
+
+Floating-point addition is not associative: a sum's bits depend on the order its
+terms meet, and in data parallelism that order follows the device count. With
+``zs.sharded(..., deterministic=M)`` (``M`` a power of two) every sum of a step runs
+in an order fixed by ``M`` alone, so the same global batch gives the same bits on
+every device count ``N`` dividing ``M``:
+
+- **the gradient** is the sum of ``M`` micro-batch gradients, each of ``B / M``
+  examples and computed at that shape on every ``N``, in one binary tree over the
+  micro-batches (:func:`tree_sum`'s, which sums the high bits of the index first).
+  Device ``d`` holds micro-batches ``d * M/N`` to ``(d + 1) * M/N - 1``, so the high
+  bits of an index are its device's: round ``j`` first sums every device's
+  micro-batch ``j``. An ``all_to_all`` (the bytes of a reduce-scatter) brings each
+  owner every device's gradient of its piece, which it sums in device order
+  (:func:`summed_rows`); the rounds' sums then meet in the rest of the tree
+  (:func:`in_order`). Every node is summed in float32.
+- **every sum over a leaf's elements** in the update (a global norm, LAMB's and
+  LARS's trust ratios, Adafactor's RMS, the non-finite verdict) runs over the leaf
+  cut into ``M`` canonical chunks of each layer: device ``d``'s piece is ``M / N``
+  whole chunks (:class:`zeroshard.layout.Slot`'s ``chunks``), each chunk is summed
+  in a fixed tree, the chunk sums are gathered and summed in chunk order
+  (:func:`leaf_part`, :func:`totals`); a leaf updated whole on its owner is summed there, the same
+  way on every ``N``.
+- the loss, scalar aux and floating-point model state (BatchNorm statistics) are
+  summed over the micro-batches in the same tree; each micro-batch's random key is
+  the step's key folded with its index in the global batch.
+
+Elementwise arithmetic (the update itself) gives the same bits on any slice, so
+nothing else depends on ``N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroshard.collectives import all_gathered_parts, is_identity
+from zeroshard.layout import PyTree, Slot
+from zeroshard.rows import spans
+
+
+def tree_sum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """The sum of ``x`` along ``axis`` in one fixed binary tree: the second half added
+    onto the first, element by element, and again on what is left (an odd middle
+    term carried). Explicit adds of slices, so the order is the same in every
+    program that computes it. Over ``2**k`` terms, term ``i`` meets term
+    ``i + 2**(k-1)`` first: the high bits of the index are summed first."""
+    x = jnp.moveaxis(x, axis, 0)
+    while x.shape[0] > 1:
+        n, h = x.shape[0], x.shape[0] // 2
+        folded = x[:h] + x[h : 2 * h]
+        x = jnp.concatenate([folded, x[2 * h :]]) if n % 2 else folded
+    return x[0]
+
+
+def in_order(fn: Callable[[jax.Array], tuple[PyTree, PyTree]], count: int) -> tuple:
+    """``fn(i)`` for ``i`` in ``range(count)`` (a power of two), combined in
+    :func:`tree_sum`'s tree over ``i``: the first of each pair of outputs summed
+    (floating-point leaves; others taken from ``i = 0``), the second concatenated
+    along its leading axis in the order of ``i``. The tree's last sum joins the
+    even and the odd ``i``, so each level is one ``jax.lax.map`` of two over the
+    lowest bit: ``fn`` is traced ``log2(count) + 1`` times, not ``count``."""
+    if count == 1:
+        return fn(jnp.zeros((), jnp.int32))
+    half = count // 2
+    both = jax.lax.map(lambda t: in_order(lambda i: fn(2 * i + t), half), jnp.arange(2))
+    summed, joined = both
+    add = lambda x: x[0] + x[1] if jnp.issubdtype(x.dtype, jnp.floating) else x[0]
+    # (2, half * rows): the even i's rows, then the odd ones' -> in the order of i
+    rows = lambda x: x.reshape(2, half, -1, *x.shape[2:]).swapaxes(0, 1)
+    join = lambda x: rows(x).reshape(2 * x.shape[1], *x.shape[2:])
+    return jax.tree.map(add, summed), jax.tree.map(join, joined)
+
+
+def summed_rows(blocks: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
+    """This device's row of the sum over ``axis_name`` of each of ``blocks`` (each
+    ``(num_shards, width)``, row ``d`` for device ``d``), in float32 and in device
+    order: one ``all_to_all`` of them packed (row ``d`` to device ``d``), then each
+    device's rows summed in :func:`tree_sum`'s order."""
+    matrix = jnp.concatenate(blocks, 1)
+    if not is_identity(matrix, axis_name):
+        matrix = jax.lax.all_to_all(matrix, axis_name, 0, 0, tiled=True)
+    row = tree_sum(matrix.astype(jnp.float32))
+    return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gathered(parts: list[jax.Array], axis_name: str, dtype: Any) -> list[jax.Array]:
+    """Stage 3's gather of 1-D ``parts`` (one ``(N, w)`` per part, row ``d`` from
+    device ``d``) in ``dtype``; its transpose sums the gradients onto each part in
+    device order (:func:`summed_rows`), in the parts' own dtype (float32 in the step,
+    so no node of the sum is rounded to the parameters' dtype)."""
+    return all_gathered_parts([p.astype(dtype) for p in parts], axis_name)
+
+
+def _gathered_forward(parts, axis_name, dtype):
+    return gathered(parts, axis_name, dtype), [jnp.zeros(0, p.dtype) for p in parts]
+
+
+def _gathered_backward(axis_name, dtype, like, cotangents):
+    sums = summed_rows(cotangents, axis_name)
+    return ([s.astype(x.dtype) for s, x in zip(sums, like, strict=True)],)
+
+
+gathered.defvjp(_gathered_forward, _gathered_backward)
+
+
+def gathered_all(x: jax.Array, axis_name: str, axis: int = 0) -> jax.Array:
+    """Every device's ``x`` stacked along a new ``axis`` in device order, typed the
+    same on every device (one ``all_gather``; ``x`` itself, expanded, on one device)."""
+    if is_identity(x, axis_name):
+        return jnp.expand_dims(x, axis)
+    return jax.lax.all_gather(x, axis_name, axis=axis, to="invarying")
+
+
+Part = tuple[jax.Array, Callable[[jax.Array], jax.Array]]
+"""What one device holds of a sum over a leaf: its 1-D float32 partial sums, and how
+the ``(num_shards, len)`` matrix of every device's makes the total."""
+
+
+def leaf_part(x: jax.Array, slot: Slot) -> Part:
+    """This device's :data:`Part` of the sum of every element of a leaf, from what it
+    holds of it: ``x``, its piece of a sliced leaf (each canonical chunk summed), the
+    whole leaf (on its owner, else a stand-in) of a leaf owned whole, or its layers
+    of a layer-owned leaf. The total: the chunks in order, then the layers; the
+    owner's sum; the layers' sums in layer order."""
+    x = x.astype(jnp.float32)
+    if not slot.owned:
+        local = slot.width // slot.chunk  # chunks per device
+
+        def chunks(every: jax.Array) -> jax.Array:
+            per_layer = every.reshape(-1, slot.layers, local).swapaxes(0, 1)
+            return tree_sum(tree_sum(per_layer.reshape(slot.layers, -1), 1))
+
+        return tree_sum(x.reshape(slot.layers, local, slot.chunk), 2).reshape(-1), chunks
+    if not slot.layered:
+        return tree_sum(x.reshape(-1))[None], lambda every: every[slot.owner, 0]
+    most = max(len(slot.units_of(d)) for d in range(slot.num_shards))
+    layers = tree_sum(x.reshape(x.shape[0], -1), 1)
+    places = [slot.units_of(d).index(u) for u, d in enumerate(slot.owners)]
+    pick = lambda every: tree_sum(every[np.asarray(slot.owners), np.asarray(places)])
+    return jnp.pad(layers, (0, most - layers.shape[0])), pick
+
+
+def unit_part(units: Sequence[jax.Array], owners: Sequence[int]) -> Part:
+    """The :data:`Part` of an owned leaf's sum from its units as this device's row
+    holds them (valid on each unit's owner): each unit's sum from its owner, the
+    units in order."""
+    sums = jnp.stack([tree_sum(u.astype(jnp.float32).reshape(-1)) for u in units])
+    return sums, lambda every: tree_sum(every[np.asarray(owners), np.arange(len(owners))])
+
+
+def totals(parts: Sequence[Part], axis_name: str) -> list[jax.Array]:
+    """The totals of ``parts`` (see :data:`Part`), the same on every device: every
+    device's partial sums in one ``all_gather``, each total combined in its fixed
+    order."""
+    every = gathered_all(jnp.concatenate([p for p, _ in parts]), axis_name)
+    sizes = [p.shape[0] for p, _ in parts]
+    return [total(every[:, a:b]) for (a, b), (_, total) in zip(spans(sizes), parts, strict=True)]
+
+
+def norm_and_finite(squares: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The L2 norm from the leaves' sums of squares (:func:`totals`), summed in leaf
+    order, and whether it is finite (a ``nan`` or ``inf`` anywhere makes it so)."""
+    squares = tree_sum(jnp.stack(squares))
+    return jnp.sqrt(squares), jnp.isfinite(squares)
