@@ -109,6 +109,20 @@ def test_hierarchical_across_two_processes(single, tmp_path):
     assert_same_run(launch(tmp_path, "resume", 1, "--ckpt", ckpt, "--restore"), one, SAVE_AT)
 
 
+def test_deterministic_on_two_processes_is_bit_identical_to_one_device(tmp_path):
+    """deterministic=8: 2 processes x 4 devices give the bits of 1 process on 1 device
+    (and on 8): the losses and the whole logical state, array_equal."""
+    fixed = ["--deterministic", "8"]
+    two = launch(tmp_path, "two-fixed", 2, *fixed)
+    for name, run in (
+        ("one device", launch(tmp_path, "one-fixed", 1, *fixed, "--devices", "1")),
+        ("eight", launch(tmp_path, "eight-fixed", 1, *fixed)),
+    ):
+        assert set(two) == set(run)
+        for key in run:
+            assert np.array_equal(two[key], run[key]), f"{key}: two processes vs {name}"
+
+
 def test_a_nan_on_one_process_is_skipped_by_both(single, tmp_path):
     """A NaN in the rows of process 1's last device at step 3: both processes skip
     that step (as one process with 8 devices does), then train on identically."""

@@ -302,7 +302,8 @@ class Plan:
             for i, s in enumerate(slots)
             if (not s.owned and i not in sliced) or (i in sums and s.placement == "layer-owned")
         }
-        if not (sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
+        fixed = bool(self.layout.chunks)  # deterministic=: evaluated so every time
+        if not (fixed or sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
@@ -311,8 +312,8 @@ class Plan:
         ]
         tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
         args = (grads, state, params, extra_args)
-        fixed = slots if self.layout.chunks else None  # deterministic=: sums in a fixed order
-        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced, fixed)
+        ordered = slots if fixed else None  # deterministic=: sums in a fixed order
+        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced, ordered)
 
     def local_wholes(self, branch: int, wholes: list, axis_name: str) -> list:
         """What this device, on ``branch``, holds of the full owned leaves ``wholes``:

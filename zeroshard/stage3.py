@@ -197,9 +197,10 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
         group = [i for i in shards if leaves[i].dtype == dtype]
         raw = [jnp.ravel(leaves[i].piece) for i in group]
         pieces = [p.astype(dtype) for p in raw]
+        fixed = config is not None and config.deterministic is not None
         if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
             every = [p[None] for p in pieces]
-        elif config is not None and config.deterministic is not None:
+        elif fixed:
             # (the pieces as given: float32, so the gradients' sums stay float32)
             every = canonical.gathered(raw, axis_name, dtype)
         elif config is not None and (config.weight_quantizer or config.grad_quantizer):

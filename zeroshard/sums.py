@@ -56,11 +56,48 @@ def evaluate(
 ) -> list:
     """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
     (in a fixed order, with ``slots``)."""
-    sums = iter(program)
-    return walk(closed, values, lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name, slots))
+    sums, scalars = iter(program), {}  # (a broadcast scalar's variable -> the scalar)
+
+    def step(eqn: Any, xs: list) -> list:
+        broadcast = eqn.primitive.name == "broadcast_in_dim"
+        if slots is not None and broadcast and _rank(eqn.invars[0]) == 0:
+            scalars[eqn.outvars[0]] = xs[0]
+        return _eqn(eqn, next(sums), xs, axis_name, slots, scalars)
+
+    return walk(closed, values, step)
 
 
-def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, slots: Sequence[Slot] | None) -> list:
+def _scalar_divisor(eqn: Any, sums: Sums | None, xs: list, scalars: dict) -> Any:
+    """The scalar (rank 0) a value is divided by in ``eqn``, if it is such a ``div``.
+
+    XLA compiles ``x / s`` either as a division or as a product with ``1 / s``,
+    depending on what the program around it fuses, so the same update can round
+    apart in two programs (on one device and on several, say). Written as the
+    product, it rounds the same in every program."""
+    if eqn.primitive.name != "div" or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        return None  # (an integer division is not a product)
+    v = eqn.invars[1]
+    if sums is not None and sums.size is not None:
+        return xs[1]  # a mean's divisor, made the leaf's size
+    if isinstance(v, jex_core.Var) and v in scalars:
+        return scalars[v]
+    return jnp.asarray(xs[1]) if _rank(v) == 0 else None
+
+
+def _rank(v: Any) -> int:
+    """The rank of a traced variable or literal (a scalar's: 0, even where the
+    value is a one-element piece of a parameter, whose rank is its leaf's)."""
+    return len(v.aval.shape)
+
+
+def _eqn(
+    eqn: Any,
+    sums: Sums | None,
+    xs: list,
+    axis: str,
+    slots: Sequence[Slot] | None,
+    scalars: dict | None = None,
+) -> list:
     xs = xs if sums is None else _exact(sums, xs, axis, fixed=slots is not None)
     if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
@@ -70,6 +107,9 @@ def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, slots: Sequence[Slot]
     xs = _typed(eqn, xs, axis)
     if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside
         return _switch(eqn, sums.branches, xs, axis, slots)
+    divisor = None if slots is None else _scalar_divisor(eqn, sums, xs, scalars)
+    if divisor is not None:
+        return [xs[0] * (1 / divisor).astype(xs[0].dtype)]
     ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]
 
