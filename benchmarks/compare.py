@@ -14,7 +14,9 @@ Variants, per device count N and model size:
 
 ``--quantize`` adds zeroshard's step with quantized collectives (``-int8``: int8
 gradients and weights, ``-int4``: int4 gradients, int8 weights) and prints their ring
-bytes over the exact step's.
+bytes over the exact step's. ``--deterministic M`` adds it with every sum in the fixed
+order of ``deterministic=M`` (``-fixed``: the same bits on any device count dividing
+``M``) and prints its ring bytes and step time over the default step's.
 
 ``--optimizer muon`` runs ``optax.contrib.muon`` instead of Adam: replicated data
 parallelism orthogonalises every matrix on every device; zeroshard places each matrix
@@ -106,7 +108,7 @@ def main() -> None:
             results += rows.values()
             print_table(width, size, n, rows)
             print_plans(rows)
-            print_quantized(rows)
+            print_variants(rows)
     write(args, machine, results)
 
 
@@ -130,6 +132,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="add zeroshard's step with int8 gradients + int8 weights (-int8) and int4 "
         "gradients + int8 weights (-int4), and their ring bytes over the exact step's",
+    )
+    parser.add_argument(
+        "--deterministic",
+        type=int,
+        default=None,
+        metavar="M",
+        help="add zeroshard's step with deterministic=M (a power of two dividing --batch)",
     )
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
     return parser.parse_args()
@@ -267,6 +276,9 @@ def variants(args: argparse.Namespace, model: Model, mesh: Any, batch: Any) -> d
     out |= own_steps(model, inner, mesh, batch, options, "")
     if args.optimizer == "muon" and args.model == "stacked":
         out |= own_steps(model, optax.adamw(1e-4), mesh, batch, options, "-adamw")
+    if args.deterministic:
+        fixed = options | {"deterministic": args.deterministic}
+        out |= own_steps(model, inner, mesh, batch, fixed, "-fixed")
     for grads in ("int8", "int4") if args.quantize else ():
         quantized = options | {"quantize_grads": grads, "quantize_weights": "int8"}
         out |= own_steps(model, inner, mesh, batch, quantized, f"-{grads}")
@@ -477,13 +489,18 @@ def print_table(width, size, n, rows):
         )
 
 
-def print_quantized(rows: dict) -> None:
-    """Each quantized step's ring bytes over the exact step's of its stage."""
+def print_variants(rows: dict) -> None:
+    """Each quantized or fixed-order step's ring bytes (and step time) over the
+    default step's of its stage."""
     for name, r in rows.items():
         exact = rows.get(name.rsplit("-", 1)[0])
-        if name.endswith(("-int8", "-int4")) and exact and exact["ring_bytes"]:
+        if name.endswith(("-int8", "-int4", "-fixed")) and exact and exact["ring_bytes"]:
             ratio = r["ring_bytes"] / exact["ring_bytes"]
-            print(f"{name}: ring bytes {r['ring_bytes']:,.0f} = {ratio:.3f} x the exact step's")
+            time = r["step_ms"] / exact["step_ms"]
+            print(
+                f"{name}: ring bytes {r['ring_bytes']:,.0f} = {ratio:.3f} x the default step's; "
+                f"step {r['step_ms']:.1f} ms = {time:.2f} x"
+            )
 
 
 def print_plans(rows: dict) -> None:

@@ -114,8 +114,8 @@ def test_bit_identical_on_1_2_4_8_devices(name, stage, dtype):
     expected = reference_run(
         lambda p, b: loss_fn(p, b), inner, params, data(1, STEPS), compute, PARTS
     )
-    if compute is None:
-        assert_trees_close(runs[1][1][0], expected, rtol=2e-5)
+    if compute is None:  # 20 steps of rounding apart (a wrong sum is 1e-2 and more off)
+        assert_trees_close(runs[1][1][0], expected, rtol=1e-4)
     else:  # a bf16 rounding of the weights apart moves a gradient by a bf16 ulp
         assert_within_bf16_rounding(runs[1][1][0], expected, params)
 
@@ -165,17 +165,17 @@ def test_refused_where_the_bits_cannot_agree():
         zs.sharded(optax.sgd(0.1), replica_axis="replica", deterministic=8)
     with pytest.raises(ValueError, match="quantize_grads"):
         zs.sharded(optax.sgd(0.1), quantize_grads="int8", deterministic=8)
-    tx = zs.sharded(optax.sgd(0.1), deterministic=4)
-    with pytest.raises(ValueError, match="device counts that divide 4"):
-        zs.make_train_step(loss_fn, tx, mesh)
+    for parts in (4, 8):  # fewer than two micro-batches per device
+        with pytest.raises(ValueError, match=f"deterministic={parts} gives the same bits"):
+            zs.make_train_step(loss_fn, zs.sharded(optax.sgd(0.1), deterministic=parts), mesh)
     with pytest.raises(ValueError, match="accum_steps"):
         zs.make_train_step(
             loss_fn, zs.sharded(optax.sgd(0.1), deterministic=8), mesh, accum_steps=2
         )
-    tx = zs.sharded(optax.sgd(0.1), deterministic=8)
+    tx = zs.sharded(optax.sgd(0.1), deterministic=16)
     step = zs.make_train_step(loss_fn, tx, mesh)
     state = zs.init_train_state(params, tx, mesh)
-    with pytest.raises(ValueError, match="deterministic=8 micro-batches"):
+    with pytest.raises(ValueError, match="deterministic=16 micro-batches"):
         step(state, jax.tree.map(lambda x: x[:12], data(0, 1)[0]))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="zs.make_train_step"):
         tx.update(params, tx.init(params), params)

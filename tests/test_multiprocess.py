@@ -110,9 +110,9 @@ def test_hierarchical_across_two_processes(single, tmp_path):
 
 
 def test_deterministic_on_two_processes_is_bit_identical_to_one_device(tmp_path):
-    """deterministic=8: 2 processes x 4 devices give the bits of 1 process on 1 device
+    """deterministic=16: 2 processes x 4 devices give the bits of 1 process on 1 device
     (and on 8): the losses and the whole logical state, array_equal."""
-    fixed = ["--deterministic", "8"]
+    fixed = ["--deterministic", "16"]
     two = launch(tmp_path, "two-fixed", 2, *fixed)
     for name, run in (
         ("one device", launch(tmp_path, "one-fixed", 1, *fixed, "--devices", "1")),

@@ -84,7 +84,9 @@ def check_deterministic(
     parts: int | None, num_devices: int, axis_name: str | tuple[str, ...], accum_steps: int
 ) -> None:
     """Refuses a fixed-order step (``deterministic=parts``) on a device count that does
-    not divide ``parts``, or with ``accum_steps`` of its own."""
+    not leave each device at least two of the ``parts`` micro-batches (a gradient
+    computed outside a loop compiles to other bits than inside one), or with
+    ``accum_steps`` of its own."""
     if parts is None:
         return
     if accum_steps != 1:
@@ -93,9 +95,11 @@ def check_deterministic(
             f"({parts} // N per device), so accum_steps={accum_steps} has nothing to add: leave "
             "it at 1 and choose deterministic= for the micro-batch size you can afford."
         )
-    if parts % num_devices:
+    if parts % num_devices or parts // num_devices < 2:
         raise ValueError(
-            f"deterministic={parts} gives the same bits on device counts that divide {parts}, "
-            f"but {axis_name!r} has {num_devices} devices: run on a power of two up to {parts} "
-            f"devices, or pass a larger power of two (a multiple of {num_devices})."
+            f"deterministic={parts} gives the same bits on the device counts that leave each "
+            f"device at least two of its {parts} micro-batches (powers of two up to "
+            f"{parts // 2}; with one, the compiler lays the gradient out another way), but "
+            f"{axis_name!r} has {num_devices} devices: pass deterministic={2 * num_devices} "
+            "or a larger power of two."
         )
