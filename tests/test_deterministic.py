@@ -145,14 +145,17 @@ def test_save_on_8_restore_on_4_and_1_continues_bit_for_bit(tmp_path):
 
 
 def test_the_device_order_of_the_sum_is_what_makes_the_bits_agree(monkeypatch):
-    """A planted fault: each owner sums the devices' gradients in reverse device order.
-    The runs on 2 and 4 devices then differ from the one on 1 (which sums nothing
-    across devices), so the bit-identity check above can fail."""
-    expected = train(1, "adamw+clip", steps=3)[1]
-    summed_rows = canonical.summed_rows
-    monkeypatch.setattr(canonical, "summed_rows", lambda b, a: summed_rows([x[::-1] for x in b], a))
-    for n in (2, 4):
-        actual = train(n, "adamw+clip", steps=3)[1]
+    """A planted fault: each owner sums the devices' gradients of a round (stage 2) in
+    the other tree, neighbours first instead of halves (``(d0 + d1) + (d2 + d3)``, not
+    ``(d0 + d2) + (d1 + d3)``). On 4 and 8 devices the run then differs from the one
+    on 1 (which sums its rounds in the right tree), so the bit-identity check above
+    can fail."""
+    expected = train(1, "adamw+clip", stage=2, steps=3)[1]
+    summed_rows, other = canonical.summed_rows, {canonical.HIGH: canonical.LOW}
+    flipped = lambda blocks, axis, order=canonical.HIGH: summed_rows(blocks, axis, other[order])
+    monkeypatch.setattr(canonical, "summed_rows", flipped)
+    for n in (4, 8):
+        actual = train(n, "adamw+clip", stage=2, steps=3)[1]
         leaves = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
         assert not all(np.array_equal(a, e) for a, e in leaves), f"{n} devices"
 

@@ -289,10 +289,23 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
     """Local full gradients, summed in device order: one ``all_to_all`` per collective
     of :class:`ReduceScatter` (the same bytes on the wire), each device's rows summed
     in float32 in a fixed tree (:func:`zeroshard.canonical.summed_rows`). Scope
-    ``zeroshard/reduce_scatter``."""
+    ``zeroshard/reduce_scatter``.
+
+    Attributes:
+      order: the tree's (:data:`zeroshard.canonical.LOW` for a stage-1 step, whose
+        devices bring the sums of their own micro-batches).
+    """
+
+    order: str = canonical.HIGH
+
+    def dtype(self, bucket: Any) -> Any:
+        """Float32 for a stage-1 step (``LOW``): what travels are the devices' sums of
+        their rounds, which rounded to the parameters' dtype would round apart on
+        another device count; else :meth:`Arrival.dtype`."""
+        return jnp.float32 if self.order == canonical.LOW else super().dtype(bucket)
 
     def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
-        return canonical.summed_rows(blocks, self.config.axis_name)
+        return canonical.summed_rows(blocks, self.config.axis_name, self.order)
 
     def unit(self, layout: Layout, row: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
         """An owned unit as this device's owned ``row`` holds it, if it is the owner."""

@@ -44,49 +44,61 @@ from zeroshard.collectives import all_gathered_parts, is_identity
 from zeroshard.layout import PyTree, Slot
 from zeroshard.rows import spans
 
+HIGH, LOW = "high bits first", "low bits first"
+"""The two orders of :func:`tree_sum` and :func:`in_order` over ``2**k`` terms: term
+``i`` meets term ``i + 2**(k-1)`` first (``HIGH``: the second half added onto the
+first, repeatedly), or its neighbour ``i ^ 1`` (``LOW``: neighbours in pairs,
+repeatedly). A device's micro-batches are neighbours: the gradients of a stage-1
+step are summed ``LOW`` (each device its own first, then the devices' sums in device
+order), those of stages 2 and 3, which reduce every round across the devices,
+``HIGH``."""
 
-def tree_sum(x: jax.Array, axis: int = 0) -> jax.Array:
-    """The sum of ``x`` along ``axis`` in one fixed binary tree: the second half added
-    onto the first, element by element, and again on what is left (an odd middle
-    term carried). Explicit adds of slices, so the order is the same in every
-    program that computes it. Over ``2**k`` terms, term ``i`` meets term
-    ``i + 2**(k-1)`` first: the high bits of the index are summed first."""
+
+def tree_sum(x: jax.Array, axis: int = 0, order: str = HIGH) -> jax.Array:
+    """The sum of ``x`` along ``axis`` in one fixed binary tree (``order``; an odd
+    last term carried up). Explicit adds of slices, so the order is the same in
+    every program that computes it."""
     x = jnp.moveaxis(x, axis, 0)
     while x.shape[0] > 1:
         n, h = x.shape[0], x.shape[0] // 2
-        folded = x[:h] + x[h : 2 * h]
-        x = jnp.concatenate([folded, x[2 * h :]]) if n % 2 else folded
+        pairs = x[:h] + x[h : 2 * h] if order == HIGH else x[0 : 2 * h : 2] + x[1 : 2 * h : 2]
+        x = jnp.concatenate([pairs, x[2 * h :]]) if n % 2 else pairs
     return x[0]
 
 
-def in_order(fn: Callable[[jax.Array], tuple[PyTree, PyTree]], count: int) -> tuple:
+def in_order(
+    fn: Callable[[jax.Array], tuple[PyTree, PyTree]], count: int, order: str = HIGH
+) -> tuple:
     """``fn(i)`` for ``i`` in ``range(count)`` (a power of two), combined in
-    :func:`tree_sum`'s tree over ``i``: the first of each pair of outputs summed
-    (floating-point leaves; others taken from ``i = 0``), the second concatenated
-    along its leading axis in the order of ``i``. The tree's last sum joins the
-    even and the odd ``i``, so each level is one ``jax.lax.map`` of two over the
-    lowest bit: ``fn`` is traced ``log2(count) + 1`` times, not ``count``."""
+    :func:`tree_sum`'s tree over ``i`` (``order``): the first of each pair of outputs
+    summed (floating-point leaves; others taken from ``i = 0``), the second
+    concatenated along its leading axis in the order of ``i``. The tree's last sum
+    joins the even and the odd ``i`` (``HIGH``) or the two halves (``LOW``): one
+    ``jax.lax.map`` of two per level, so ``fn`` is traced ``log2(count) + 1`` times,
+    not ``count``."""
     if count == 1:
         return fn(jnp.zeros((), jnp.int32))
     half = count // 2
-    both = jax.lax.map(lambda t: in_order(lambda i: fn(2 * i + t), half), jnp.arange(2))
-    summed, joined = both
+    index = (lambda t, i: 2 * i + t) if order == HIGH else (lambda t, i: t * half + i)
+    inner = lambda t: in_order(lambda i: fn(index(t, i)), half, order)
+    summed, joined = jax.lax.map(inner, jnp.arange(2))
     add = lambda x: x[0] + x[1] if jnp.issubdtype(x.dtype, jnp.floating) else x[0]
-    # (2, half * rows): the even i's rows, then the odd ones' -> in the order of i
-    rows = lambda x: x.reshape(2, half, -1, *x.shape[2:]).swapaxes(0, 1)
+    # (2, half * rows) -> in the order of i: the even i's rows and the odd ones'
+    # interleaved (HIGH), or the halves one after the other (LOW)
+    rows = lambda x: x.reshape(2, half, -1, *x.shape[2:]).swapaxes(0, 1) if order == HIGH else x
     join = lambda x: rows(x).reshape(2 * x.shape[1], *x.shape[2:])
     return jax.tree.map(add, summed), jax.tree.map(join, joined)
 
 
-def summed_rows(blocks: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
+def summed_rows(blocks: Sequence[jax.Array], axis_name: str, order: str = HIGH) -> list[jax.Array]:
     """This device's row of the sum over ``axis_name`` of each of ``blocks`` (each
     ``(num_shards, width)``, row ``d`` for device ``d``), in float32 and in device
     order: one ``all_to_all`` of them packed (row ``d`` to device ``d``), then each
-    device's rows summed in :func:`tree_sum`'s order."""
+    device's rows summed in :func:`tree_sum`'s tree (``order``)."""
     matrix = jnp.concatenate(blocks, 1)
     if not is_identity(matrix, axis_name):
         matrix = jax.lax.all_to_all(matrix, axis_name, 0, 0, tiled=True)
-    row = tree_sum(matrix.astype(jnp.float32))
+    row = tree_sum(matrix.astype(jnp.float32), order=order)
     return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
 
 

@@ -274,31 +274,44 @@ class TrainStep:
         micro-batches ``d * R`` to ``(d + 1) * R - 1`` of the global batch's ``parts``
         (``R = parts / N`` rounds); round ``i`` computes its micro-batch ``i`` (the
         key folded with its index in the global batch, from the model state as
-        given) and sums the devices' gradients, losses, scalar aux and model state
-        in device order; the rounds meet in the rest of the fixed binary tree, and
-        the sums are divided by ``parts``. Per-example aux comes back in batch order."""
+        given). Stage 1 sums its rounds first and then the devices' sums, with one
+        ``all_to_all``; stages 2 and 3 sum every round across the devices, then the
+        rounds. Each in its fixed tree; the sums are divided by ``parts``.
+        Per-example aux comes back in batch order."""
         n, axis, arrival, stage = self.batch_parts, self.axis_name, self.route.arrival, self.stage
         rounds, f32, aux_of = self.parts // n, lambda x: x.astype(jnp.float32), {}
         micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
         if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
             params = jax.tree.map(f32, params)
+        order = canonical.LOW if stage == 1 else canonical.HIGH
         devices = lambda x: canonical.gathered_all(x, axis)  # (N, ...), in device order
-        summed = lambda x: canonical.tree_sum(devices(f32(x)))
+        across = lambda x: canonical.tree_sum(devices(f32(x)), order=order)
+        # Per round: stage 1 keeps this device's values, stages 2 and 3 sum the devices'.
+        per_round = f32 if stage == 1 else across
 
         def one(i):
             index = jax.lax.axis_index(axis) * rounds + i  # its place in the global batch
             mb_key = None if key is None else jax.random.fold_in(key, index)
             mb = jax.tree.map(lambda x: x[i], micro)
             (loss, (aux, state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            parts = arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
+            if stage > 1:
+                grads = (
+                    arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
+                )
             aux, aux_of["tree"] = jax.tree.flatten(aux)
             aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
-            state = jax.tree.map(lambda x: summed(x) if _floating(x) else devices(x)[0], state)
-            scalar = [summed(x) for x, e in zip(aux, each, strict=True) if not e]
+            state = jax.tree.map(lambda x: per_round(x) if _floating(x) else x, state)
+            scalar = [per_round(x) for x, e in zip(aux, each, strict=True) if not e]
             rest = [x for x, e in zip(aux, each, strict=True) if e]
-            return (jax.tree.map(f32, parts), summed(loss), scalar, state), rest
+            return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
 
-        (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds)
+        (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds, order)
+        if stage == 1:  # the devices' sums of their rounds, summed in device order
+            parts, loss, scalar = (
+                arrival.bring(plan, parts),
+                across(loss),
+                list(map(across, scalar)),
+            )
         mean = lambda x: x / self.parts
         parts = jax.tree.map(mean, parts)
         if stage == 3:
@@ -306,8 +319,10 @@ class TrainStep:
         ordered = lambda x: devices(x).reshape(-1, *x.shape[1:])  # in batch order
         scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
         aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
-        cast = lambda x, y: mean(x).astype(y.dtype) if _floating(y) else x
-        new_state = jax.tree.map(cast, new_state, model_state)
+        state = lambda x, y: (
+            mean(across(x) if stage == 1 else x).astype(y.dtype) if _floating(y) else devices(x)[0]
+        )
+        new_state = jax.tree.map(state, new_state, model_state)
         return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
 
     def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:

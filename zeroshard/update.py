@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeroshard import branches
+from zeroshard import branches, canonical
 from zeroshard.arrival import (
     Arrival,
     CanonicalPieces,
@@ -74,10 +74,10 @@ class Route(NamedTuple):
         departure = (QuantizedAllGather if weights else AllGather)(config)
         if mean:
             return cls(CutMean(config), departure)
-        kind = (
-            CanonicalReduceScatter if fixed else QuantizedReduceScatter if grads else ReduceScatter
-        )
-        return cls(kind(config), departure)
+        if fixed:  # stage 1 sums each device's micro-batches first (canonical.LOW)
+            order = canonical.LOW if stage == 1 else canonical.HIGH
+            return cls(CanonicalReduceScatter(config, order), departure)
+        return cls((QuantizedReduceScatter if grads else ReduceScatter)(config), departure)
 
 
 def updated(
