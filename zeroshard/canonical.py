@@ -4,30 +4,33 @@ Floating-point addition is not associative: a sum's bits depend on the order its
 terms meet, and in data parallelism that order follows the device count. With
 ``zs.sharded(..., deterministic=M)`` (``M`` a power of two) every sum of a step runs
 in an order fixed by ``M`` alone, so the same global batch gives the same bits on
-every device count ``N`` dividing ``M``:
+every device count ``N`` that leaves each device at least two of the ``M``
+micro-batches:
 
 - **the gradient** is the sum of ``M`` micro-batch gradients, each of ``B / M``
-  examples and computed at that shape on every ``N``, in one binary tree over the
-  micro-batches (:func:`tree_sum`'s, which sums the high bits of the index first).
-  Device ``d`` holds micro-batches ``d * M/N`` to ``(d + 1) * M/N - 1``, so the high
-  bits of an index are its device's: round ``j`` first sums every device's
-  micro-batch ``j``. An ``all_to_all`` (the bytes of a reduce-scatter) brings each
-  owner every device's gradient of its piece, which it sums in device order
-  (:func:`summed_rows`); the rounds' sums then meet in the rest of the tree
-  (:func:`in_order`). Every node is summed in float32.
+  examples and computed at that shape, inside a loop, on every ``N``, in one binary
+  tree over the micro-batches (:func:`tree_sum`, :func:`in_order`). Device ``d``
+  holds micro-batches ``d * M/N`` to ``(d + 1) * M/N - 1``, neighbours. A stage-1
+  step sums neighbours first (:data:`LOW`): each device its own micro-batches, then
+  one ``all_to_all`` (the bytes of a reduce-scatter) brings each owner every
+  device's sum of its piece, added in device order (:func:`summed_rows`). Stages 2
+  and 3 reduce every round across the devices, so they sum halves first
+  (:data:`HIGH`): round ``j``'s gradients of the devices, then the rounds. Every
+  node is summed in float32.
 - **every sum over a leaf's elements** in the update (a global norm, LAMB's and
   LARS's trust ratios, Adafactor's RMS, the non-finite verdict) runs over the leaf
   cut into ``M`` canonical chunks of each layer: device ``d``'s piece is ``M / N``
   whole chunks (:class:`zeroshard.layout.Slot`'s ``chunks``), each chunk is summed
   in a fixed tree, the chunk sums are gathered and summed in chunk order
-  (:func:`leaf_part`, :func:`totals`); a leaf updated whole on its owner is summed there, the same
-  way on every ``N``.
+  (:func:`leaf_part`, :func:`totals`); a leaf updated whole on its owner is summed
+  there, the same way on every ``N``.
 - the loss, scalar aux and floating-point model state (BatchNorm statistics) are
-  summed over the micro-batches in the same tree; each micro-batch's random key is
-  the step's key folded with its index in the global batch.
+  summed over the micro-batches in the gradient's tree; each micro-batch's random
+  key is the step's key folded with its index in the global batch.
 
-Elementwise arithmetic (the update itself) gives the same bits on any slice, so
-nothing else depends on ``N``.
+Elementwise arithmetic (the update itself) gives the same bits on any slice where
+the compiler computes each operation the same way in every program (see
+:func:`zeroshard.sums.evaluate` for the one rewrite that makes a division so).
 """
 
 from __future__ import annotations

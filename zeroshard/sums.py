@@ -54,8 +54,9 @@ def run_with_sums(
 def evaluate(
     closed: Any, program: Program, values: list, axis_name: str, slots: Sequence[Slot] | None
 ) -> list:
-    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
-    (in a fixed order, with ``slots``)."""
+    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``.
+    With ``slots`` (``deterministic=``), the sums in a fixed order, and each division
+    by a scalar a product with its reciprocal (see :func:`_scalar_divisor`)."""
     sums, scalars = iter(program), {}  # (a broadcast scalar's variable -> the scalar)
 
     def step(eqn: Any, xs: list) -> list:
