@@ -530,7 +530,7 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
         state = jax.eval_shape(inner.init, view)
         if jax.tree.structure(state) != jax.tree.structure(plan.compact_state(full_state)):
             return False
-        closed, extra = trace_update(inner, view, state, axis_name, n, {})
+        closed, extra = trace_update(inner, view, state, axis_name, n, analysis.stand_ins())
     except Exception:  # any failure of the inner optimizer on it means no
         return False
     present = [i for i in range(len(plan.layout.slots)) if i not in plan.hidden]

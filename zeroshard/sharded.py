@@ -23,6 +23,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.config import Placement, ShardConfig
 from zeroshard.layout import Layout, PyTree, Stacked
@@ -121,7 +122,10 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_global`)."""
+        the mean gradient (:meth:`apply_global`). ``extra_args`` (e.g. ``value=``)
+        reach the inner update; a function among them is refused
+        (:func:`zeroshard.analysis.check_extra_args`)."""
+        check_extra_args(extra_args)
         local = params is None or bound_axis_size(self.config.axis_name) is not None
         apply = self.apply if local else self.apply_global
         new, state = apply(updates, state, params, **extra_args)
@@ -400,7 +404,9 @@ def sharded(
       mesh: the mesh the state lives on when ``init`` and ``update`` run outside
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
-        the mesh set with ``jax.set_mesh``, else that of the state's arrays.
+        the mesh set with ``jax.set_mesh``, else that of the state's arrays. Under
+        ``jax.set_mesh`` of another mesh, ``init`` and ``update`` raise a
+        ``ValueError`` naming both.
       group_alike: on more than one device, update the sliced leaves smaller than
         ``pack_bytes`` whose update is the same elementwise computation (the same
         optimizer and hyperparameters, mask and label, on pieces of one shape and
@@ -441,8 +447,10 @@ def sharded(
 
     Raises:
       ValueError: for inconsistent options (see :class:`zeroshard.ShardConfig`); at
-        ``init`` when ``inner`` mixes leaves, the params are empty, or ``axis_name``
-        is not bound; at ``update`` when the gradients do not match the params.
+        ``init`` when ``inner`` mixes leaves, the params are empty, ``axis_name``
+        is not bound, or the update calls back into the model (``optax.lbfgs``'s
+        ``value_fn=``); at ``update`` when the gradients do not match the params, or
+        an extra argument is a function.
       TypeError: for an ``inner`` that is not an optax transformation, an axis name
         that is not a string; when a parameter leaf is not floating point.
 

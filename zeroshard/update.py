@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from zeroshard import branches
+from zeroshard.analysis import check_extra_args
 from zeroshard.arrival import (
     Arrival,
     CutMean,
@@ -98,7 +99,11 @@ def updated(
       state: this device's :class:`zeroshard.ShardedState`.
       params: the current parameters, in the form ``route.departure`` holds them.
       **extra_args: passed on to the inner ``update``.
+
+    Raises:
+      TypeError: if ``extra_args`` lacks one the inner update requires.
     """
+    check_extra_args(extra_args, plan.analysis.extras)
     arrival, departure = route
     grad_pieces, grad_rows = arrival.across_replicas(parts)
     # The owned leaves' current weights, as the departure reads them, used where no
