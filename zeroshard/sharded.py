@@ -61,7 +61,11 @@ class Sharded:
         other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
         spec = lambda k, i: None if k in plan.hidden_state else plan.layout.slots[i].spec(axis)
         specs = [
-            other[plan.state_kind(k)] if i is None else spec(k, i)
+            _block_spec(plan, k, axis)
+            if plan.state_kind(k) == "blocked"
+            else other[plan.state_kind(k)]
+            if i is None
+            else spec(k, i)
             for k, i in enumerate(plan.state_slots)
         ]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
@@ -204,6 +208,13 @@ class Sharded:
         return plan
 
 
+def _block_spec(plan: Plan, k: int, axis_name: str) -> P:
+    """``PartitionSpec`` of inner state leaf ``k``, kept as blocks: the full leaf, cut
+    along its axis in :attr:`zeroshard.placement.Plan.state_blocks`."""
+    axis, ndim = plan.state_blocks[k], len(plan.state_structs[k].shape)
+    return P(*(axis_name if d == axis else None for d in range(ndim)))
+
+
 def _values(tree: PyTree) -> PyTree:
     """``tree`` with Flax NNX ``Variable`` nodes replaced by their values. ``nnx.Optimizer``
     passes ``nnx.state(model)`` to ``init`` and copies each ``Variable``'s metadata (its
@@ -337,8 +348,12 @@ def sharded(
     functions as in muon), the leaf is *owned*: one device updates all of it and
     keeps its state; a ``stacked`` leaf updated layer by layer is owned layer by
     layer. Owned units are balanced by bytes or, for matrix work, by
-    ``m * n * min(m, n)``. The choice is read from the traced update, per leaf (see
-    :mod:`zeroshard.placement`).
+    ``m * n * min(m, n)``. A 2-D leaf whose whole-tensor update would cost its owner
+    more than its share, and which reduces along one axis only (the factored
+    moments' row and column sums, Newton-Schulz's Gram matrix), is *blocked*: every
+    device updates its block of rows or columns, with a ``psum`` of each reduction
+    across the blocks (:mod:`zeroshard.blocks`). The choice is read from the traced
+    update, per leaf (see :mod:`zeroshard.placement`).
     The returned updates are full-shape, so ``optax.apply_updates(params, updates)``
     gives the gathered weights (exactly whenever each new weight lies within a factor
     two of the old one, by Sterbenz's lemma; otherwise within one rounding of them).
@@ -400,7 +415,8 @@ def sharded(
         parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
         (``None``: automatic). Forcing a leaf sliced whose update needs the whole
         tensor is refused. A stacked leaf forced owned is owned whole unless its
-        update needs whole layers, and treats them separately.
+        update needs whole layers, and treats them separately. A leaf forced owned
+        is never blocked.
       mesh: the mesh the state lives on when ``init`` and ``update`` run outside
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:

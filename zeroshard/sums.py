@@ -52,6 +52,12 @@ def evaluate(closed: Any, program: Program, values: list, axis_name: str) -> lis
     return walk(closed, values, lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name))
 
 
+def bound(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
+    """The outputs of ``eqn`` on ``xs``, with its sums (as :func:`evaluate` binds each
+    equation; for :mod:`zeroshard.blocks`, which evaluates blocked values alongside)."""
+    return _eqn(eqn, sums, xs, axis)
+
+
 def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
     xs = xs if sums is None else _exact(sums, xs, axis)
     if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed

@@ -43,6 +43,7 @@ from zeroshard.arrival import (
     QuantizedReduceScatter,
     ReduceScatter,
 )
+from zeroshard.blocks import to_pieces
 from zeroshard.clipping import local_squares
 from zeroshard.collectives import is_identity
 from zeroshard.config import ShardConfig
@@ -207,7 +208,7 @@ def _branch_update(
             new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params, grads)
         else:
             new, new_state = step(inner_state, params, grads)
-        new = layout.treedef.flatten_up_to(new)
+        new = to_pieces(layout.slots, layout.treedef.flatten_up_to(new), axis)
         rows = layout.per_owned_bucket(
             lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
         )
