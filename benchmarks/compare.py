@@ -229,7 +229,9 @@ def embed_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
     def make_loss(stage: int) -> Any:
         def loss_fn(params, batch):
             p = zs.gather(params) if stage == 3 else params
-            x = p["embed"][batch["tokens"]]
+            # (one-hot, not indexing: a gather from sharded indices needs an out_sharding
+            # on an Explicit mesh, which the manual axis of zeroshard's step refuses)
+            x = jax.nn.one_hot(batch["tokens"], vocab) @ p["embed"]
             for k in range(args.layers):
                 m = p[f"mlp{k}"]
                 x = x + jax.nn.gelu(x @ m["up"] + m["b"]) @ m["down"]
