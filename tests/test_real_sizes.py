@@ -67,6 +67,14 @@ OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
     "lars": lambda: optax.lars(1.0),
     "novograd": lambda: optax.novograd(1e-2),
+    # Other updates that need whole tensors: a per-row clip, per-axis maxima, noise drawn
+    # at the leaf's shape, a mask computed from shapes.
+    "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
+    "sm3": lambda: optax.sm3(0.1),
+    "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=0),
+    "shape_mask": lambda: optax.adamw(
+        1e-2, eps=1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] == 256, p)
+    ),
 }
 
 
@@ -605,3 +613,15 @@ def test_blocked_state_restores_on_other_device_counts(optimizer, setups, expect
     for (stage, n), got in resumed_elsewhere(loss_fn, tx, params, data, tmp_path):
         context = f"{optimizer} {model} restored at stage {stage} on {n}"
         assert_matches_plain_optax(got, expected(optimizer, model), params, context)
+
+
+@pytest.mark.parametrize("optimizer", ["adaptive_grad_clip", "noisy_sgd", "shape_mask", "sm3"])
+def test_other_whole_tensor_updates_run_on_blocks(optimizer, setups, expected):
+    """What else reads a matrix whole (per-row norms, per-axis maxima, noise drawn at
+    its full shape on every device and cut, a mask from its shape) is blocked too, with
+    plain optax's numbers."""
+    params = setups["mlp"][0]
+    layout = zs.sharded(OPTIMIZERS[optimizer]()).plan(params, N).layout
+    assert "['up']" in {s.path for s in layout.slots if s.blocked}
+    got = train(optimizer, setups["mlp"])
+    assert_matches_plain_optax(got, expected(optimizer, "mlp"), params, optimizer)
