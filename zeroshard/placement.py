@@ -131,9 +131,9 @@ class Plan:
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
       state_blocks: per leaf of the inner state, for one of a blocked leaf's (see
-        :attr:`zeroshard.layout.Slot.blocked`) that is kept as blocks, the axis it is
-        cut along (its first that divides by the devices, as the logical layout cuts
-        it), else ``None``.
+        :attr:`zeroshard.layout.Slot.block_axis`) that is kept as blocks, the axis it
+        is cut along (the one the update computes it along; for one it computes whole,
+        its first that divides by the devices), else ``None``.
       state_gathered: of those, the leaves the update reads whole (a factor vector
         broadcast along the other axis): gathered before it, cut after.
       state_structs: per leaf of the inner state, its full shape and dtype.
@@ -336,7 +336,8 @@ class Plan:
     def block_marks(self, extra_args: dict | None = None) -> tuple:
         """Where the blocks lie in the arguments of ``inner.update(grads, state, params,
         **extra_args)`` (:func:`zeroshard.blocks.run_blocked`): the blocked leaves'
-        blocks of rows, and their state leaves' kept as blocks (``state_blocks``)."""
+        blocks of rows or columns, and their state leaves kept as blocks
+        (``state_blocks``)."""
         full = lambda s: jax.ShapeDtypeStruct(s.shape, self.inner_dtypes[s.bucket])
         leaves = [At(s.block_axis, full(s)) if s.blocked else None for s in self.layout.slots]
         params = self.layout.treedef.unflatten(leaves)
