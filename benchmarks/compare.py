@@ -27,10 +27,14 @@ stacked`` is a pre-norm transformer whose blocks are stacked along a leading lay
 axis and applied with ``jax.lax.scan`` (blocks ``qkv`` (L, d, 3d), ``out`` (L, d, d),
 ``up`` (L, d, 4d), ``down`` (L, 4d, d), ``ln1``/``ln2`` (L, d); an embedding (vocab, d),
 a final norm and a head (d, vocab)); zeroshard gets ``stacked=["blocks"]`` and runs
-stages 1 and 3. With muon, each layer of a block stack is its own matrix
-(``MuonDimensionNumbers(reduction_axis=1, output_axis=2)``; the embedding, head and
-norms take muon's AdamW fallback), and zeroshard with ``optax.adamw`` on the same
-model is added (``zeroshard-1-adamw``, ``zeroshard-3-adamw``).
+stages 1 and 3. ``--model embed`` is unscanned: an embedding (vocab, d) looked up,
+``args.layers`` residual GELU MLPs (d, 4d), (4d, d) and a head (d, 256) (with
+``--vocab`` about 20 d the embedding is ~45% of the parameters; under the default
+muon every 2-D leaf, the embedding included, is a matrix). With muon, each layer of
+a block stack is its own matrix (``MuonDimensionNumbers(reduction_axis=1,
+output_axis=2)``; the embedding, head and norms take muon's AdamW fallback), and
+zeroshard with ``optax.adamw`` on the same model is added (``zeroshard-1-adamw``,
+``zeroshard-3-adamw``).
 
 Per variant: optimizer-state + master bytes per device (live arrays), XLA's argument,
 temp, output and alias bytes, the collectives of the compiled step with their
@@ -98,7 +102,8 @@ def main() -> None:
     results = []
     for width in args.widths:
         rng = np.random.default_rng(0)
-        model = (stacked_model if args.model == "stacked" else dense_model)(args, width, rng)
+        build = {"dense": dense_model, "stacked": stacked_model, "embed": embed_model}
+        model = build[args.model](args, width, rng)
         size = sum(x.size for x in jax.tree.leaves(model.params))
         for n in args.devices:
             mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
@@ -124,7 +129,7 @@ def parse_args() -> argparse.Namespace:
         "--pack-bytes", type=int, default=None, help="zs.sharded's pack_bytes (default: its own)"
     )
     parser.add_argument("--optimizer", choices=["adam", "muon"], default="adam")
-    parser.add_argument("--model", choices=["dense", "stacked"], default="dense")
+    parser.add_argument("--model", choices=["dense", "stacked", "embed"], default="dense")
     parser.add_argument("--vocab", type=int, default=512, help="stacked: vocabulary size")
     parser.add_argument("--seq", type=int, default=32, help="stacked: tokens per sequence")
     parser.add_argument(
@@ -212,6 +217,42 @@ def stacked_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
 
     make_loss = functools.partial(transformer_loss, heads=max(1, d // 64))
     return Model(params, make_loss, batch, ["blocks"], dims, (1, 3))
+
+
+def embed_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
+    """An unscanned model with a large embedding (see the module docstring); a mean
+    squared error of the head's output on random tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    import zeroshard as zs
+
+    d, vocab = width, args.vocab
+    normal = lambda *s: jnp.asarray(rng.normal(size=s) * s[0] ** -0.5, jnp.float32)
+    params = {"embed": normal(vocab, d), "head": normal(d, 256)}
+    params |= {
+        f"mlp{k}": {"up": normal(d, 4 * d), "down": normal(4 * d, d), "b": jnp.zeros(4 * d)}
+        for k in range(args.layers)
+    }
+
+    def make_loss(stage: int) -> Any:
+        def loss_fn(params, batch):
+            p = zs.gather(params) if stage == 3 else params
+            # (one-hot, not indexing: a gather from sharded indices needs an out_sharding
+            # on an Explicit mesh, which the manual axis of zeroshard's step refuses)
+            x = jax.nn.one_hot(batch["tokens"], vocab) @ p["embed"]
+            for k in range(args.layers):
+                m = p[f"mlp{k}"]
+                x = x + jax.nn.gelu(x @ m["up"] + m["b"]) @ m["down"]
+            return jnp.mean((x @ p["head"] - batch["y"]) ** 2)
+
+        return loss_fn
+
+    def batch(rng):
+        tokens = rng.integers(0, vocab, size=(args.batch,), dtype=jnp.int32)
+        return {"tokens": tokens, "y": jnp.asarray(rng.normal(size=(args.batch, 256)), jnp.float32)}
+
+    return Model(params, make_loss, batch, None, None, (1, 3))
 
 
 def transformer_loss(stage: int, heads: int) -> Any:

@@ -322,6 +322,55 @@ def test_no_mesh_known_is_a_clear_error():
         tx.init({"w": jnp.ones(4)})
 
 
+def test_a_mesh_that_disagrees_with_the_context_is_zeroshards_error():
+    """zs.sharded(mesh=...) called under jax.set_mesh of another mesh (another shape,
+    or one without the axis): zeroshard's error names both meshes, not shard_map's."""
+    mesh, params = auto_mesh(), {"w": jnp.ones((8, 3))}
+    tx = zs.sharded(optax.sgd(0.1), mesh=mesh)
+    for other in (jax.make_mesh((4, 2), ("data", "model")), jax.make_mesh((8,), ("batch",))):
+        with jax.set_mesh(other), pytest.raises(ValueError) as error:
+            tx.init(params)
+        message = str(error.value)
+        assert "{'data': 8 (Auto)}" in message and repr(other.axis_names[-1]) in message
+        assert "jax.set_mesh(mesh)" in message and "zs.sharded(inner, mesh=mesh)" in message
+    with jax.set_mesh(mesh):  # the same mesh: no error
+        opt_state = tx.init(params)
+    with jax.set_mesh(jax.make_mesh((8,), ("batch",))), pytest.raises(ValueError, match="batch"):
+        jax.jit(tx.update)(params, opt_state, params)
+
+
+def test_an_optimizer_that_calls_back_into_the_model_is_refused(rng):
+    """optax.lbfgs's zoom line search calls value_fn= on whole parameters inside its
+    update: refused with zeroshard's reason, as a plain optax drop-in and through
+    nnx.Optimizer (optimizer.update(model, grads, grad=, value=, value_fn=)), with no
+    internal TypeError; a function given to any update is refused too."""
+    mesh = auto_mesh()
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    why = r"requires value=, grad=, value_fn=.*line search.*Use plain optax"
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=why):
+            nnx.Optimizer(model, zs.sharded(optax.lbfgs()), wrt=nnx.Param)
+        with pytest.raises(ValueError, match=why):
+            zs.sharded(optax.lbfgs()).init({"w": jnp.ones((4, 2))})
+        params = {"w": jnp.ones((4, 2))}
+        tx = zs.sharded(optax.sgd(0.1))
+        opt_state = tx.init(params)
+        value_fn = lambda p: jnp.sum(p["w"] ** 2)
+        with pytest.raises(ValueError, match="value_fn= a function.*Use plain optax"):
+            tx.update(params, opt_state, params, value_fn=value_fn)
+
+
+def test_a_required_extra_argument_missing_is_named():
+    """optax.polyak_sgd's update requires value=: a step that passes none (zeroshard's
+    own passes no extra arguments) gets zeroshard's error with the fix."""
+    mesh = make_mesh(8)
+    tx = zs.sharded(optax.polyak_sgd(max_learning_rate=1.0))
+    state = zs.init_train_state({"w": jnp.zeros((2, 1))}, tx, mesh)
+    step = zs.make_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), tx, mesh)
+    with pytest.raises(TypeError, match=r"requires value=\.\.\.; pass it on"):
+        step(state, {"x": jnp.ones((8, 2))})
+
+
 # What zeroshard's own steps return is typed as a plain jit's outputs.
 
 

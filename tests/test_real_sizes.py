@@ -44,6 +44,7 @@ RTOL = 2e-5
 MIN_MOVEMENT = 50 * RTOL
 STACKED_BOUND = 1.25  # largest per-device state over plain/N: Muon, Adafactor, stacked
 EMBED_BOUND = 1.15  # the same for LAMB and LARS with a ~45% embedding
+BLOCKED_BOUND = 1.25  # the same, and the update's max/mean, for a dominant matrix
 
 # Each stacked 3-D leaf is LAYERS matrices: axis 0 is a batch axis for Muon.
 STACKED_DIMS = {
@@ -66,6 +67,14 @@ OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
     "lars": lambda: optax.lars(1.0),
     "novograd": lambda: optax.novograd(1e-2),
+    # Other updates that need whole tensors: a per-row clip, per-axis maxima, noise drawn
+    # at the leaf's shape, a mask computed from shapes.
+    "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
+    "sm3": lambda: optax.sm3(0.1),
+    "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=0),
+    "shape_mask": lambda: optax.adamw(
+        1e-2, eps=1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] == 256, p)
+    ),
 }
 
 
@@ -175,7 +184,28 @@ def embed_batches(rng: np.random.Generator, steps: int, size: int = 48) -> list[
     ]
 
 
+# An unscanned MLP of two matrices Adafactor factors (T5-style models are unscanned).
+
+
+def mlp_params(rng: np.random.Generator) -> dict:
+    """A (256, 512) and a (512, 256) matrix and a bias."""
+    return {"up": _normal(rng, 256, 512), "b": jnp.zeros(512), "down": _normal(rng, 512, 256)}
+
+
+def mlp_loss(params: dict, batch: dict) -> jax.Array:
+    """Squared error of ``tanh(x @ up + b) @ down``."""
+    p = _whole(params)
+    return jnp.mean((jnp.tanh(batch["x"] @ p["up"] + p["b"]) @ p["down"] - batch["y"]) ** 2)
+
+
+def mlp_batches(rng: np.random.Generator, steps: int, size: int = 48) -> list[dict]:
+    """``steps`` batches of ``size`` inputs and targets of 256 features."""
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    return [{"x": f(size, 256), "y": f(size, 256)} for _ in range(steps)]
+
+
 MODELS = {
+    "mlp": (mlp_params, mlp_loss, mlp_batches, None),
     "dense": (dense_params, dense_loss, dense_batches, None),
     "stacked": (stacked_params, stacked_loss, stacked_batches, ["blocks"]),
     "embed": (embed_params, embed_loss, embed_batches, None),
@@ -377,6 +407,9 @@ MEMORY_CASES = {  # id: (optimizer, model, bound)
     "adafactor_stacked": ("adafactor", "stacked", STACKED_BOUND),
     "lamb_embed": ("lamb", "embed", EMBED_BOUND),
     "lars_embed": ("lars", "embed", EMBED_BOUND),
+    # One whole-tensor unit larger than a device's share: updated on blocks everywhere.
+    "adafactor_mlp": ("adafactor", "mlp", BLOCKED_BOUND),
+    "muon_embed": ("muon", "embed", BLOCKED_BOUND),
 }
 
 
@@ -471,7 +504,7 @@ def test_stage3_weights_are_pieces_whatever_the_optimizer(optimizer, model, setu
     params, data, loss_fn, stacked = setups[model]
     loss_fn = {"stacked": stacked_layer_loss, "dense": dense_layer_loss}[model]
     tx = zs.sharded(OPTIMIZERS[optimizer](), stacked=stacked)
-    assert any(s.owned for s in tx.plan(params, N).layout.slots)
+    assert any(s.owned or s.blocked for s in tx.plan(params, N).layout.slots)
     mesh = make_mesh(N)
     temps, args = {}, {}
     for stage in (1, 3):
@@ -543,3 +576,52 @@ def test_stage3_owners_get_the_weights_their_update_reads(optimizer, setups, exp
         state, _ = step(state, batch)
     got = zs.to_optax_state(state, tx)[0]
     assert_matches_plain_optax(got, expected(optimizer, "dense"), params, f"{optimizer} stage 3")
+
+
+# A whole-tensor unit larger than a device's share (both of the MLP's factored
+# matrices; the embedding under Muon's default, which orthogonalises every 2-D leaf) is
+# updated on blocks of rows or columns on every device (zeroshard.blocks).
+
+BLOCKED = {"adafactor": ("mlp", {"['up']", "['down']"}), "muon": ("embed", {"['embed']"})}
+
+
+@pytest.mark.parametrize("optimizer", sorted(BLOCKED))
+def test_a_dominant_whole_tensor_update_is_spread(optimizer, setups, expected):
+    """Blocked, the update's work per device is at most 1.25x the mean and the numbers
+    are plain optax's, in stages 1 and 3."""
+    model, dominant = BLOCKED[optimizer]
+    params = setups[model][0]
+    tx = zs.sharded(OPTIMIZERS[optimizer]())
+    blocked = {s.path for s in tx.plan(params, N).layout.slots if s.blocked}
+    assert dominant <= blocked, blocked
+    est = zs.estimate_memory(params, N, param_dtype=jnp.float32, optimizer=tx)
+    print(f"{optimizer} {model}: blocked {sorted(blocked)}, update {est.update_imbalance:.2f}")
+    assert est.update_imbalance <= BLOCKED_BOUND
+    for stage in (1, 3):
+        got = train(optimizer, setups[model], stage=stage)
+        context = f"{optimizer} {model} stage {stage}"
+        assert_matches_plain_optax(got, expected(optimizer, model), params, context)
+
+
+@pytest.mark.parametrize("optimizer", sorted(BLOCKED))
+def test_blocked_state_restores_on_other_device_counts(optimizer, setups, expected, tmp_path):
+    """Saved on 8 devices (blocked), resumed on 3 (rows that do not divide by 3: owned
+    whole) and on 2 in stage 3 (blocked again): plain optax's weights."""
+    model = BLOCKED[optimizer][0]
+    params, data, loss_fn, _ = setups[model]
+    tx = zs.sharded(OPTIMIZERS[optimizer]())
+    for (stage, n), got in resumed_elsewhere(loss_fn, tx, params, data, tmp_path):
+        context = f"{optimizer} {model} restored at stage {stage} on {n}"
+        assert_matches_plain_optax(got, expected(optimizer, model), params, context)
+
+
+@pytest.mark.parametrize("optimizer", ["adaptive_grad_clip", "noisy_sgd", "shape_mask", "sm3"])
+def test_other_whole_tensor_updates_run_on_blocks(optimizer, setups, expected):
+    """What else reads a matrix whole (per-row norms, per-axis maxima, noise drawn at
+    its full shape on every device and cut, a mask from its shape) is blocked too, with
+    plain optax's numbers."""
+    params = setups["mlp"][0]
+    layout = zs.sharded(OPTIMIZERS[optimizer]()).plan(params, N).layout
+    assert "['up']" in {s.path for s in layout.slots if s.blocked}
+    got = train(optimizer, setups["mlp"])
+    assert_matches_plain_optax(got, expected(optimizer, "mlp"), params, optimizer)

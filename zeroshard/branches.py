@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zeroshard.blocks import init_blocked
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
 from zeroshard.rows import pack, unpack
@@ -127,7 +128,11 @@ def init_parts(
 
     def init_branch(b, pieces, wholes):
         local = plan.local_wholes(b, wholes, axis_name)
-        state = inner.init(plan.filled(plan.view(b, pieces, local, axis_name), axis_name))
+        view = plan.filled(plan.view(b, pieces, local, axis_name), axis_name)
+        if plan.layout.blocked:  # (traced whole, evaluated on the blocks)
+            state = init_blocked(inner, view, plan.block_marks(), axis_name, plan.layout.num_shards)
+        else:
+            state = inner.init(view)
         return kept_and_stored(plan, b, state, local)
 
     inner_state, owned = run_branches(plan, axis_name, init_branch, pieces, wholes)

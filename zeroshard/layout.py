@@ -96,6 +96,11 @@ class Slot:
         multiple of ``num_shards``: each device's piece is then ``chunks /
         num_shards`` whole chunks (the fixed-order sums of ``deterministic=``; see
         :mod:`zeroshard.canonical`).
+      block_axis: for a *blocked* leaf, the axis its update runs on blocks along
+        (:mod:`zeroshard.blocks`), else ``None``. A blocked 2-D leaf is cut as a
+        sliced one (its rows divide by ``num_shards``, so each piece is a block of
+        whole rows); along axis 1 each device's block of columns is exchanged with
+        the pieces by ``all_to_all`` around its update.
     """
 
     path: str
@@ -109,13 +114,24 @@ class Slot:
     unit_offsets: tuple[int, ...] = ()
     chunk_offsets: tuple[int, ...] = ()
     chunks: int = 0
+    block_axis: int | None = None
 
     @property
     def placement(self) -> str:
-        """``"sliced"``, ``"stacked"``, ``"owned"`` or ``"layer-owned"``."""
+        """``"sliced"``, ``"stacked"``, ``"owned"``, ``"layer-owned"`` or ``"blocked"``."""
         if self.owners:
             return "layer-owned" if self.layered else "owned"
-        return "stacked" if self.stacked else "sliced"
+        return "blocked" if self.blocked else "stacked" if self.stacked else "sliced"
+
+    @property
+    def blocked(self) -> bool:
+        return self.block_axis is not None
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one device's block of a blocked leaf, along ``block_axis``."""
+        k, shape = self.block_axis, self.shape
+        return (*shape[:k], shape[k] // self.num_shards, *shape[k + 1 :])
 
     @property
     def owned(self) -> bool:
@@ -340,6 +356,7 @@ class Layout:
         owned: Mapping[int, float] | None = None,
         layered: Collection[int] | None = None,
         spread: Collection[int] | None = None,
+        blocked: Mapping[int, int] | None = None,
         chunks: int = 0,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
@@ -356,6 +373,8 @@ class Layout:
             placed as a whole leaf is, with its share of the leaf's cost.
           spread: of the ``layered`` leaves, those whose layers go first, so that
             each device gets one where there are as many layers as devices.
+          blocked: leaves (not ``owned``) updated on blocks, by index, with the
+            axis of their blocks (see :attr:`Slot.block_axis`).
           chunks: ``0``, or the number of canonical chunks every layer is cut into
             (see :class:`Slot`; a multiple of ``num_shards``).
 
@@ -387,7 +406,8 @@ class Layout:
             units, b = owners.get(i, ()), dtypes.index(dtype)
             lay = bool(units) and i in (layered or ())
             slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
-            slots.append(dataclasses.replace(slot, chunks=chunks))
+            axis = (blocked or {}).get(i)
+            slots.append(dataclasses.replace(slot, chunks=chunks, block_axis=axis))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -399,6 +419,11 @@ class Layout:
     @property
     def has_owned(self) -> bool:
         return any(s.owned for s in self.slots)
+
+    @property
+    def blocked(self) -> tuple[int, ...]:
+        """The blocked leaves (:attr:`Slot.block_axis`)."""
+        return tuple(i for i, s in enumerate(self.slots) if s.blocked)
 
     def owned_by(self, device: int) -> tuple[int, ...]:
         """The leaves ``device`` owns (whole, or some of its layers), in leaf order."""

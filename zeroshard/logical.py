@@ -113,6 +113,31 @@ def _rows(slot: Slot) -> bool:
     return logical_dim(slot.shape, n) == 0 and not slot.stacked and slot.piece_size * n == slot.size
 
 
+def blocks_to_logical(block: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """This device's block (along ``dim``) of a leaf kept as blocks (see
+    :attr:`zeroshard.placement.Plan.state_blocks`) -> its block of the logical leaf:
+    the same where ``dim`` is the logical one; else gathered and cut again."""
+    n = jax.lax.axis_size(axis_name)
+    shape = (*block.shape[:dim], block.shape[dim] * n, *block.shape[dim + 1 :])
+    if logical_dim(shape, n) == dim:
+        return block
+    full = jax.lax.all_gather(block, axis_name, axis=dim, tiled=True, to="invarying")
+    return logical_block(full, axis_name)
+
+
+def blocks_from_logical(
+    block: jax.Array, shape: tuple[int, ...], dim: int, axis_name: str
+) -> jax.Array:
+    """The inverse of :func:`blocks_to_logical`, for a leaf of ``shape``."""
+    n = jax.lax.axis_size(axis_name)
+    if logical_dim(shape, n) == dim:
+        return block
+    full = logical_gather(block, shape, axis_name)
+    size = shape[dim] // n
+    index = jax.lax.axis_index(axis_name)
+    return jax.lax.dynamic_slice_in_dim(full, index * size, size, dim, allow_negative_indices=False)
+
+
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
     """``x`` as ``device`` has it, on every device: a sum of its bits with zeros from
     the others, so every value (``-0.0`` and ``nan`` too) arrives exactly."""
@@ -262,6 +287,8 @@ def _to_optax_converter(
         inner = [
             to_logical(layout.slots[plan.state_slots[k]], x, axis)
             if plan.state_kind(k) == "sliced"
+            else blocks_to_logical(x, plan.state_blocks[k], axis)
+            if plan.state_kind(k) == "blocked"
             else _owned_block(plan, opt_state.owned, ("state", k), axis)
             if plan.state_kind(k) == "owned"
             else x
@@ -378,6 +405,8 @@ def _from_logical_local(
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
             if plan.state_kind(k) == "sliced":
                 kept[k] = from_logical(layout.slots[plan.state_slots[k]], x, axis)
+            elif plan.state_kind(k) == "blocked":
+                kept[k] = blocks_from_logical(x, opt_leaves[k].shape, plan.state_blocks[k], axis)
             elif plan.state_kind(k) == "replicated":
                 kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
             else:

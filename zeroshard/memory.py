@@ -160,7 +160,9 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimiz
     them out (params and grads left to the caller)."""
     tx, plan = _plan(params, n, optimizer, param_dtype, master_dtype)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(tx.inner.init, plan.view_structs(0)))
-    shared = sum(_nbytes(x) for k, x in enumerate(view) if plan.state_kind(k) != "owned")
+    kinds = [plan.state_kind(k) for k in range(len(view))]
+    per_device = lambda k, x: _nbytes(x) / (n if kinds[k] == "blocked" else 1)  # (traced whole)
+    shared = sum(per_device(k, x) for k, x in enumerate(view) if kinds[k] != "owned")
     masters = zip(plan.layout.buckets, plan.master_dtypes, strict=True)
     master = sum(b.row_size * jnp.dtype(m).itemsize for b, m in masters if m is not None)
     widths = zip(plan.storage.widths, plan.storage.dtypes, strict=True)

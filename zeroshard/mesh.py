@@ -46,12 +46,13 @@ def find_mesh(
     with ``config.axis_name``.
 
     Raises:
-      ValueError: if none is known, naming the fixes.
+      ValueError: if none is known, or (with ``context``) the mesh found differs
+        from the one set with ``jax.set_mesh``, naming the fixes.
     """
     axis = config.axis_name
-    if mesh is not None or config.mesh is not None:
-        return config.mesh if mesh is None else mesh
     current = jax.sharding.get_abstract_mesh()
+    if mesh is not None or config.mesh is not None:
+        return _agreed(config.mesh if mesh is None else mesh, current, context, "mesh=", axis)
     if context and not current.empty and axis in current.axis_names:
         return current
     for leaf in jax.tree.leaves(tree):
@@ -60,7 +61,7 @@ def find_mesh(
             sharding = getattr(jax.typeof(leaf), "sharding", None)
         found = getattr(sharding, "mesh", None)
         if found is not None and not found.empty and axis in found.axis_names:
-            return found
+            return _agreed(found, current, context, "the arrays' layout", axis)
     if not context:
         raise ValueError(
             f"no mesh with axis {axis!r} is known for this state: pass mesh=..., or build "
@@ -72,6 +73,27 @@ def find_mesh(
         "`with jax.set_mesh(mesh):`; inside jax.shard_map over the axis, the local "
         f"update runs. (Mesh set now: {tuple(current.axis_names) or 'none'}.)"
     )
+
+
+def _agreed(mesh: Any, current: Any, context: bool, source: str, axis: str) -> Any:
+    """``mesh`` (from ``source``), refused where the mesh set with ``jax.set_mesh``
+    differs from it (``shard_map`` would refuse the pair, from inside zeroshard)."""
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    if context and not current.empty and abstract != current:
+        raise ValueError(
+            f"zeroshard: this optimizer's mesh ({source}) is {_shape(abstract)}, but the "
+            f"mesh set with jax.set_mesh is {_shape(current)}; its update runs on one mesh. "
+            "Call it under `with jax.set_mesh(mesh):` with the optimizer's mesh, or give the "
+            "optimizer the context's: zs.sharded(inner, mesh=mesh), or no mesh= at all "
+            f"(the context's mesh is taken where it has the axis {axis!r})."
+        )
+    return mesh
+
+
+def _shape(mesh: Any) -> str:
+    """``mesh``'s axes, sizes and types, e.g. ``{'data': 8 (Auto)}``."""
+    axes = zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+    return "{" + ", ".join(f"{n!r}: {k} ({str(t).rsplit('.', 1)[-1]})" for n, k, t in axes) + "}"
 
 
 def mesh_of(state: Any) -> jax.sharding.Mesh:

@@ -6,7 +6,10 @@ Built once per parameter layout, at trace time, from shapes alone:
    update needs more than their elements and sums over them; they (and any the user
    forces) are *owned*, whole or, for stacked layers updated separately, layer by
    layer; the others are *sliced* (:mod:`zeroshard.layout` places them, balancing the
-   owned units over the devices).
+   owned units over the devices). The largest of those units, where one device would
+   run and keep more than its share, are *blocked* instead where their update runs
+   exactly on blocks of rows or columns (:mod:`zeroshard.blocks`): sliced, with the
+   whole-tensor update evaluated on every device's block and its state in blocks.
 2. Devices owning the same number of units of the same leaves share a *branch*. On
    branch ``b`` the inner optimizer sees its *view* of the parameters: a slice of
    every sliced leaf, the whole of each leaf the branch owns (its layers, stacked, of
@@ -46,6 +49,7 @@ from zeroshard.analysis import (
     leaf_forms,
     trace_update,
 )
+from zeroshard.blocks import At, blockable, run_blocked, to_columns
 from zeroshard.layout import Layout, PyTree
 from zeroshard.rows import pack, unpack
 from zeroshard.sums import run_with_sums
@@ -126,6 +130,13 @@ class Plan:
       state_groups: per group, the inner state leaves of each of its leaves, one
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
+      state_blocks: per leaf of the inner state, for one of a blocked leaf's (see
+        :attr:`zeroshard.layout.Slot.block_axis`) that is kept as blocks, the axis it
+        is cut along (the one the update computes it along; for one it computes whole,
+        its first that divides by the devices), else ``None``.
+      state_gathered: of those, the leaves the update reads whole (a factor vector
+        broadcast along the other axis): gathered before it, cut after.
+      state_structs: per leaf of the inner state, its full shape and dtype.
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
         leaves (and their state) and computes the others as it does with every leaf
         present; else the hidden leaves are zero-element arrays.
@@ -146,6 +157,9 @@ class Plan:
     groups: tuple[tuple[int, ...], ...] = ()
     state_groups: tuple[tuple[int, ...], ...] = ()
     state_dtypes: tuple[Any, ...] = ()
+    state_blocks: tuple[int | None, ...] = ()
+    state_gathered: frozenset[int] = frozenset()
+    state_structs: tuple[Any, ...] = ()
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -300,10 +314,12 @@ class Plan:
         sliced |= {
             i: s
             for i, s in enumerate(slots)
-            if (not s.owned and i not in sliced) or (i in sums and s.placement == "layer-owned")
+            if (not s.owned and not s.blocked and i not in sliced)
+            or (i in sums and s.placement == "layer-owned")
         }
         fixed = bool(self.layout.chunks)  # deterministic=: evaluated so every time
-        if not (fixed or sums or any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)):
+        partial = any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)
+        if not (fixed or sums or partial or self.layout.blocked):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
@@ -311,9 +327,27 @@ class Plan:
             k for k in range(len(self.state_dtypes)) if not self.holes or k not in self.hidden_state
         ]
         tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
-        args = (grads, state, params, extra_args)
+        args, names = (grads, state, params, extra_args), [s.path for s in slots]
+        if self.layout.blocked:  # evaluated on the blocks (zeroshard.blocks), with the sums
+            marks = self.block_marks(extra_args)
+            out, n = (lambda _: marks[:2]), self.layout.num_shards
+            return run_blocked(fn, args, marks, out, axis_name, n, (tags, names, sliced))
         ordered = slots if fixed else None  # deterministic=: sums in a fixed order
-        return run_with_sums(fn, args, tags, axis_name, [s.path for s in slots], sliced, ordered)
+        return run_with_sums(fn, args, tags, axis_name, names, sliced, ordered)
+
+    def block_marks(self, extra_args: dict | None = None) -> tuple:
+        """Where the blocks lie in the arguments of ``inner.update(grads, state, params,
+        **extra_args)`` (:func:`zeroshard.blocks.run_blocked`): the blocked leaves'
+        blocks of rows or columns, and their state leaves kept as blocks
+        (``state_blocks``)."""
+        full = lambda s: jax.ShapeDtypeStruct(s.shape, self.inner_dtypes[s.bucket])
+        leaves = [At(s.block_axis, full(s)) if s.blocked else None for s in self.layout.slots]
+        params = self.layout.treedef.unflatten(leaves)
+        state = self.state_treedef.unflatten(
+            None if a is None else At(a, self.state_structs[k], k in self.state_gathered)
+            for k, a in enumerate(self.state_blocks)
+        )
+        return params, state, params, jax.tree.map(lambda _: None, extra_args or {})
 
     def local_wholes(self, branch: int, wholes: list, axis_name: str) -> list:
         """What this device, on ``branch``, holds of the full owned leaves ``wholes``:
@@ -335,9 +369,17 @@ class Plan:
         owns, a one-element stand-in for any other owned leaf."""
         dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
         stand_in = lambda s: _empty(s.stand_in_shape, dtypes[s.bucket], axis_name)
-        piece = lambda i: None if i in self.hidden else pieces[i].reshape(self.piece_shape(i))
+
+        def piece(i: int, s: Any) -> Any:
+            if i in self.hidden:
+                return None
+            if not s.blocked:
+                return pieces[i].reshape(self.piece_shape(i))
+            rows = pieces[i].reshape(s.shape[0] // s.num_shards, *s.shape[1:])
+            return rows if s.block_axis == 0 else to_columns(rows, axis_name)
+
         leaves = [
-            local[i] if i in owned else stand_in(s) if s.owned else piece(i)
+            local[i] if i in owned else stand_in(s) if s.owned else piece(i, s)
             for i, s in enumerate(self.layout.slots)
         ]
         return self.layout.treedef.unflatten(leaves)
@@ -351,7 +393,9 @@ class Plan:
         def struct(i, s):
             if holes and i in self.hidden:
                 return None
-            if not s.owned:
+            if s.blocked:  # traced whole (see zeroshard.blocks)
+                shape = s.shape
+            elif not s.owned:
                 shape = (*s.piece_shape[:-1], s.piece_shape[-1] + longer)
             else:
                 shape = s.local_shape(owned[i]) if i in owned else s.stand_in_shape
@@ -360,9 +404,12 @@ class Plan:
         return self.layout.treedef.unflatten(struct(i, s) for i, s in enumerate(self.layout.slots))
 
     def state_kind(self, k: int) -> str:
-        """``"sliced"``, ``"owned"`` or ``"replicated"``: where inner state leaf ``k`` lives."""
+        """``"sliced"``, ``"blocked"``, ``"owned"`` or ``"replicated"``: where inner state
+        leaf ``k`` lives."""
         if self.state_slots[k] is not None:
             return "sliced"
+        if self.state_blocks and self.state_blocks[k] is not None:
+            return "blocked"
         owned = self.state_sources[k] is not None or self.state_layers[k] is not None
         return "owned" if owned else "replicated"
 
@@ -373,10 +420,15 @@ class Plan:
         return [sum(map(nbytes, self.storage.entries[b])) for b in self.branch_of]
 
     def owned_costs(self) -> list[float]:
-        """Per device, the summed update cost of the leaves (and layers) it owns."""
+        """Per device, the summed update cost of the leaves (and layers) it owns, and its
+        share of the blocked leaves'."""
         slots, matrix = self.layout.slots, self.analysis.matrix
         cost = lambda i, count: leaf_cost(slots[i], i in matrix) * count / len(slots[i].owners)
-        return [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
+        blocked = sum(leaf_cost(slots[i], i in matrix) for i in self.layout.blocked) / len(
+            self.branch_of
+        )
+        owned = [sum(cost(i, count) for i, count in self.branches[b]) for b in self.branch_of]
+        return [c + blocked for c in owned]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,12 +513,66 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     analysis = analyze(
         inner, full, full_state, pieces, piece_state, config.axis_name, base.num_shards, stacked
     )
-    layout = _place(config.placement, base, analysis)
+    blocks = _blocked(inner, config, base, analysis, full, full_state)
+    layout = _place(config.placement, base, analysis, {i: b[0] for i, b in blocks.items()})
     profiles = [layout.profile(d) for d in range(layout.num_shards)]
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
+    store = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
+    plan = dataclasses.replace(
+        plan,
+        state_blocks=tuple(store.get(k) for k in range(len(analysis.state_leaves))),
+        state_gathered=frozenset().union(*(g for *_, g in blocks.values())),
+        state_structs=tuple(jax.tree.leaves(full_state)),
+    )
     return _with_state(plan, inner, full_state, config)
+
+
+def _blocked(inner: Any, config: Any, base: Layout, analysis: Analysis, full, full_state) -> dict:
+    """The leaves to block (:attr:`zeroshard.layout.Slot.block_axis`), each with what
+    :func:`zeroshard.blocks.blockable` found: largest whole-tensor cost first, until
+    owning the others would leave no device more than its share (:func:`_balanced`);
+    of those, the 2-D unstacked leaves whose rows divide by the devices, in no sum
+    with other leaves, not forced owned, and whose update runs exactly on blocks of
+    rows (else of columns, where they divide too). Per leaf: ``(axis, where its state
+    is kept, which state it reads whole)``."""
+    n, forced = base.num_shards, _forced(config.placement, base)
+    costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in analysis.whole}
+    spanning = {i for x in analysis.sums if len(x) > 1 for i in x}
+    found: dict = {}
+    # Not with deterministic= (chunks): the sums across blocks follow the device count.
+    for i in sorted(costs, key=lambda i: -costs[i]) if n > 1 and not base.chunks else ():
+        s = base.slots[i]
+        if _balanced(base, analysis, costs, found):
+            break
+        if i in forced or i in spanning or s.stacked or len(s.shape) != 2 or s.shape[0] % n:
+            continue
+        for axis in (0, 1)[: 1 + (s.shape[1] % n == 0)]:
+            got = blockable(inner, full, full_state, i, axis, analysis, config.axis_name, n)
+            if got is not None:
+                found[i] = (axis, *got)
+                break
+    return found
+
+
+def _balanced(base: Layout, analysis: Analysis, costs: dict, blocked: Any, bound=1.1) -> bool:
+    """Whether, with the ``blocked`` leaves spread evenly and the other whole-tensor
+    units (a layer-owned leaf's layers apart) owned largest cost first, no device
+    would run more than ``bound`` times the mean whole-tensor cost or hold more than
+    ``bound`` times the mean elements."""
+    n, sizes = base.num_shards, [s.size for s in base.slots]
+    units = []
+    for i in (i for i in costs if i not in blocked):
+        k = base.slots[i].shape[0] if i in analysis.layered else 1
+        units += [(costs[i] / k, sizes[i] / k)] * k
+    spread = sum(costs[i] for i in blocked) / n, (sum(sizes) - sum(u for _, u in units)) / n
+    load = [spread] * n
+    for cost, size in sorted(units, reverse=True):
+        d = min(range(n), key=lambda d: load[d])
+        load[d] = (load[d][0] + cost, load[d][1] + size)
+    most = max(c for c, _ in load), max(s for _, s in load)
+    return most[0] <= bound * sum(costs.values()) / n and most[1] <= bound * sum(sizes) / n
 
 
 def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan:
@@ -481,6 +587,9 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan
     slots, sources, layers = [], [], []
     for k, (path, f) in enumerate(jax.tree_util.tree_flatten_with_path(full_state)[0]):
         leaf = analysis.state_leaves[k]
+        if leaf is not None and layout.slots[leaf].blocked:  # kept as blocks, or whole
+            slots.append(None), sources.append(None), layers.append(None)
+            continue
         shapes = {(tuple(v[k].shape), v[k].dtype) for v in views}
         layered = leaf is not None and layout.slots[leaf].placement == "layer-owned"
         layers.append(leaf if layered else None)
@@ -534,7 +643,7 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
         state = jax.eval_shape(inner.init, view)
         if jax.tree.structure(state) != jax.tree.structure(plan.compact_state(full_state)):
             return False
-        closed, extra = trace_update(inner, view, state, axis_name, n, {})
+        closed, extra = trace_update(inner, view, state, axis_name, n, analysis.stand_ins())
     except Exception:  # any failure of the inner optimizer on it means no
         return False
     present = [i for i in range(len(plan.layout.slots)) if i not in plan.hidden]
@@ -572,7 +681,7 @@ def _groups(
             return False
         per_element = all(state_slots[k] == i for k in own[i])
         shaped = sum(j == i for j in state_slots) == len(own[i])
-        return not (s.owned or s.stacked or i in summed) and per_element and shaped
+        return not (s.owned or s.stacked or s.blocked or i in summed) and per_element and shaped
 
     groups = []
     classes: dict[Any, list[int]] = {}  # alike leaves, by form and dtype
@@ -595,8 +704,9 @@ def _check_structure(treedef: Any, state: PyTree) -> None:
         )
 
 
-def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
-    """``base`` with the leaves that need whole tensors (or are forced to) owned."""
+def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, int]) -> Layout:
+    """``base`` with the leaves that need whole tensors (or are forced to) owned, but
+    the ``blocked`` ones."""
     forced = _forced(placement, base)
     for i, s in enumerate(base.slots):
         if forced.get(i) == "sliced" and i in analysis.whole:
@@ -605,11 +715,13 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
                 "update of it needs the whole tensor (it mixes its elements): slicing it "
                 "would silently compute different numbers. Let it be owned."
             )
-    owned = set(analysis.whole) | {i for i, p in forced.items() if p == "owned"}
+    owned = (set(analysis.whole) | {i for i, p in forced.items() if p == "owned"}) - set(blocked)
     costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in owned}
-    if not costs:
-        return base
     leaves = base.full_structs()
+    if not costs:
+        return Layout.from_tree(
+            leaves, base.num_shards, base_dims(base), blocked=blocked, chunks=base.chunks
+        )
     # A leaf whose layers meet through sums needs a layer on every device (each device
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
@@ -622,6 +734,7 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
         costs,
         layered,
         sums & layered,
+        blocked,
         chunks=base.chunks,
     )
     layout = place(layered)
@@ -629,6 +742,12 @@ def _place(placement: Any, base: Layout, analysis: Analysis) -> Layout:
     if all(held(i) for i in sums & layered):
         return layout
     return place({i for i in layered if i not in sums or held(i)})
+
+
+def base_dims(base: Layout) -> Any:
+    """``stacked=`` for :meth:`Layout.from_tree` that keeps ``base``'s layer axes."""
+    dims = {s.path: s.stacked for s in base.slots}
+    return lambda path, _: dims[path]
 
 
 def _forced(placement: Any, base: Layout) -> dict[int, str]:

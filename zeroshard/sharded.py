@@ -23,6 +23,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.config import Placement, ShardConfig
 from zeroshard.layout import Layout, PyTree, Stacked
@@ -62,7 +63,11 @@ class Sharded:
         other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
         spec = lambda k, i: None if k in plan.hidden_state else plan.layout.slots[i].spec(axis)
         specs = [
-            other[plan.state_kind(k)] if i is None else spec(k, i)
+            _block_spec(plan, k, axis)
+            if plan.state_kind(k) == "blocked"
+            else other[plan.state_kind(k)]
+            if i is None
+            else spec(k, i)
             for k, i in enumerate(plan.state_slots)
         ]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
@@ -123,11 +128,14 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_global`).
+        the mean gradient (:meth:`apply_global`). ``extra_args`` (e.g. ``value=``)
+        reach the inner update; a function among them is refused
+        (:func:`zeroshard.analysis.check_extra_args`).
 
         Raises:
           ValueError: with ``deterministic=``, which only a zeroshard step provides.
         """
+        check_extra_args(extra_args)
         if self.config.deterministic is not None:
             raise ValueError(
                 f"zs.sharded(..., deterministic={self.config.deterministic}) fixes the order of "
@@ -211,6 +219,13 @@ class Sharded:
                 f"weights have the structure {mine}, these params need {master}."
             )
         return plan
+
+
+def _block_spec(plan: Plan, k: int, axis_name: str) -> P:
+    """``PartitionSpec`` of inner state leaf ``k``, kept as blocks: the full leaf, cut
+    along its axis in :attr:`zeroshard.placement.Plan.state_blocks`."""
+    axis, ndim = plan.state_blocks[k], len(plan.state_structs[k].shape)
+    return P(*(axis_name if d == axis else None for d in range(ndim)))
 
 
 def _values(tree: PyTree) -> PyTree:
@@ -347,8 +362,12 @@ def sharded(
     functions as in muon), the leaf is *owned*: one device updates all of it and
     keeps its state; a ``stacked`` leaf updated layer by layer is owned layer by
     layer. Owned units are balanced by bytes or, for matrix work, by
-    ``m * n * min(m, n)``. The choice is read from the traced update, per leaf (see
-    :mod:`zeroshard.placement`).
+    ``m * n * min(m, n)``. A 2-D leaf whose whole-tensor update would cost its owner
+    more than its share, and which reduces along one axis only (the factored
+    moments' row and column sums, Newton-Schulz's Gram matrix), is *blocked*: every
+    device updates its block of rows or columns, with a ``psum`` of each reduction
+    across the blocks (:mod:`zeroshard.blocks`). The choice is read from the traced
+    update, per leaf (see :mod:`zeroshard.placement`).
     The returned updates are full-shape, so ``optax.apply_updates(params, updates)``
     gives the gathered weights (exactly whenever each new weight lies within a factor
     two of the old one, by Sterbenz's lemma; otherwise within one rounding of them).
@@ -410,11 +429,14 @@ def sharded(
         parameters, or a function ``(path, leaf) -> "sliced" | "owned" | None``
         (``None``: automatic). Forcing a leaf sliced whose update needs the whole
         tensor is refused. A stacked leaf forced owned is owned whole unless its
-        update needs whole layers, and treats them separately.
+        update needs whole layers, and treats them separately. A leaf forced owned
+        is never blocked.
       mesh: the mesh the state lives on when ``init`` and ``update`` run outside
         ``shard_map``: in the user's own ``jax.jit`` (or ``nnx.jit``) step, where
         ``update`` takes the mean gradient that ``jax.grad`` returns there. ``None``:
-        the mesh set with ``jax.set_mesh``, else that of the state's arrays.
+        the mesh set with ``jax.set_mesh``, else that of the state's arrays. Under
+        ``jax.set_mesh`` of another mesh, ``init`` and ``update`` raise a
+        ``ValueError`` naming both.
       group_alike: on more than one device, update the sliced leaves smaller than
         ``pack_bytes`` whose update is the same elementwise computation (the same
         optimizer and hyperparameters, mask and label, on pieces of one shape and
@@ -462,8 +484,10 @@ def sharded(
 
     Raises:
       ValueError: for inconsistent options (see :class:`zeroshard.ShardConfig`); at
-        ``init`` when ``inner`` mixes leaves, the params are empty, or ``axis_name``
-        is not bound; at ``update`` when the gradients do not match the params.
+        ``init`` when ``inner`` mixes leaves, the params are empty, ``axis_name``
+        is not bound, or the update calls back into the model (``optax.lbfgs``'s
+        ``value_fn=``); at ``update`` when the gradients do not match the params, or
+        an extra argument is a function.
       TypeError: for an ``inner`` that is not an optax transformation, an axis name
         that is not a string; when a parameter leaf is not floating point.
 

@@ -91,6 +91,12 @@ def _rank(v: Any) -> int:
     return len(v.aval.shape)
 
 
+def bound(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
+    """The outputs of ``eqn`` on ``xs``, with its sums (as :func:`evaluate` binds each
+    equation; for :mod:`zeroshard.blocks`, which evaluates blocked values alongside)."""
+    return _eqn(eqn, sums, xs, axis, None)
+
+
 def _eqn(
     eqn: Any,
     sums: Sums | None,

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from zeroshard import branches, canonical
+from zeroshard.analysis import check_extra_args
 from zeroshard.arrival import (
     Arrival,
     CanonicalPieces,
@@ -44,6 +45,7 @@ from zeroshard.arrival import (
     QuantizedReduceScatter,
     ReduceScatter,
 )
+from zeroshard.blocks import to_pieces
 from zeroshard.config import ShardConfig
 from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
@@ -104,7 +106,11 @@ def updated(
       state: this device's :class:`zeroshard.ShardedState`.
       params: the current parameters, in the form ``route.departure`` holds them.
       **extra_args: passed on to the inner ``update``.
+
+    Raises:
+      TypeError: if ``extra_args`` lacks one the inner update requires.
     """
+    check_extra_args(extra_args, plan.analysis.extras)
     arrival, departure = route
     grad_pieces, grad_rows = arrival.across_replicas(parts)
     # The owned leaves' current weights, as the departure reads them, used where no
@@ -207,7 +213,7 @@ def _branch_update(
             new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params, grads)
         else:
             new, new_state = step(inner_state, params, grads)
-        new = layout.treedef.flatten_up_to(new)
+        new = to_pieces(layout.slots, layout.treedef.flatten_up_to(new), axis)
         rows = layout.per_owned_bucket(
             lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
         )

@@ -28,13 +28,14 @@ jaxpr), not from a list of names:
 """
 
 from zeroshard.analysis.groups import input_names, leaf_forms
-from zeroshard.analysis.leaves import Analysis, analyze, trace_update
+from zeroshard.analysis.leaves import Analysis, analyze, check_extra_args, trace_update
 from zeroshard.analysis.tags import NotElementwiseError
 
 __all__ = [
     "Analysis",
     "NotElementwiseError",
     "analyze",
+    "check_extra_args",
     "input_names",
     "leaf_forms",
     "trace_update",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -54,6 +55,9 @@ class Analysis:
       forms: per leaf, the form of its update on its piece
         (:func:`zeroshard.analysis.groups.leaf_forms`: equal for alike leaves), or
         ``None``; ``()`` where the update was not traced on pieces.
+      extras: the extra arguments the update requires and was not given (traced
+        with a float32 scalar in each one's place, as :func:`trace_update` does):
+        every ``tx.update`` must pass them.
     """
 
     whole: frozenset[int]
@@ -65,6 +69,11 @@ class Analysis:
     layer_sums: frozenset[int] = frozenset()
     reads: frozenset[int] = frozenset()
     forms: tuple[tuple | None, ...] = ()
+    extras: tuple[str, ...] = ()
+
+    def stand_ins(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """What the update was traced with in the place of :attr:`extras`."""
+        return {k: jax.ShapeDtypeStruct((), jnp.float32) for k in self.extras}
 
     def in_tags(self, leaves: list[int], state: list[int]) -> list[Tag]:
         """Tags of the update's inputs: gradients, state, parameters (extra arguments
@@ -74,21 +83,84 @@ class Analysis:
         return params + [self.state_tags[k] for k in state] + params
 
 
+_MISSING = re.compile(r"missing \d+ required keyword-only arguments?: (.*)")
+
+_CALLS_BACK = (
+    "an update that calls a function it is given (value_fn=, as optax.lbfgs's zoom line "
+    "search does to evaluate the loss at trial parameters) would call it on this "
+    "device's part of the parameters, not on whole ones, so zs.sharded refuses it. Use "
+    "plain optax for such an optimizer (L-BFGS's state is a few copies of the "
+    "parameters), or a first-order one; extra arguments that are values (the value= of "
+    "optax.polyak_sgd and optax.contrib.reduce_on_plateau) are passed on."
+)
+
+
 def trace_update(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_shards: int, extra):
     """The closed jaxpr of ``inner.update``, and the extra arguments it was traced with:
     ``extra`` plus a float32 scalar for each keyword argument the update requires that
-    ``extra`` lacks (e.g. the ``value=`` of ``optax.polyak_sgd``)."""
-    extra = dict(extra)
+    ``extra`` lacks (e.g. the ``value=`` of ``optax.polyak_sgd``).
+
+    Raises:
+      ValueError: if the update requires extra arguments and cannot be traced with
+        scalars in their place (a function it calls, as ``optax.lbfgs``'s
+        ``value_fn=``), naming them and why.
+    """
+    extra, invented = dict(extra), []
     fn = lambda u, s, p, e: inner.update(u, s, p, **e)
     while True:
         try:
             jaxpr = jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])
             return jaxpr(params, state, params, extra), extra
         except TypeError as e:
-            missing = re.search(r"required keyword-only argument: '(\w+)'", str(e))
-            if missing is None or missing.group(1) in extra:
+            missing = _MISSING.search(str(e))
+            names = re.findall(r"'(\w+)'", missing.group(1)) if missing else []
+            if names and not set(names) & extra.keys():
+                invented += names
+                extra.update((k, jax.ShapeDtypeStruct((), jnp.float32)) for k in names)
+                continue
+            if not invented:
                 raise
-            extra[missing.group(1)] = jax.ShapeDtypeStruct((), jnp.float32)
+            raise _refused(invented, e) from e
+        except Exception as e:
+            if not invented:
+                raise
+            raise _refused(invented, e) from e
+
+
+def _refused(names: list[str], error: Exception) -> ValueError:
+    given = ", ".join(f"{k}=" for k in names)
+    first = (str(error).splitlines() or [""])[0]
+    return ValueError(
+        f"zs.sharded: the inner optimizer's update requires {given} and zeroshard plans "
+        "the placement before the first step from the update traced with a float32 scalar "
+        f"in each one's place, which failed ({type(error).__name__}: {first}). Values "
+        f"given as tx.update(grads, state, params, {given}...) are passed on, but "
+        f"{_CALLS_BACK}"
+    )
+
+
+def check_extra_args(extra_args: dict[str, Any], required: Collection[str] = ()) -> None:
+    """Refuses, with the reason and the fix, extra arguments of ``tx.update`` that the
+    sharded update cannot pass on exactly (a function of the parameters), or that miss
+    one the inner update ``required`` (found when it was traced before the first step).
+
+    Raises:
+      ValueError: for a callable extra argument.
+      TypeError: for a missing required one.
+    """
+    called = sorted(k for k, v in extra_args.items() if callable(v))
+    if called:
+        names = ", ".join(f"{k}=" for k in called)
+        raise ValueError(f"zs.sharded(...).update got {names} a function: {_CALLS_BACK}")
+    missing = [k for k in required if k not in extra_args]
+    if missing:
+        names = ", ".join(f"{k}=..." for k in missing)
+        raise TypeError(
+            f"zs.sharded: the inner optimizer's update requires {names}; pass it on: "
+            f"tx.update(grads, opt_state, params, {names}) (in Flax, "
+            f"optimizer.update(model, grads, {names})). zs.make_train_step and the Flax "
+            "steps pass no extra arguments: call tx.update in your own step for this one."
+        )
 
 
 def analyze(
@@ -170,6 +242,7 @@ def analyze(
         frozenset(summed & layered),
         _reads(full, n_params, n_state),
         forms,
+        tuple(k for k in extra if k not in (extra_args or {})),
     )
 
 
