@@ -317,9 +317,9 @@ class Plan:
             if (not s.owned and not s.blocked and i not in sliced)
             or (i in sums and s.placement == "layer-owned")
         }
-        fixed = bool(self.layout.chunks)  # deterministic=: evaluated so every time
+        ordered = slots if self.layout.chunks else None  # deterministic=: in a fixed order
         partial = any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)
-        if not (fixed or sums or partial or self.layout.blocked):
+        if not (ordered or sums or partial or self.layout.blocked):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
@@ -332,7 +332,6 @@ class Plan:
             marks = self.block_marks(extra_args)
             out, n = (lambda _: marks[:2]), self.layout.num_shards
             return run_blocked(fn, args, marks, out, axis_name, n, (tags, names, sliced))
-        ordered = slots if fixed else None  # deterministic=: sums in a fixed order
         return run_with_sums(fn, args, tags, axis_name, names, sliced, ordered)
 
     def block_marks(self, extra_args: dict | None = None) -> tuple:
