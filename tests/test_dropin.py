@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import make_mesh
+from helpers import assert_trees_close, make_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_flax_programs import CNN, LinenCNN, MiniGPT, gpt_loss, mnist_like, token_batches
@@ -360,15 +360,36 @@ def test_an_optimizer_that_calls_back_into_the_model_is_refused(rng):
             tx.update(params, opt_state, params, value_fn=value_fn)
 
 
-def test_a_required_extra_argument_missing_is_named():
-    """optax.polyak_sgd's update requires value=: a step that passes none (zeroshard's
-    own passes no extra arguments) gets zeroshard's error with the fix."""
-    mesh = make_mesh(8)
-    tx = zs.sharded(optax.polyak_sgd(max_learning_rate=1.0))
-    state = zs.init_train_state({"w": jnp.zeros((2, 1))}, tx, mesh)
-    step = zs.make_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), tx, mesh)
-    with pytest.raises(TypeError, match=r"requires value=\.\.\.; pass it on"):
-        step(state, {"x": jnp.ones((8, 2))})
+def test_the_steps_pass_the_loss_as_value_and_name_any_other_required_argument():
+    """optax.polyak_sgd's update requires value=: zeroshard's own step passes the step's
+    mean loss, as plain optax's update(..., value=loss) on the global batch; an
+    argument it cannot know (here foo=) gets zeroshard's error with the fix."""
+    mesh, inner = make_mesh(8), optax.polyak_sgd(max_learning_rate=1.0)
+    loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)}
+    batches = [
+        {k: jnp.asarray(rng.normal(size=(16, n)), jnp.float32) for k, n in (("x", 3), ("y", 2))}
+        for _ in range(3)
+    ]
+    tx = zs.sharded(inner)
+    state, step = zs.init_train_state(params, tx, mesh), zs.make_train_step(loss_fn, tx, mesh)
+    expected, opt_state = params, inner.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+        loss, grads = jax.value_and_grad(loss_fn)(expected, batch)
+        updates, opt_state = inner.update(grads, opt_state, expected, value=loss)
+        expected = optax.apply_updates(expected, updates)
+    assert_trees_close(state.params, expected, rtol=1e-6)
+
+    def update(updates, state, params=None, *, foo):
+        return updates, state
+
+    needs_foo = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    tx = zs.sharded(needs_foo)
+    state, step = zs.init_train_state(params, tx, mesh), zs.make_train_step(loss_fn, tx, mesh)
+    with pytest.raises(TypeError, match=r"requires foo=\.\.\.; pass it on"):
+        step(state, batches[0])
 
 
 # What zeroshard's own steps return is typed as a plain jit's outputs.

@@ -191,7 +191,13 @@ class TrainStep:
         if scale is not None:
             loss = loss / scale.scale
         opt = (self.opt.inner, self.opt.config, plan, self.route)
-        params, opt_state = updated(*opt, parts, state.opt_state, state.params)
+        # An update that requires value= (optax.contrib.reduce_on_plateau) gets the
+        # step's global mean loss, as plain optax's update(..., value=loss) would.
+        extra = {}
+        if "value" in plan.analysis.extras:
+            mean = loss.astype(jnp.float32)
+            extra["value"] = mean if fixed else step_io.pmean(mean, self.batch_axes)
+        params, opt_state = updated(*opt, parts, state.opt_state, state.params, **extra)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=fixed

@@ -159,7 +159,8 @@ def check_extra_args(extra_args: dict[str, Any], required: Collection[str] = ())
             f"zs.sharded: the inner optimizer's update requires {names}; pass it on: "
             f"tx.update(grads, opt_state, params, {names}) (in Flax, "
             f"optimizer.update(model, grads, {names})). zs.make_train_step and the Flax "
-            "steps pass no extra arguments: call tx.update in your own step for this one."
+            "steps pass value= (the step's mean loss) only: call tx.update in your own "
+            "step for this one."
         )
 
 
