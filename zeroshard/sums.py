@@ -109,7 +109,7 @@ def _eqn(
     if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
     fixed = sums is not None and slots is not None
-    if fixed and ((sums.partial is not None and sums.partial >= 0) or sums.psum):
+    if fixed and (sums.partial is not None or sums.psum):
         return _fixed_order(eqn, sums, xs, axis, slots)
     xs = _typed(eqn, xs, axis)
     if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside

@@ -59,10 +59,10 @@ class Sums:
       mask: for a total sum over a sliced leaf's piece, the leaf (its padding left out).
       size: for a mean over a sliced leaf's piece, the leaf's size (the divisor).
       branches: for a conditional, the sums of each branch.
-      partial: for a total sum of per-element values, giving a partial sum, the leaf
-        summed, where the sum is taken in a fixed order instead (``deterministic=``,
-        :mod:`zeroshard.canonical`); ``-1`` where that is not one sliced leaf (several,
-        or a leaf updated whole on its owner, whose sum is complete there).
+      partial: for a total sum of one sliced leaf's per-element values (a partial
+        sum), the leaf, where the sum is taken in a fixed order instead
+        (``deterministic=``, :mod:`zeroshard.canonical`); of an owned leaf the sum is
+        complete on its owner, and stays as it is.
       psum: an explicit ``psum`` of partial sums over the axis.
       whole: whether the ``summed`` partial sums include one of a leaf updated whole
         on its owner (complete there, zero elsewhere).
@@ -166,7 +166,7 @@ class Tagger:
         partial, sliced = None, self.sliced or {}
         if name == "reduce_sum" and PARTIAL not in kinds and outs[0][0] == PARTIAL:
             leaves = outs[0][1]
-            partial = next(iter(leaves)) if len(leaves) == 1 and leaves <= sliced.keys() else -1
+            partial = next(iter(leaves)) if len(leaves) == 1 and leaves <= sliced.keys() else None
         psum = name.startswith("psum") and PARTIAL in kinds
         sums = Sums(summed, *self._exact(eqn, ins), branches, partial, psum, whole)
         program.append(None if sums == Sums() else sums)
