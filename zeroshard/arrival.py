@@ -326,6 +326,12 @@ class CanonicalPieces(Canonical, Pieces):
         layout.check_matches(full_structs(grads), "gradients")
         return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
 
+    def dtype(self, bucket: Any) -> Any:
+        """Float32: the owned leaves' pieces go to their owners as the float32 mean
+        gradient (rounded to the parameters' dtype, Muon's bf16 matrices moved apart
+        from plain optax's by more than a bf16 rounding of the weights)."""
+        return jnp.float32
+
     def unit(self, layout: Layout, part: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
         """An owned unit from every device's pieces of it, as its owner receives them."""
         return slot.unit_geometry().uncut(part[:, start:stop])
