@@ -298,6 +298,9 @@ def two_steps(tmp_path_factory):
         for batch in batches(rng, 2):
             state, _ = train_step(state, batch)
             ckpt.save(state)
+            # One save at a time: how orbax lays the values out in its data files
+            # (which the tests below damage) must not depend on the machine's load.
+            ckpt.wait_until_finished()
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
     return directory, tx, snapshot(zs.to_optax_state(state, tx)), like
 
