@@ -180,3 +180,28 @@ def test_refused_where_the_bits_cannot_agree():
         step(state, jax.tree.map(lambda x: x[:12], data(0, 1)[0]))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="zs.make_train_step"):
         tx.update(params, tx.init(params), params)
+
+
+def test_the_nnx_step_is_bit_identical_on_1_2_8_devices():
+    """zs.flax.nnx_train_step takes deterministic= from its optimizer too."""
+    from flax import nnx
+    from test_flax import NNXModel, nnx_loss
+
+    import zeroshard.flax as zf
+
+    runs = []
+    for n in (1, 2, 8):
+        mesh, model = make_mesh(n), NNXModel(nnx.Rngs(0))
+        tx = zs.sharded(OPTIMIZERS["adamw+clip"](), deterministic=PARTS)
+        optimizer, step = zf.nnx_optimizer(model, tx, mesh), zf.nnx_train_step(nnx_loss, mesh)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            x, y = rng.normal(size=(ROWS, 7)), rng.normal(size=(ROWS, 5))
+            step(
+                model,
+                optimizer,
+                {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)},
+            )
+        runs.append(jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    for run in runs[1:]:
+        assert_equal(run, runs[0], "the NNX step on 2 or 8 devices vs 1")
