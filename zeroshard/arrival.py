@@ -278,8 +278,7 @@ class Canonical:
             if not s.owned:
                 parts.append(canonical.leaf_part(square(pieces[i]), s))
                 continue
-            spans = s.unit_spans(pieces=isinstance(self, Pieces))
-            units = [self.unit(layout, rows[s.bucket], s, a, b) for _, a, b in spans]
+            units = self.units(layout, rows[s.bucket], s)
             parts.append(canonical.unit_part([square(u) for u in units], s.owners))
         return canonical.norm_and_finite(canonical.totals(parts, self.config.axis_name))
 
@@ -307,9 +306,10 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
     def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
         return canonical.summed_rows(blocks, self.config.axis_name, self.order)
 
-    def unit(self, layout: Layout, row: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
-        """An owned unit as this device's owned ``row`` holds it, if it is the owner."""
-        return row[start:stop]
+    def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
+        """Each unit of an owned leaf as this device's owned ``row`` holds it, where it
+        is the unit's owner."""
+        return [row[a:b] for _, a, b in slot.unit_spans()]
 
     def nbytes(self, plan: Plan) -> int:
         return plan.layout.num_shards * super().nbytes(plan)
@@ -332,9 +332,10 @@ class CanonicalPieces(Canonical, Pieces):
         from plain optax's by more than a bf16 rounding of the weights)."""
         return jnp.float32
 
-    def unit(self, layout: Layout, part: jax.Array, slot: Any, start: int, stop: int) -> jax.Array:
-        """An owned unit from every device's pieces of it, as its owner receives them."""
-        return slot.unit_geometry().uncut(part[:, start:stop])
+    def units(self, layout: Layout, part: jax.Array, slot: Any) -> list[jax.Array]:
+        """Each unit of an owned leaf from every device's pieces of it, as its owner
+        receives them."""
+        return [slot.unit_geometry().uncut(part[:, a:b]) for _, a, b in slot.unit_spans(True)]
 
 
 def check_local(leaves: list, layout: Layout, axis_name: str) -> None:

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.collectives import all_gathered_parts, is_identity
+from zeroshard.collectives import all_gathered, all_gathered_parts, is_identity
 from zeroshard.layout import PyTree, Slot
 from zeroshard.rows import spans
 
@@ -126,14 +126,6 @@ def _gathered_backward(axis_name, dtype, like, cotangents):
 gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
-def gathered_all(x: jax.Array, axis_name: str, axis: int = 0) -> jax.Array:
-    """Every device's ``x`` stacked along a new ``axis`` in device order, typed the
-    same on every device (one ``all_gather``; ``x`` itself, expanded, on one device)."""
-    if is_identity(x, axis_name):
-        return jnp.expand_dims(x, axis)
-    return jax.lax.all_gather(x, axis_name, axis=axis, to="invarying")
-
-
 Part = tuple[jax.Array, Callable[[jax.Array], jax.Array]]
 """What one device holds of a sum over a leaf: its 1-D float32 partial sums, and how
 the ``(num_shards, len)`` matrix of every device's makes the total."""
@@ -175,7 +167,7 @@ def totals(parts: Sequence[Part], axis_name: str) -> list[jax.Array]:
     """The totals of ``parts`` (see :data:`Part`), the same on every device: every
     device's partial sums in one ``all_gather``, each total combined in its fixed
     order."""
-    every = gathered_all(jnp.concatenate([p for p, _ in parts]), axis_name)
+    every = all_gathered(jnp.concatenate([p for p, _ in parts]), axis_name, to="invarying")
     sizes = [p.shape[0] for p, _ in parts]
     return [total(every[:, a:b]) for (a, b), (_, total) in zip(spans(sizes), parts, strict=True)]
 

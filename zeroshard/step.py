@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, step_io
 from zeroshard.checks import check_batch, check_deterministic, check_other_axes, check_stage
+from zeroshard.collectives import all_gathered
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
 from zeroshard.scopes import MODEL_STATE, scope
@@ -290,7 +291,8 @@ class TrainStep:
         if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
             params = jax.tree.map(f32, params)
         order = canonical.LOW if stage == 1 else canonical.HIGH
-        devices = lambda x: canonical.gathered_all(x, axis)  # (N, ...), in device order
+        # (N, ...), in device order, the same on every device
+        devices = lambda x: all_gathered(x, axis, to="invarying")
         across = lambda x: canonical.tree_sum(devices(f32(x)), order=order)
         # Per round: stage 1 keeps this device's values, stages 2 and 3 sum the devices'.
         per_round = f32 if stage == 1 else across
@@ -306,7 +308,7 @@ class TrainStep:
                 )
             aux, aux_of["tree"] = jax.tree.flatten(aux)
             aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
-            state = jax.tree.map(lambda x: per_round(x) if _floating(x) else x, state)
+            state = jax.tree.map(lambda x: per_round(x) if step_io.is_floating(x) else x, state)
             scalar = [per_round(x) for x, e in zip(aux, each, strict=True) if not e]
             rest = [x for x, e in zip(aux, each, strict=True) if e]
             return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
@@ -326,7 +328,9 @@ class TrainStep:
         scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
         aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
         state = lambda x, y: (
-            mean(across(x) if stage == 1 else x).astype(y.dtype) if _floating(y) else devices(x)[0]
+            mean(across(x) if stage == 1 else x).astype(y.dtype)
+            if step_io.is_floating(y)
+            else devices(x)[0]
         )
         new_state = jax.tree.map(state, new_state, model_state)
         return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
@@ -483,7 +487,3 @@ def make_train_step(
       (['grad_norm', 'loss', 'skipped'], 0)
     """
     return TrainStep(loss_fn, tx, mesh, axis_name, has_aux, donate, stage, accum_steps)
-
-
-def _floating(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)

@@ -51,9 +51,13 @@ def pmean(x: Any, axes: Axes) -> Any:
 def mean_state(tree: PyTree, axes: Axes) -> PyTree:
     """Floating-point leaves of ``tree`` averaged over ``axes``; other leaves as they are."""
 
-    floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)
     with scope(MODEL_STATE):
-        return jax.tree.map(lambda x: pmean(x, axes) if floating(x) else x, tree)
+        return jax.tree.map(lambda x: pmean(x, axes) if is_floating(x) else x, tree)
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` (an array or a scalar) has a floating-point dtype."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
 def across_devices(x: jax.Array) -> jax.Array:
