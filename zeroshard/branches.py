@@ -22,6 +22,7 @@ from zeroshard.blocks import init_blocked
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
 from zeroshard.rows import pack, unpack
+from zeroshard.state_kinds import ReplicatedState
 
 
 def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
@@ -70,7 +71,7 @@ def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:
     if len(plan.branches) == 1:
         return inner_state
     leaves = plan.state_treedef.flatten_up_to(inner_state)
-    replicated = [k for k in range(len(leaves)) if plan.state_kind(k) == "replicated"]
+    replicated = [k for k, x in enumerate(plan.state_kinds) if type(x) is ReplicatedState]
     keys = {k: jax.random.key_impl(leaves[k]) for k in replicated if _is_key(leaves[k])}
     flat = {k: jax.random.key_data(leaves[k]) if k in keys else leaves[k] for k in replicated}
     for dtype in dict.fromkeys(x.dtype for x in flat.values()):  # the same order everywhere
@@ -91,18 +92,20 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     leaves) and its storage rows (owned state, plus the owned master weights taken
     from ``local``, what the branch holds of its owned leaves)."""
     leaves = plan.state_treedef.flatten_up_to(plan.compact_state(state))
-    values = {("state", k): x for k, x in enumerate(leaves) if plan.state_kind(k) == "owned"}
+    stored = [x.stored for x in plan.state_kinds]
+    values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
-    kept = [None if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)]
+    kept = [None if stored[k] else x for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
-def stored_state(plan: Plan, branch: int, kept: PyTree, stored: dict) -> PyTree:
+def stored_state(plan: Plan, kept: PyTree, stored: dict) -> PyTree:
     """The inner state of ``branch``: the kept tree with its owned leaves filled in from
     ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows)."""
     leaves = plan.state_treedef.flatten_up_to(kept)
     return plan.state_treedef.unflatten(
-        stored[("state", k)] if plan.state_kind(k) == "owned" else x for k, x in enumerate(leaves)
+        stored[("state", k)] if kind.stored else x
+        for k, (kind, x) in enumerate(zip(plan.state_kinds, leaves, strict=True))
     )
 
 

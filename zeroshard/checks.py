@@ -55,51 +55,26 @@ def check_batch(
     num_shards: int,
     axis_name: str | tuple[str, ...],
     accum_steps: int = 1,
-    deterministic: int | None = None,
+    parts: tuple[int, str] | None = None,
 ) -> None:
     """Refuses an empty batch, or one whose leading dimension does not split evenly over
-    ``num_shards`` devices (times ``accum_steps`` micro-batches), or into the
-    ``deterministic`` micro-batches of a fixed-order step."""
+    ``num_shards`` devices (times ``accum_steps`` micro-batches), or into ``parts``
+    (the micro-batches of another strategy, and what they are called)."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError("the batch is empty: pass a pytree of arrays with a batch dimension.")
-    parts = num_shards * accum_steps
+    count = num_shards * accum_steps
     noun = "axes" if isinstance(axis_name, tuple) else "axis"
     what = f"the {num_shards} devices of {noun} {axis_name!r}"
     if accum_steps > 1:
         what += f" times accum_steps={accum_steps}"
-    if deterministic is not None:
-        parts, what = deterministic, f"the deterministic={deterministic} micro-batches"
+    if parts is not None:
+        count, what = parts
     for path, x in leaves:
         shape = jnp.shape(x)
-        if not shape or shape[0] % parts:
+        if not shape or shape[0] % count:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}: its leading "
                 f"(global batch) dimension must be divisible by {what}. Use a global "
-                f"batch size that is a multiple of {parts}."
+                f"batch size that is a multiple of {count}."
             )
-
-
-def check_deterministic(
-    parts: int | None, num_devices: int, axis_name: str | tuple[str, ...], accum_steps: int
-) -> None:
-    """Refuses a fixed-order step (``deterministic=parts``) on a device count that does
-    not leave each device at least two of the ``parts`` micro-batches (a gradient
-    computed outside a loop compiles to other bits than inside one), or with
-    ``accum_steps`` of its own."""
-    if parts is None:
-        return
-    if accum_steps != 1:
-        raise ValueError(
-            f"deterministic={parts} cuts the global batch into {parts} micro-batches itself "
-            f"({parts} // N per device), so accum_steps={accum_steps} has nothing to add: leave "
-            "it at 1 and choose deterministic= for the micro-batch size you can afford."
-        )
-    if parts % num_devices or parts // num_devices < 2:
-        raise ValueError(
-            f"deterministic={parts} gives the same bits on the device counts that leave each "
-            f"device at least two of its {parts} micro-batches (powers of two up to "
-            f"{parts // 2}; with one, the compiler lays the gradient out another way), but "
-            f"{axis_name!r} has {num_devices} devices: pass deterministic={2 * num_devices} "
-            "or a larger power of two."
-        )

@@ -30,6 +30,7 @@ import numpy as np
 
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
+from zeroshard.order import PSUM, FixedOrder, Psum
 from zeroshard.quantized import Quantizer, quantizer
 
 Placement = Any
@@ -112,6 +113,21 @@ class ShardConfig:
         normal("skip_nonfinite", bool(self.skip_nonfinite))
         normal("group_alike", bool(self.group_alike))
         normal("stacked", _stacked(self.stacked))
+
+    @functools.cached_property
+    def sum_order(self) -> Psum:
+        """The order of the step's sums (:mod:`zeroshard.order`): chosen here, once."""
+        return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
+
+    def master_dtype_of(self, dtype: Any) -> np.dtype | None:
+        """The dtype of the master weights kept for parameters of ``dtype``, or
+        ``None`` where the parameters are precise enough. Gathered as quantized
+        codes, the parameters are not the exact weights: every dtype keeps one then."""
+        master = self.master_dtype
+        if master is None:
+            return None
+        narrower = jnp.finfo(dtype).bits < jnp.finfo(master).bits
+        return master if self.quantize_weights is not None or narrower else None
 
     @property
     def grad_quantizer(self) -> Quantizer | None:

@@ -96,11 +96,9 @@ class Slot:
         multiple of ``num_shards``: each device's piece is then ``chunks /
         num_shards`` whole chunks (the fixed-order sums of ``deterministic=``; see
         :mod:`zeroshard.canonical`).
-      block_axis: for a *blocked* leaf, the axis its update runs on blocks along
-        (:mod:`zeroshard.blocks`), else ``None``. A blocked 2-D leaf is cut as a
-        sliced one (its rows divide by ``num_shards``, so each piece is a block of
-        whole rows); along axis 1 each device's block of columns is exchanged with
-        the pieces by ``all_to_all`` around its update.
+      block: for a *blocked* leaf, its placement (a
+        :class:`zeroshard.blocks.Blocked`: the axis its update runs on blocks along,
+        and how a block goes to and from its piece), else ``None``.
     """
 
     path: str
@@ -114,7 +112,7 @@ class Slot:
     unit_offsets: tuple[int, ...] = ()
     chunk_offsets: tuple[int, ...] = ()
     chunks: int = 0
-    block_axis: int | None = None
+    block: Any = None
 
     @property
     def placement(self) -> str:
@@ -125,13 +123,7 @@ class Slot:
 
     @property
     def blocked(self) -> bool:
-        return self.block_axis is not None
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """The shape of one device's block of a blocked leaf, along ``block_axis``."""
-        k, shape = self.block_axis, self.shape
-        return (*shape[:k], shape[k] // self.num_shards, *shape[k + 1 :])
+        return self.block is not None
 
     @property
     def owned(self) -> bool:
@@ -356,7 +348,7 @@ class Layout:
         owned: Mapping[int, float] | None = None,
         layered: Collection[int] | None = None,
         spread: Collection[int] | None = None,
-        blocked: Mapping[int, int] | None = None,
+        blocked: Mapping[int, Any] | None = None,
         chunks: int = 0,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
@@ -374,7 +366,7 @@ class Layout:
           spread: of the ``layered`` leaves, those whose layers go first, so that
             each device gets one where there are as many layers as devices.
           blocked: leaves (not ``owned``) updated on blocks, by index, with the
-            axis of their blocks (see :attr:`Slot.block_axis`).
+            placement of their blocks (see :attr:`Slot.block`).
           chunks: ``0``, or the number of canonical chunks every layer is cut into
             (see :class:`Slot`; a multiple of ``num_shards``).
 
@@ -406,8 +398,8 @@ class Layout:
             units, b = owners.get(i, ()), dtypes.index(dtype)
             lay = bool(units) and i in (layered or ())
             slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
-            axis = (blocked or {}).get(i)
-            slots.append(dataclasses.replace(slot, chunks=chunks, block_axis=axis))
+            block = (blocked or {}).get(i)
+            slots.append(dataclasses.replace(slot, chunks=chunks, block=block))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -422,7 +414,7 @@ class Layout:
 
     @property
     def blocked(self) -> tuple[int, ...]:
-        """The blocked leaves (:attr:`Slot.block_axis`)."""
+        """The blocked leaves (:attr:`Slot.block`)."""
         return tuple(i for i, s in enumerate(self.slots) if s.blocked)
 
     def owned_by(self, device: int) -> tuple[int, ...]:

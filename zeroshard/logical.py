@@ -46,6 +46,7 @@ from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, stage_of, to_shards
 from zeroshard.state import ShardedState
+from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.step import TrainState, state_specs
 from zeroshard.update import Route, master_pieces
 
@@ -115,7 +116,7 @@ def _rows(slot: Slot) -> bool:
 
 def blocks_to_logical(block: jax.Array, dim: int, axis_name: str) -> jax.Array:
     """This device's block (along ``dim``) of a leaf kept as blocks (see
-    :attr:`zeroshard.placement.Plan.state_blocks`) -> its block of the logical leaf:
+    :class:`zeroshard.state_kinds.BlockedState`) -> its block of the logical leaf:
     the same where ``dim`` is the logical one; else gathered and cut again."""
     n = jax.lax.axis_size(axis_name)
     shape = (*block.shape[:dim], block.shape[dim] * n, *block.shape[dim + 1 :])
@@ -161,11 +162,25 @@ def _holders(plan: Plan, key: Key) -> tuple[Any, list[int]]:
     """The slot of the layer-owned leaf whose layers ``key``'s value holds (``None``
     where one device holds it whole), and the devices that store it."""
     kind, k = key
-    leaf = k if kind == "master" else plan.state_layers[k]
+    state = None if kind == "master" else plan.state_kinds[k]
+    leaf = k if state is None else state.layers_of
     slot = None if leaf is None else plan.layout.slots[leaf]
-    if slot is not None and slot.placement == "layer-owned":
+    if slot is not None and slot.layered:
         return slot, list(dict.fromkeys(slot.owners))
-    return None, [plan.layout.slots[k].owner if kind == "master" else plan.state_sources[k]]
+    return None, [plan.layout.slots[k].owner if state is None else state.source]
+
+
+def _state_to_logical(plan: Plan, rows: tuple, k: int, x: Any, axis_name: str) -> Any:
+    """This device's block of the logical value of inner state leaf ``k`` (``x``: what
+    the state's tree holds of it; ``rows``: the owners' storage rows)."""
+    match plan.state_kinds[k]:
+        case SlicedState(leaf):
+            return to_logical(plan.layout.slots[leaf], x, axis_name)
+        case BlockedState(dim):
+            return blocks_to_logical(x, dim, axis_name)
+        case OwnedState():
+            return _owned_block(plan, rows, ("state", k), axis_name)
+    return x  # replicated
 
 
 def _owned_block(plan: Plan, rows: tuple[jax.Array, ...], key: Key, axis_name: str):
@@ -284,16 +299,7 @@ def _to_optax_converter(
         leaves = layout.treedef.flatten_up_to(params)
         master = [block(i, s, x) for i, (s, x) in enumerate(zip(layout.slots, leaves, strict=True))]
         inner = plan.ungrouped_state(plan.state_treedef.flatten_up_to(opt_state.inner_state))
-        inner = [
-            to_logical(layout.slots[plan.state_slots[k]], x, axis)
-            if plan.state_kind(k) == "sliced"
-            else blocks_to_logical(x, plan.state_blocks[k], axis)
-            if plan.state_kind(k) == "blocked"
-            else _owned_block(plan, opt_state.owned, ("state", k), axis)
-            if plan.state_kind(k) == "owned"
-            else x
-            for k, x in enumerate(inner)
-        ]
+        inner = [_state_to_logical(plan, opt_state.owned, k, x, axis) for k, x in enumerate(inner)]
         return layout.treedef.unflatten(master), plan.state_treedef.unflatten(inner)
 
     specs = state_specs(tx, layout.full_structs(), num_shards, stage)
@@ -403,15 +409,17 @@ def _from_logical_local(
         inner_state, owned = init_parts(tx.inner, plan, axis, plan.grouped(pieces), wholes)
         kept = plan.state_treedef.flatten_up_to(inner_state)
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
-            if plan.state_kind(k) == "sliced":
-                kept[k] = from_logical(layout.slots[plan.state_slots[k]], x, axis)
-            elif plan.state_kind(k) == "blocked":
-                kept[k] = blocks_from_logical(x, opt_leaves[k].shape, plan.state_blocks[k], axis)
-            elif plan.state_kind(k) == "replicated":
-                kept[k] = logical_gather(x, opt_leaves[k].shape, axis)
-            else:
-                full = logical_gather(x, opt_leaves[k].shape, axis)
-                owned = _store_full(plan, owned, ("state", k), full, axis)
+            shape = opt_leaves[k].shape
+            match plan.state_kinds[k]:
+                case SlicedState(leaf):
+                    kept[k] = from_logical(layout.slots[leaf], x, axis)
+                case BlockedState(dim):
+                    kept[k] = blocks_from_logical(x, shape, dim, axis)
+                case OwnedState():
+                    full = logical_gather(x, shape, axis)
+                    owned = _store_full(plan, owned, ("state", k), full, axis)
+                case _:  # replicated
+                    kept[k] = logical_gather(x, shape, axis)
         grad_norm = jnp.zeros((), jnp.float32)
         state = plan.state_treedef.unflatten(plan.grouped_state(kept))
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned)

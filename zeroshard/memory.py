@@ -160,9 +160,8 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimiz
     them out (params and grads left to the caller)."""
     tx, plan = _plan(params, n, optimizer, param_dtype, master_dtype)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(tx.inner.init, plan.view_structs(0)))
-    kinds = [plan.state_kind(k) for k in range(len(view))]
-    per_device = lambda k, x: _nbytes(x) / (n if kinds[k] == "blocked" else 1)  # (traced whole)
-    shared = sum(per_device(k, x) for k, x in enumerate(view) if kinds[k] != "owned")
+    kinds = zip(plan.state_kinds, view, strict=True)
+    shared = sum(kind.per_device(_nbytes(x), n) for kind, x in kinds)
     masters = zip(plan.layout.buckets, plan.master_dtypes, strict=True)
     master = sum(b.row_size * jnp.dtype(m).itemsize for b, m in masters if m is not None)
     widths = zip(plan.storage.widths, plan.storage.dtypes, strict=True)
@@ -190,7 +189,7 @@ def placement_table(params: PyTree, num_devices: int, optimizer: Any, param_dtyp
     layers = lambda k: f"{k} layer" + "s" * (k != 1)
     for d in range(num_devices):
         units = [
-            s.path if s.placement == "owned" else f"{s.path}[{layers(len(s.units_of(d)))}]"
+            f"{s.path}[{layers(len(s.units_of(d)))}]" if s.layered else s.path
             for s in slots
             if d in s.owners
         ]

@@ -7,7 +7,7 @@ entry points that take ``axis_name=`` again accept only the optimizer's
 the one set with ``jax.set_mesh``, else the one the arrays are laid out on
 (:func:`find_mesh`). While a step traces the user's loss, its axis is the one
 :func:`zeroshard.gather` and :func:`zeroshard.layer` gather over when not told
-(:func:`step_axis`, :func:`axis_of_step`).
+(:func:`in_step`, :func:`axis_of_step`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding
@@ -115,18 +115,35 @@ def bound_axis_size(axis_name: str) -> int | None:
         return None
 
 
-_step_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("step_axis", default=None)
+class StepContext(NamedTuple):
+    """The zeroshard step being traced (:func:`in_step`).
+
+    Attributes:
+      axis_name: the axis :func:`zeroshard.gather` and :func:`zeroshard.layer` gather
+        over when not told.
+      gather: how they gather (:attr:`zeroshard.update.Route.gather`).
+    """
+
+    axis_name: str
+    gather: Callable[..., list]
+
+
+_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("step", default=None)
 
 
 @contextlib.contextmanager
-def step_axis(axis_name: str) -> Iterator[None]:
-    """Inside: a zeroshard step over ``axis_name`` is being traced (the default axis of
-    :func:`zeroshard.gather` and :func:`zeroshard.layer`; per thread)."""
-    token = _step_axis.set(axis_name)
+def in_step(context: StepContext) -> Iterator[None]:
+    """Inside: the step ``context`` says is being traced (per thread)."""
+    token = _step.set(context)
     try:
         yield
     finally:
-        _step_axis.reset(token)
+        _step.reset(token)
+
+
+def current_step() -> StepContext | None:
+    """The zeroshard step being traced here, if any (:func:`in_step`)."""
+    return _step.get()
 
 
 def axis_of_step(axis_name: str | None, caller: str) -> str:
@@ -141,7 +158,8 @@ def axis_of_step(axis_name: str | None, caller: str) -> str:
     if axis_name is not None:
         return axis_name
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    current = _step_axis.get() or (manual[0] if len(manual) == 1 else None)
+    step = _step.get()
+    current = step.axis_name if step else manual[0] if len(manual) == 1 else None
     if current is None:
         raise ValueError(
             f"{caller} without axis_name= takes the axis of the zeroshard step it runs in "

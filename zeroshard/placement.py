@@ -49,9 +49,11 @@ from zeroshard.analysis import (
     leaf_forms,
     trace_update,
 )
-from zeroshard.blocks import At, blockable, run_blocked, to_columns
+from zeroshard.blocks import At, Blocked, blockable, run_blocked
 from zeroshard.layout import Layout, PyTree
+from zeroshard.order import PSUM, Psum
 from zeroshard.rows import pack, unpack
+from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
 from zeroshard.sums import run_with_sums
 
 Key = tuple[str, int]
@@ -116,13 +118,8 @@ class Plan:
       branch_of: per device, its branch.
       state_treedef: the inner state's tree structure.
       analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
-      state_slots: per leaf of the inner state, the index of the sliced parameter
-        whose pieces it is shaped like, or ``None`` (replicated or owned).
-      state_sources: per leaf of the inner state, for an owned one the device that
-        holds its value as plain optax would (its leaf's owner), else ``None``.
-      state_layers: per leaf of the inner state, for one held layer by layer (its
-        first axis the layers of a layer-owned leaf, each on that layer's owner) the
-        leaf, else ``None``.
+      state_kinds: per leaf of the inner state, where it lives
+        (:mod:`zeroshard.state_kinds`).
       storage: where owned state and owned master weights live.
       groups: the sliced leaves updated as one buffer (:func:`_groups`): per group its
         leaves, whose pieces are laid end to end, in the first one's place, in the
@@ -130,13 +127,8 @@ class Plan:
       state_groups: per group, the inner state leaves of each of its leaves, one
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
-      state_blocks: per leaf of the inner state, for one of a blocked leaf's (see
-        :attr:`zeroshard.layout.Slot.block_axis`) that is kept as blocks, the axis it
-        is cut along (the one the update computes it along; for one it computes whole,
-        its first that divides by the devices), else ``None``.
-      state_gathered: of those, the leaves the update reads whole (a factor vector
-        broadcast along the other axis): gathered before it, cut after.
       state_structs: per leaf of the inner state, its full shape and dtype.
+      order: the order of the sums in the update (:mod:`zeroshard.order`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
         leaves (and their state) and computes the others as it does with every leaf
         present; else the hidden leaves are zero-element arrays.
@@ -150,16 +142,13 @@ class Plan:
     branch_of: tuple[int, ...]
     state_treedef: Any
     analysis: Analysis
-    state_slots: tuple[int | None, ...] = ()
-    state_sources: tuple[int | None, ...] = ()
-    state_layers: tuple[int | None, ...] = ()
+    state_kinds: tuple[ReplicatedState, ...] = ()
     storage: Storage = Storage((), (), ())
     groups: tuple[tuple[int, ...], ...] = ()
     state_groups: tuple[tuple[int, ...], ...] = ()
     state_dtypes: tuple[Any, ...] = ()
-    state_blocks: tuple[int | None, ...] = ()
-    state_gathered: frozenset[int] = frozenset()
     state_structs: tuple[Any, ...] = ()
+    order: Psum = PSUM
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -232,7 +221,7 @@ class Plan:
         as :meth:`grouped` lays out the pieces (shaped as the state keeps them)."""
         out = _grouped(leaves, self.state_groups)
         for g in self.state_groups:
-            out[g[0]] = out[g[0]].reshape(self.piece_shape(self.state_slots[g[0]]))
+            out[g[0]] = out[g[0]].reshape(self.piece_shape(self.state_kinds[g[0]].leaf))
         return out
 
     def ungrouped_state(self, leaves: list) -> list:
@@ -264,7 +253,7 @@ class Plan:
         if self.holes:
             return state
         leaves = self.state_treedef.flatten_up_to(state)
-        shape = lambda k: self.piece_shape(self.state_slots[k])
+        shape = lambda k: self.piece_shape(self.state_kinds[k].leaf)
         return self.state_treedef.unflatten(
             _empty(shape(k), self.state_dtypes[k], axis_name) if k in self.hidden_state else x
             for k, x in enumerate(leaves)
@@ -314,12 +303,11 @@ class Plan:
         sliced |= {
             i: s
             for i, s in enumerate(slots)
-            if (not s.owned and not s.blocked and i not in sliced)
-            or (i in sums and s.placement == "layer-owned")
+            if (not s.owned and not s.blocked and i not in sliced) or (i in sums and s.layered)
         }
-        ordered = slots if self.layout.chunks else None  # deterministic=: in a fixed order
+        order = self.order.over(slots)
         partial = any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)
-        if not (ordered or sums or partial or self.layout.blocked):
+        if not (order.rewrites or sums or partial or self.layout.blocked):
             return inner.update(grads, state, params, **extra_args)
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
@@ -332,19 +320,19 @@ class Plan:
             marks = self.block_marks(extra_args)
             out, n = (lambda _: marks[:2]), self.layout.num_shards
             return run_blocked(fn, args, marks, out, axis_name, n, (tags, names, sliced))
-        return run_with_sums(fn, args, tags, axis_name, names, sliced, ordered)
+        return run_with_sums(fn, args, tags, axis_name, names, sliced, order)
 
     def block_marks(self, extra_args: dict | None = None) -> tuple:
         """Where the blocks lie in the arguments of ``inner.update(grads, state, params,
         **extra_args)`` (:func:`zeroshard.blocks.run_blocked`): the blocked leaves'
         blocks of rows or columns, and their state leaves kept as blocks
-        (``state_blocks``)."""
+        (:class:`zeroshard.state_kinds.BlockedState`)."""
         full = lambda s: jax.ShapeDtypeStruct(s.shape, self.inner_dtypes[s.bucket])
-        leaves = [At(s.block_axis, full(s)) if s.blocked else None for s in self.layout.slots]
+        leaves = [s.block.mark(full(s)) if s.blocked else None for s in self.layout.slots]
         params = self.layout.treedef.unflatten(leaves)
         state = self.state_treedef.unflatten(
-            None if a is None else At(a, self.state_structs[k], k in self.state_gathered)
-            for k, a in enumerate(self.state_blocks)
+            At(x.axis, self.state_structs[k], x.gathered) if isinstance(x, BlockedState) else None
+            for k, x in enumerate(self.state_kinds)
         )
         return params, state, params, jax.tree.map(lambda _: None, extra_args or {})
 
@@ -375,7 +363,7 @@ class Plan:
             if not s.blocked:
                 return pieces[i].reshape(self.piece_shape(i))
             rows = pieces[i].reshape(s.shape[0] // s.num_shards, *s.shape[1:])
-            return rows if s.block_axis == 0 else to_columns(rows, axis_name)
+            return s.block.to_view(rows, axis_name)
 
         leaves = [
             local[i] if i in owned else stand_in(s) if s.owned else piece(i, s)
@@ -402,16 +390,6 @@ class Plan:
 
         return self.layout.treedef.unflatten(struct(i, s) for i, s in enumerate(self.layout.slots))
 
-    def state_kind(self, k: int) -> str:
-        """``"sliced"``, ``"blocked"``, ``"owned"`` or ``"replicated"``: where inner state
-        leaf ``k`` lives."""
-        if self.state_slots[k] is not None:
-            return "sliced"
-        if self.state_blocks and self.state_blocks[k] is not None:
-            return "blocked"
-        owned = self.state_sources[k] is not None or self.state_layers[k] is not None
-        return "owned" if owned else "replicated"
-
     def owned_bytes(self) -> list[int]:
         """Per device, the bytes of the owned leaves' state and master it keeps (without
         the rows' padding)."""
@@ -436,8 +414,7 @@ class Joined:
     end (see :class:`zeroshard.layout.Slot`, whose attributes it has for the sums)."""
 
     slots: tuple[Any, ...]
-    placement = "sliced"
-    owned = False
+    owned = layered = False
 
     @property
     def num_shards(self) -> int:
@@ -492,16 +469,7 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
         forced sliced needs its whole tensor.
       ValueError: if the inner state's structure depends on the leaves' shapes.
     """
-    # Gathered as quantized codes, the parameters are not the exact weights: every
-    # bucket keeps a master then.
-    quantized = config.quantize_weights is not None
-    master_dtypes = tuple(
-        config.master_dtype
-        if config.master_dtype is not None
-        and (quantized or jnp.finfo(b.dtype).bits < jnp.finfo(config.master_dtype).bits)
-        else None
-        for b in base.buckets
-    )
+    master_dtypes = tuple(config.master_dtype_of(b.dtype) for b in base.buckets)
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
     full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
     full_state = jax.eval_shape(inner.init, full)
@@ -518,30 +486,28 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
-    store = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
-    plan = dataclasses.replace(
-        plan,
-        state_blocks=tuple(store.get(k) for k in range(len(analysis.state_leaves))),
-        state_gathered=frozenset().union(*(g for *_, g in blocks.values())),
-        state_structs=tuple(jax.tree.leaves(full_state)),
-    )
-    return _with_state(plan, inner, full_state, config)
+    structs = tuple(jax.tree.leaves(full_state))
+    plan = dataclasses.replace(plan, order=config.sum_order, state_structs=structs)
+    gathered = frozenset().union(*(g for *_, g in blocks.values()))
+    kept = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
+    store = {k: BlockedState(a, k in gathered) for k, a in kept.items()}
+    return _with_state(plan, inner, full_state, config, store)
 
 
 def _blocked(inner: Any, config: Any, base: Layout, analysis: Analysis, full, full_state) -> dict:
-    """The leaves to block (:attr:`zeroshard.layout.Slot.block_axis`), each with what
+    """The leaves to block (:class:`zeroshard.blocks.Blocked`), each with what
     :func:`zeroshard.blocks.blockable` found: largest whole-tensor cost first, until
     owning the others would leave no device more than its share (:func:`_balanced`);
     of those, the 2-D unstacked leaves whose rows divide by the devices, in no sum
     with other leaves, not forced owned, and whose update runs exactly on blocks of
-    rows (else of columns, where they divide too). Per leaf: ``(axis, where its state
-    is kept, which state it reads whole)``."""
+    rows (else of columns, where they divide too). Per leaf: ``(its placement, where
+    its state is kept, which state it reads whole)``."""
     n, forced = base.num_shards, _forced(config.placement, base)
     costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in analysis.whole}
     spanning = {i for x in analysis.sums if len(x) > 1 for i in x}
     found: dict = {}
-    # Not with deterministic= (chunks): the sums across blocks follow the device count.
-    for i in sorted(costs, key=lambda i: -costs[i]) if n > 1 and not base.chunks else ():
+    # Not in a fixed order of sums: the sums across blocks follow the device count.
+    for i in sorted(costs, key=lambda i: -costs[i]) if n > 1 and config.sum_order.any_order else ():
         s = base.slots[i]
         if _balanced(base, analysis, costs, found):
             break
@@ -550,7 +516,7 @@ def _blocked(inner: Any, config: Any, base: Layout, analysis: Analysis, full, fu
         for axis in (0, 1)[: 1 + (s.shape[1] % n == 0)]:
             got = blockable(inner, full, full_state, i, axis, analysis, config.axis_name, n)
             if got is not None:
-                found[i] = (axis, *got)
+                found[i] = (Blocked(axis), *got)
                 break
     return found
 
@@ -574,33 +540,33 @@ def _balanced(base: Layout, analysis: Analysis, costs: dict, blocked: Any, bound
     return most[0] <= bound * sum(costs.values()) / n and most[1] <= bound * sum(sizes) / n
 
 
-def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan:
-    """``plan`` with each inner state leaf classified (sliced: the parameter it is
-    shaped like; owned: the device holding it) and the owned values' storage."""
+def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked: dict) -> Plan:
+    """``plan`` with each inner state leaf's kind (:mod:`zeroshard.state_kinds`; the
+    ``blocked`` ones' given, by state leaf) and the owned values' storage."""
     layout, analysis = plan.layout, plan.analysis
     views = [jax.eval_shape(inner.init, plan.view_structs(b)) for b in range(len(plan.branches))]
     for v in views:
         _check_structure(plan.state_treedef, v)
     views = [jax.tree.leaves(v) for v in views]
     longer = jax.tree.leaves(jax.eval_shape(inner.init, plan.view_structs(0, longer=True)))
-    slots, sources, layers = [], [], []
+    kinds = []
     for k, (path, f) in enumerate(jax.tree_util.tree_flatten_with_path(full_state)[0]):
         leaf = analysis.state_leaves[k]
         if leaf is not None and layout.slots[leaf].blocked:  # kept as blocks, or whole
-            slots.append(None), sources.append(None), layers.append(None)
+            kinds.append(blocked.get(k, ReplicatedState()))
             continue
         shapes = {(tuple(v[k].shape), v[k].dtype) for v in views}
-        layered = leaf is not None and layout.slots[leaf].placement == "layer-owned"
-        layers.append(leaf if layered else None)
-        if (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
-            slots.append(None)
-            sources.append(None if layered else _source(layout, plan, views, k, leaf, f, path))
-            continue
-        sources.append(None)
-        p, per_element = views[0][k], views[0][k].shape != longer[k].shape
-        replicated = not per_element and f.shape == p.shape
-        slots.append(None if replicated else _sliced_slot(layout, leaf, f, p, path, per_element))
-    stored = [k for k in range(len(slots)) if sources[k] is not None or layers[k] is not None]
+        if leaf is not None and layout.slots[leaf].layered:
+            kinds.append(OwnedState(layers_of=leaf))
+        elif (leaf is not None and layout.slots[leaf].owned) or len(shapes) > 1:
+            kinds.append(OwnedState(_source(layout, plan, views, k, leaf, f, path)))
+        else:
+            p, per_element = views[0][k], views[0][k].shape != longer[k].shape
+            if not per_element and f.shape == p.shape:
+                kinds.append(ReplicatedState())
+            else:
+                kinds.append(SlicedState(_sliced_slot(layout, leaf, f, p, path, per_element)))
+    stored = [k for k, x in enumerate(kinds) if x.stored]
     storage = []
     for b, owned in enumerate(plan.branches):
         values = [(("state", k), views[b][k]) for k in stored]
@@ -610,19 +576,18 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any) -> Plan
             if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
-    kinds = dict(state_slots=tuple(slots), state_sources=tuple(sources), state_layers=tuple(layers))
     groups, state_groups = ((), ())
     # Groups sum a buffer of several leaves at once, in an order of their own: not
-    # with the fixed-order sums of deterministic=.
-    if config.group_alike and layout.num_shards > 1 and not layout.chunks:
-        groups, state_groups = _groups(layout, analysis, slots, config.pack_bytes)
+    # in a fixed order of sums.
+    if config.group_alike and layout.num_shards > 1 and config.sum_order.any_order:
+        groups, state_groups = _groups(layout, analysis, kinds, config.pack_bytes)
     plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
         groups=groups,
         state_groups=state_groups,
         state_dtypes=tuple(x.dtype for x in views[0]),
-        **kinds,
+        state_kinds=tuple(kinds),
     )
     return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
 
@@ -652,7 +617,7 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
 
 
 def _groups(
-    layout: Layout, analysis: Analysis, state_slots: list, pack_bytes: int
+    layout: Layout, analysis: Analysis, kinds: list, pack_bytes: int
 ) -> tuple[tuple, tuple]:
     """The groups of sliced leaves updated as one buffer, and their state leaves (see
     :class:`Plan`): alike leaves (equal forms, see
@@ -674,12 +639,14 @@ def _groups(
     for k, i in enumerate(analysis.state_leaves):
         own[i].append(k)
 
+    slot_of = lambda x: x.leaf if isinstance(x, SlicedState) else None
+
     def fit(i: int) -> bool:
         s = layout.slots[i]
         if s.size * s.dtype.itemsize >= pack_bytes:
             return False
-        per_element = all(state_slots[k] == i for k in own[i])
-        shaped = sum(j == i for j in state_slots) == len(own[i])
+        per_element = all(slot_of(kinds[k]) == i for k in own[i])
+        shaped = sum(slot_of(x) == i for x in kinds) == len(own[i])
         return not (s.owned or s.stacked or s.blocked or i in summed) and per_element and shaped
 
     groups = []

@@ -191,6 +191,14 @@ def gathered(
     return _gather_parts(parts, axis_name, weights)
 
 
+def quantized_gather(
+    weights: Quantizer | None, grads: Quantizer | None, parts: list, axis_name: str, dtype: Any
+) -> list[jax.Array]:
+    """:func:`gathered` of ``parts`` cast to ``dtype``: a step's stage-3 gather
+    (:class:`zeroshard.update.Route`)."""
+    return gathered([p.astype(dtype) for p in parts], axis_name, weights, grads)
+
+
 def _gather_parts(parts: list[jax.Array], axis_name: str, q: Quantizer | None) -> list[jax.Array]:
     if q is None:
         return all_gathered_parts(parts, axis_name)

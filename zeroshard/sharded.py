@@ -52,24 +52,14 @@ class Sharded:
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """The (cached) :class:`zeroshard.placement.Plan` for ``params`` (arrays,
         ``ShapeDtypeStruct`` or stage-3 pieces) over ``num_shards`` devices."""
-        parts = self.config.deterministic or 0
-        structs = full_structs(params)
-        layout = Layout.from_tree(structs, num_shards, self.config.stacked, chunks=parts)
+        chunks, structs = self.config.sum_order.chunks, full_structs(params)
+        layout = Layout.from_tree(structs, num_shards, self.config.stacked, chunks=chunks)
         return _plan(self, layout)
 
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
         plan, axis = self.plan(params, num_shards), self.config.axis_name
-        other = {"owned": None, "replicated": P()}  # (where no slot holds the leaf)
-        spec = lambda k, i: None if k in plan.hidden_state else plan.layout.slots[i].spec(axis)
-        specs = [
-            _block_spec(plan, k, axis)
-            if plan.state_kind(k) == "blocked"
-            else other[plan.state_kind(k)]
-            if i is None
-            else spec(k, i)
-            for k, i in enumerate(plan.state_slots)
-        ]
+        specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
@@ -136,13 +126,7 @@ class Sharded:
           ValueError: with ``deterministic=``, which only a zeroshard step provides.
         """
         check_extra_args(extra_args)
-        if self.config.deterministic is not None:
-            raise ValueError(
-                f"zs.sharded(..., deterministic={self.config.deterministic}) fixes the order of "
-                "the gradients' sums, which happen in the step: use it with "
-                "zs.make_train_step (or zs.flax's steps). In your own step the gradients "
-                "arrive summed already, in an order that depends on the device count."
-            )
+        self.config.sum_order.check_drop_in()
         local = params is None or bound_axis_size(self.config.axis_name) is not None
         apply = self.apply if local else self.apply_global
         new, state = apply(updates, state, params, **extra_args)
@@ -165,14 +149,6 @@ class Sharded:
         it; each device cuts its part out, updates it, and the new parameters are
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`)."""
         axis, route = self.config.axis_name, Route.of(self.config, 1, mean=True)
-        if self.config.quantize_grads is not None:
-            logger.warning(
-                "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, "
-                "which jax.grad in your jit reduced already, so no gradient is quantized; "
-                "zs.make_train_step (or tx.update inside jax.shard_map) reduces them "
-                "quantized.",
-                self.config.quantize_grads,
-            )
         mesh = find_mesh(self.config, state)
         specs = self.state_specs(params, mesh.shape[axis])
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
@@ -219,13 +195,6 @@ class Sharded:
                 f"weights have the structure {mine}, these params need {master}."
             )
         return plan
-
-
-def _block_spec(plan: Plan, k: int, axis_name: str) -> P:
-    """``PartitionSpec`` of inner state leaf ``k``, kept as blocks: the full leaf, cut
-    along its axis in :attr:`zeroshard.placement.Plan.state_blocks`."""
-    axis, ndim = plan.state_blocks[k], len(plan.state_structs[k].shape)
-    return P(*(axis_name if d == axis else None for d in range(ndim)))
 
 
 def _values(tree: PyTree) -> PyTree:

@@ -28,20 +28,16 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard import canonical, quantized
 from zeroshard.collectives import all_gathered_parts, is_identity
-from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Slot
-from zeroshard.mesh import axis_of_step
+from zeroshard.mesh import axis_of_step, current_step
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
 
@@ -188,49 +184,31 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
 
 
 def _gather(tree: PyTree, axis_name: str) -> PyTree:
-    """:func:`gather`, inside its named scope."""
+    """:func:`gather`, inside its named scope: as the step being traced gathers
+    (:attr:`zeroshard.update.Route.gather`), else exactly."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
     slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
-    out, config = list(leaves), _step_config.get()
+    out, step = list(leaves), current_step()
+    gathered = exact_gather if step is None else step.gather
     for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
         group = [i for i in shards if leaves[i].dtype == dtype]
+        # (the pieces as given: float32 in a fixed-order step, so the gradients' sums
+        # stay float32)
         raw = [jnp.ravel(leaves[i].piece) for i in group]
-        pieces = [p.astype(dtype) for p in raw]
-        fixed = config is not None and config.deterministic is not None
-        if is_identity(pieces, axis_name):  # one device: each piece is the whole leaf
-            every = [p[None] for p in pieces]
-        elif fixed:
-            # (the pieces as given: float32, so the gradients' sums stay float32)
-            every = canonical.gathered(raw, axis_name, dtype)
-        elif config is not None and (config.weight_quantizer or config.grad_quantizer):
-            every = quantized.gathered(
-                pieces, axis_name, config.weight_quantizer, config.grad_quantizer
-            )
+        if is_identity(raw, axis_name):  # one device: each piece is the whole leaf
+            every = [p.astype(dtype)[None] for p in raw]
         else:
-            every = all_gathered_parts(pieces, axis_name)
+            every = gathered(raw, axis_name, dtype)
         for i, x in zip(group, every, strict=True):
             out[i] = slots[i].uncut(x)
     return treedef.unflatten(out)
 
 
-_step_config: contextvars.ContextVar[ShardConfig | None] = contextvars.ContextVar(
-    "step_config", default=None
-)
-
-
-@contextlib.contextmanager
-def step_gathers(config: ShardConfig) -> Iterator[None]:
-    """Inside: a zeroshard step with ``config`` is being traced, and :func:`gather`
-    gathers as ``config`` says (per thread): the weights as ``quantize_weights``
-    codes and its transpose the gradients as ``quantize_grads`` codes
-    (:func:`zeroshard.quantized.gathered`), or the transpose summing in a fixed order
-    (``deterministic``, :func:`zeroshard.canonical.gathered`)."""
-    token = _step_config.set(config)
-    try:
-        yield
-    finally:
-        _step_config.reset(token)
+def exact_gather(pieces: list[jax.Array], axis_name: str, dtype: Any) -> list[jax.Array]:
+    """Every device's piece of each of ``pieces`` in ``dtype``, exactly: the default
+    stage-3 gather (:attr:`zeroshard.update.Route.gather`)."""
+    return all_gathered_parts([p.astype(dtype) for p in pieces], axis_name)
 
 
 def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[..., Any]:

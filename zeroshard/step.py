@@ -19,14 +19,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard import canonical, step_io
-from zeroshard.checks import check_batch, check_deterministic, check_other_axes, check_stage
-from zeroshard.collectives import all_gathered
+from zeroshard import step_io
+from zeroshard.checks import check_other_axes, check_stage
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh, run_on_mesh, step_axis
+from zeroshard.mesh import StepContext, check_mesh, in_step, run_on_mesh
+from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, shard_specs, step_gathers, to_shards
+from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.update import Route, updated
 
 
@@ -158,14 +158,15 @@ class TrainStep:
         check_other_axes(self.mesh, axes)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
-        self.route = Route.of(self.opt.config, stage)
+        self.route = Route.of(self.opt.config, stage, accum_steps=k)
         self.batch_axes = axes if len(axes) > 1 else self.axis_name
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
-        self.parts = self.opt.config.deterministic  # micro-batches of a fixed-order step
-        check_deterministic(self.parts, self.batch_parts, self.batch_axes, k)
-        fixed = self.parts is not None
+        self.route.loop.check(self.batch_parts)
         self.per_device_loss = (
-            self.per_device_loss and k == 1 and stage < 3 and len(axes) < 2 and not fixed
+            self.per_device_loss
+            and type(self.route.loop) is OneBatch
+            and stage < 3
+            and len(axes) < 2
         )
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
@@ -179,15 +180,10 @@ class TrainStep:
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        args = (self._varying(state.params), batch, step_io.device_key(key, self.batch_axes))
-        fixed = self.parts is not None
-        if fixed:
-            out, parts = self._in_order(value_and_grad, *args[:2], key, state.model_state, plan)
-        elif self.accum_steps > 1:
-            out, parts = self._accumulate(value_and_grad, *args, state.model_state, plan)
-        else:
-            out, grads = value_and_grad(*args, state.model_state)
-            parts = self.route.arrival.bring(plan, grads)
+        loop, params = self.route.loop, self._varying(state.params)
+        out, parts = loop.run(
+            value_and_grad, params, batch, key, state.model_state, plan, self.route.arrival
+        )
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
@@ -197,13 +193,13 @@ class TrainStep:
         extra = {}
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
-            extra["value"] = mean if fixed else step_io.pmean(mean, self.batch_axes)
+            extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
         params, opt_state = updated(*opt, parts, state.opt_state, state.params, **extra)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
-            self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=fixed
+            self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
         )
-        if not (self.per_device_loss or fixed):  # (averaged already)
+        if not (self.per_device_loss or loop.reduced):  # (averaged already)
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
@@ -236,107 +232,8 @@ class TrainStep:
         axes = axes if self.stage < 3 else axes[:-1]
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
-    def _accumulate(self, value_and_grad, params, batch, key, model_state, plan):
-        """Loss, aux, model state and gradient parts over ``accum_steps`` micro-batches
-        (a scan): the mean loss and gradient, per-example aux concatenated in batch
-        order (other aux averaged), the model state after the last micro-batch, and
-        micro-batch ``i`` gets ``fold_in(key, i)``.
-
-        Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
-        Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
-        so no full-size gradient buffer lives across micro-batches.
-        """
-        k, axes, arrival = self.accum_steps, self.opt.config.batch_axes, self.route.arrival
-        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
-        # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
-        # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
-        add = {
-            1: lambda grads: grads,
-            2: lambda grads: arrival.bring(plan, grads),
-            3: lambda grads: arrival.pieces(plan.layout, grads),
-        }[self.stage]
-        accumulator = jax.tree.map(zeros, jax.eval_shape(add, params))
-
-        def body(carry, xs):
-            model_state, acc = carry
-            mb, i = xs
-            mb_key = None if key is None else jax.random.fold_in(key, i)
-            (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
-            return (model_state, acc), (loss, aux)
-
-        xs = (step_io.split_rows(batch, k), jnp.arange(k))
-        (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
-        rows = step_io.local_rows(batch) // k
-        aux = jax.tree.map(lambda x: step_io.stacked_aux(x, rows), auxes)
-        out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
-        acc = jax.tree.map(lambda a: a / k, acc)
-        if self.stage == 1:
-            return out, arrival.bring(plan, acc)
-        return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
-
-    def _in_order(self, value_and_grad, params, batch, key, model_state, plan):
-        """Loss, aux, model state and gradient parts of the fixed-order step
-        (``deterministic=``, :mod:`zeroshard.canonical`): this device's rows are
-        micro-batches ``d * R`` to ``(d + 1) * R - 1`` of the global batch's ``parts``
-        (``R = parts / N`` rounds); round ``i`` computes its micro-batch ``i`` (the
-        key folded with its index in the global batch, from the model state as
-        given). Stage 1 sums its rounds first and then the devices' sums, with one
-        ``all_to_all``; stages 2 and 3 sum every round across the devices, then the
-        rounds. Each in its fixed tree; the sums are divided by ``parts``.
-        Per-example aux comes back in batch order."""
-        n, axis, arrival, stage = self.batch_parts, self.axis_name, self.route.arrival, self.stage
-        rounds, f32, aux_of = self.parts // n, lambda x: x.astype(jnp.float32), {}
-        micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
-        if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
-            params = jax.tree.map(f32, params)
-        order = canonical.LOW if stage == 1 else canonical.HIGH
-        # (N, ...), in device order, the same on every device
-        devices = lambda x: all_gathered(x, axis, to="invarying")
-        across = lambda x: canonical.tree_sum(devices(f32(x)), order=order)
-        # Per round: stage 1 keeps this device's values, stages 2 and 3 sum the devices'.
-        per_round = f32 if stage == 1 else across
-
-        def one(i):
-            index = jax.lax.axis_index(axis) * rounds + i  # its place in the global batch
-            mb_key = None if key is None else jax.random.fold_in(key, index)
-            mb = jax.tree.map(lambda x: x[i], micro)
-            (loss, (aux, state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            if stage > 1:
-                grads = (
-                    arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
-                )
-            aux, aux_of["tree"] = jax.tree.flatten(aux)
-            aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
-            state = jax.tree.map(lambda x: per_round(x) if step_io.is_floating(x) else x, state)
-            scalar = [per_round(x) for x, e in zip(aux, each, strict=True) if not e]
-            rest = [x for x, e in zip(aux, each, strict=True) if e]
-            return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
-
-        (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds, order)
-        if stage == 1:  # the devices' sums of their rounds, summed in device order
-            parts, loss, scalar = (
-                arrival.bring(plan, parts),
-                across(loss),
-                list(map(across, scalar)),
-            )
-        mean = lambda x: x / self.parts
-        parts = jax.tree.map(mean, parts)
-        if stage == 3:
-            parts = arrival.to_owners(plan, parts)
-        ordered = lambda x: devices(x).reshape(-1, *x.shape[1:])  # in batch order
-        scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
-        aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
-        state = lambda x, y: (
-            mean(across(x) if stage == 1 else x).astype(y.dtype)
-            if step_io.is_floating(y)
-            else devices(x)[0]
-        )
-        new_state = jax.tree.map(state, new_state, model_state)
-        return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
-
     def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
-        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps, self.parts)
+        self.route.loop.check_batch(batch, self.batch_parts)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         if any(is_shard(x) != (self.stage == 3) for x in leaves):
             raise ValueError(
@@ -361,12 +258,12 @@ class TrainStep:
             # the gradients are not all-reduced for us and the collectives are left out.
             check_vma=self.batch_parts > 1,
         )
-        # zs.gather and zs.layer's default axis, and how they quantize
-        with step_axis(self.axis_name), step_gathers(self.opt.config):
+        # zs.gather and zs.layer's default axis, and how they gather
+        with in_step(StepContext(self.axis_name, self.route.gather)):
             return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
-        check_batch(batch, self.batch_parts, self.batch_axes, self.accum_steps, self.parts)
+        self.route.loop.check_batch(batch, self.batch_parts)
         return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:

@@ -6,24 +6,24 @@ clipping; a global norm over several leaves, as ``optax.clip_by_global_norm``), 
 tags of :mod:`zeroshard.analysis.tags` say where (:class:`~zeroshard.analysis.tags.Sums`);
 :func:`evaluate` then evaluates the update's jaxpr equation by equation, with a
 ``psum`` over the sharding axis inserted on those partial sums, so every device uses
-the sum over whole leaves. With ``slots`` (``deterministic=``), each such partial sum
-is instead the leaf's total in a fixed order (:func:`zeroshard.canonical.leaf_part`),
-the same on every device count, and no ``psum`` follows.
+the sum over whole leaves. How a partial sum becomes the leaf's total is the step's
+order of sums (:mod:`zeroshard.order`): a ``psum``, or the leaf's total in a fixed
+order (``deterministic=``), the same on every device count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from zeroshard import canonical
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
 from zeroshard.layout import Slot
+from zeroshard.order import PSUM, Psum
 
 # Evaluated on invariant operands, these give the same value on every device.
 _MIXING = "reduce_sum reduce_max reduce_min dot_general transpose concatenate pad slice"
@@ -37,98 +37,53 @@ def run_with_sums(
     axis_name: str,
     leaf_names: list[str],
     sliced: Mapping[int, Slot],
-    slots: Sequence[Slot] | None = None,
+    order: Psum = PSUM,
 ) -> Any:
     """``fn(*args)``, evaluated from its jaxpr with each sum over the elements of the
     ``sliced`` leaves (this device's pieces) made the sum over the whole leaf where it
     meets a non-linear operation: summed over ``axis_name``, padding left out, a mean
     divided by the leaf's size (see :class:`zeroshard.analysis.tags.Tagger`). Inputs
-    past ``in_tags`` are clean. With ``slots`` (every leaf's), the partial sums are
-    made totals in a fixed order where they are taken."""
+    past ``in_tags`` are clean. ``order`` (:mod:`zeroshard.order`, over the plan's
+    leaves) says how the partial sums become totals."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     program = Tagger(axis_name, leaf_names, sliced).run(closed, in_tags)[1]
-    values = evaluate(closed, program, jax.tree.leaves(args), axis_name, slots)
+    values = evaluate(closed, program, jax.tree.leaves(args), axis_name, order)
     return jax.tree.unflatten(jax.tree.structure(out_shape), values)
 
 
-def evaluate(
-    closed: Any, program: Program, values: list, axis_name: str, slots: Sequence[Slot] | None
-) -> list:
-    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``.
-    With ``slots`` (``deterministic=``), the sums in a fixed order, and each division
-    by a scalar a product with its reciprocal (see :func:`_scalar_divisor`)."""
+def evaluate(closed: Any, program: Program, values: list, axis_name: str, order: Psum) -> list:
+    """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
+    made totals as ``order`` takes them."""
     sums, scalars = iter(program), {}  # (a broadcast scalar's variable -> the scalar)
 
     def step(eqn: Any, xs: list) -> list:
-        broadcast = eqn.primitive.name == "broadcast_in_dim"
-        if slots is not None and broadcast and _rank(eqn.invars[0]) == 0:
-            scalars[eqn.outvars[0]] = xs[0]
-        return _eqn(eqn, next(sums), xs, axis_name, slots, scalars)
+        order.noted(eqn, xs, scalars)
+        return _eqn(eqn, next(sums), xs, axis_name, order, scalars)
 
     return walk(closed, values, step)
-
-
-def _scalar_divisor(eqn: Any, sums: Sums | None, xs: list, scalars: dict) -> Any:
-    """The scalar (rank 0) a value is divided by in ``eqn``, if it is such a ``div``.
-
-    XLA compiles ``x / s`` either as a division or as a product with ``1 / s``,
-    depending on what the program around it fuses, so the same update can round
-    apart in two programs (on one device and on several, say). Written as the
-    product, it rounds the same in every program."""
-    if eqn.primitive.name != "div" or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
-        return None  # (an integer division is not a product)
-    v = eqn.invars[1]
-    if sums is not None and sums.size is not None:
-        return xs[1]  # a mean's divisor, made the leaf's size
-    if isinstance(v, jex_core.Var) and v in scalars:
-        return scalars[v]
-    return jnp.asarray(xs[1]) if _rank(v) == 0 else None
-
-
-def _rank(v: Any) -> int:
-    """The rank of a traced variable or literal (a scalar's: 0, even where the
-    value is a one-element piece of a parameter, whose rank is its leaf's)."""
-    return len(v.aval.shape)
 
 
 def bound(eqn: Any, sums: Sums | None, xs: list, axis: str) -> list:
     """The outputs of ``eqn`` on ``xs``, with its sums (as :func:`evaluate` binds each
     equation; for :mod:`zeroshard.blocks`, which evaluates blocked values alongside)."""
-    return _eqn(eqn, sums, xs, axis, None)
+    return _eqn(eqn, sums, xs, axis, PSUM, {})
 
 
-def _eqn(
-    eqn: Any,
-    sums: Sums | None,
-    xs: list,
-    axis: str,
-    slots: Sequence[Slot] | None,
-    scalars: dict | None = None,
-) -> list:
-    xs = xs if sums is None else _exact(sums, xs, axis, fixed=slots is not None)
+def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, order: Psum, scalars: dict) -> list:
+    xs = xs if sums is None else _exact(sums, xs, axis, order)
     if eqn.primitive.name == "pvary":  # a cast tracing inserted: made again where needed
         return xs
-    fixed = sums is not None and slots is not None
-    if fixed and (sums.partial is not None or sums.psum):
-        return _fixed_order(eqn, sums, xs, axis, slots)
+    total = order.total(eqn, sums, xs, axis)
+    if total is not None:
+        return total
     xs = _typed(eqn, xs, axis)
     if eqn.primitive.name == "cond":  # its branches evaluated here too, sums made whole inside
-        return _switch(eqn, sums.branches, xs, axis, slots)
-    divisor = None if slots is None else _scalar_divisor(eqn, sums, xs, scalars)
-    if divisor is not None:
-        return [xs[0] * (1 / divisor).astype(xs[0].dtype)]
+        return _switch(eqn, sums.branches, xs, axis, order)
+    divided = order.divided(eqn, sums, xs, scalars)
+    if divided is not None:
+        return divided
     ys = eqn.primitive.bind(*xs, **eqn.params)  # not a call (inlined): bound with its params
     return ys if eqn.primitive.multiple_results else [ys]
-
-
-def _fixed_order(eqn: Any, sums: Sums, xs: list, axis: str, slots: Sequence[Slot]) -> list:
-    """A partial sum made the leaf's total in a fixed order, or an explicit ``psum``
-    of such totals left out (they are totals already)."""
-    if sums.psum:
-        return xs
-    part = canonical.leaf_part(xs[0], slots[sums.partial])
-    out = eqn.outvars[0].aval
-    return [canonical.totals([part], axis)[0].astype(out.dtype).reshape(out.shape)]
 
 
 def _varying(x: Any, axis: str) -> bool:
@@ -143,37 +98,25 @@ def _vary(x: Any, axis: str, traced: bool) -> Any:
     return jax.lax.pcast(x, axis, to="varying") if traced and not _varying(x, axis) else x
 
 
-def _exact(sums: Sums, xs: list, axis: str, fixed: bool = False) -> list:
+def _exact(sums: Sums, xs: list, axis: str, order: Psum) -> list:
     """Operands on a sliced leaf's piece made to give the leaf's own sums: padding left
-    out of a total sum, a mean divided by the leaf's size, and partial sums summed (the
-    same on every device, typed invariant; where they are taken in a ``fixed`` order,
-    they are totals already)."""
+    out of a total sum, a mean divided by the leaf's size, and partial sums made
+    totals as ``order`` takes them (the same on every device, typed invariant)."""
     if sums.mask is not None:
         mask = sums.mask.padding_mask(jax.lax.axis_index(axis))
         xs = [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
     elif sums.size is not None:
         xs = [xs[0], _vary(jnp.asarray(sums.size, xs[1].dtype), axis, _varying(xs[1], axis))]
-    if fixed and sums.whole:
-        raise ValueError(
-            "zs.sharded(..., deterministic=...): the inner update sums over several "
-            "parameters (a global norm, say) including one updated whole on its owner, "
-            "whose sum has no fixed order across device counts yet. Clip before the "
-            "optimizer that needs whole tensors, or leave deterministic= unset."
-        )
-    if fixed:
-        return xs
-    return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
+    return order.made_whole(sums, xs, axis)
 
 
-def _switch(
-    eqn: Any, programs: tuple[Program, ...], xs: list, axis: str, slots: Sequence[Slot] | None
-) -> list:
+def _switch(eqn: Any, programs: tuple[Program, ...], xs: list, axis: str, order: Psum) -> list:
     """A conditional evaluated branch by branch; the outputs typed as traced where the
     branches' types differ."""
 
     def branch(b: Any, program: Program, typed: bool) -> Any:
         def run(*a: Any) -> list:
-            outs = zip(evaluate(b, program, list(a), axis, slots), eqn.outvars, strict=True)
+            outs = zip(evaluate(b, program, list(a), axis, order), eqn.outvars, strict=True)
             return [_vary(y, axis, typed and _varying(v, axis)) for y, v in outs]
 
         return run

@@ -26,6 +26,9 @@ the compiled program's op names tell them apart.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -49,37 +52,85 @@ from zeroshard.blocks import to_pieces
 from zeroshard.config import ShardConfig
 from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
+from zeroshard.microbatches import Accumulated, InOrder, OneBatch
 from zeroshard.placement import Plan
+from zeroshard.quantized import quantized_gather
 from zeroshard.scopes import GRAD_NORM, UPDATE, scope
+from zeroshard.stage3 import exact_gather
 from zeroshard.state import ShardedState
+
+logger = logging.getLogger(__name__)
 
 
 class Route(NamedTuple):
-    """How the gradients arrive and the new weights leave: chosen once, where a step
-    or ``tx.update`` is built, and given to :func:`updated`."""
+    """How a step moves its gradients and weights, chosen once (:meth:`of`), where a
+    step or ``tx.update`` is built, and given to :func:`updated`.
+
+    Attributes:
+      arrival: how the gradients arrive (:mod:`zeroshard.arrival`).
+      departure: how the new weights leave (:mod:`zeroshard.departure`).
+      loop: how the step's micro-batches give the loss and gradient parts
+        (:mod:`zeroshard.microbatches`).
+      gather: stage 3's gather of a dtype's pieces, ``gather(pieces, axis_name,
+        dtype)`` (every device's piece of each, row ``d`` from device ``d``), whose
+        transpose reduces the gradients; what :func:`zeroshard.gather` runs in the step.
+    """
 
     arrival: Arrival
     departure: Departure
+    loop: OneBatch
+    gather: Callable[..., list]
 
     @classmethod
-    def of(cls, config: ShardConfig, stage: int, mean: bool = False) -> Route:
+    def of(cls, config: ShardConfig, stage: int, mean: bool = False, accum_steps: int = 1) -> Route:
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
         ``jax.jit``). Each quantized, or summed in a fixed order, where ``config``
-        says so."""
-        grads, weights = config.quantize_grads is not None, config.quantize_weights is not None
-        fixed = config.deterministic is not None
+        says so; the micro-batches as ``accum_steps`` and the order of sums say.
+
+        Raises:
+          ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
+            batch itself.
+        """
+        grads, weights = config.grad_quantizer, config.weight_quantizer
+        parts, axes = config.deterministic, config.batch_axes
+        loop = OneBatch(stage, axes) if accum_steps == 1 else Accumulated(stage, axes, accum_steps)
+        gather = exact_gather
+        if parts is not None:
+            _check_parts(parts, accum_steps)
+            loop, gather = InOrder(stage, axes, parts), canonical.gathered
+        elif grads or weights:
+            gather = functools.partial(quantized_gather, weights, grads)
         if stage == 3:  # (stage 3's weights are quantized in its gathers)
-            kind = CanonicalPieces if fixed else QuantizedPieces if grads else Pieces
-            return cls(kind(config), ToPieces(config))
+            kind = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
+            return cls(kind(config), ToPieces(config), loop, gather)
         departure = (QuantizedAllGather if weights else AllGather)(config)
         if mean:
-            return cls(CutMean(config), departure)
-        if fixed:  # stage 1 sums each device's micro-batches first (canonical.LOW)
+            if grads is not None:
+                logger.warning(
+                    "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, "
+                    "which jax.grad in your jit reduced already, so no gradient is quantized; "
+                    "zs.make_train_step (or tx.update inside jax.shard_map) reduces them "
+                    "quantized.",
+                    config.quantize_grads,
+                )
+            return cls(CutMean(config), departure, loop, gather)
+        if parts:  # stage 1 sums each device's micro-batches first (canonical.LOW)
             order = canonical.LOW if stage == 1 else canonical.HIGH
-            return cls(CanonicalReduceScatter(config, order), departure)
-        return cls((QuantizedReduceScatter if grads else ReduceScatter)(config), departure)
+            return cls(CanonicalReduceScatter(config, order), departure, loop, gather)
+        arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
+        return cls(arrival, departure, loop, gather)
+
+
+def _check_parts(parts: int, accum_steps: int) -> None:
+    """Refuses ``accum_steps`` of its own in a fixed-order step."""
+    if accum_steps != 1:
+        raise ValueError(
+            f"deterministic={parts} cuts the global batch into {parts} micro-batches itself "
+            f"({parts} // N per device), so accum_steps={accum_steps} has nothing to add: leave "
+            "it at 1 and choose deterministic= for the micro-batch size you can afford."
+        )
 
 
 def updated(
@@ -111,7 +162,7 @@ def updated(
       TypeError: if ``extra_args`` lacks one the inner update requires.
     """
     check_extra_args(extra_args, plan.analysis.extras)
-    arrival, departure = route
+    arrival, departure = route.arrival, route.departure
     grad_pieces, grad_rows = arrival.across_replicas(parts)
     # The owned leaves' current weights, as the departure reads them, used where no
     # separate master is kept.
@@ -178,7 +229,7 @@ def _branch_update(
     gradients and weights, the inner update (in a conditional on ``finite`` when
     non-finite steps are skipped), and its new pieces, owned rows and state."""
     axis, layout = config.axis_name, plan.layout
-    arrival, departure = route
+    arrival, departure = route.arrival, route.departure
 
     def update_branch(b, grad_pieces, grad_rows, pieces, weights, state, finite):
         stored, device = plan.storage.unpack(state.owned, b), plan.branch_of.index(b)
@@ -188,7 +239,7 @@ def _branch_update(
         p = plan.in_branch(  # weights the update does not read, in stage 3: zeros (see unread)
             b, lambda i, s, _: stored.get(("master", i), zeros(i) if local[i] is None else local[i])
         )
-        inner_state = branches.stored_state(plan, b, state.inner_state, stored)
+        inner_state = branches.stored_state(plan, state.inner_state, stored)
         # The new weights vary over the axis: so must the old ones (whole leaves come
         # from the replicated params) for the conditional below.
         params = branches.varying(plan.view(b, pieces, p, axis), axis)

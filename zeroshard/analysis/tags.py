@@ -141,7 +141,7 @@ class Tagger:
         per-element values, or, of a layer-owned leaf whose layers meet through sums,
         one of every element of this device's layers (its other layers are on other
         devices; a sum over some axes is one per layer, complete here)."""
-        if (slot := self._slot(leaves)) is not None and slot.placement == "layer-owned":
+        if (slot := self._slot(leaves)) is not None and slot.layered:
             return kinds <= {ELEM, WHOLE} and len(eqn.params["axes"]) == eqn.invars[0].aval.ndim
         return kinds == {ELEM} and eqn.outvars[0].aval.size == 1
 

@@ -1,0 +1,197 @@
+"""Micro-batches: how a step turns its device's rows into a loss and gradient parts.
+
+One strategy per step, chosen with its route (:meth:`zeroshard.update.Route.of`):
+
+- :class:`OneBatch`: the device's rows at once; its gradients arrive by the route's
+  arrival;
+- :class:`Accumulated`: ``accum_steps`` micro-batches in a scan, their mean taken;
+  stage 1 carries the full local gradient, stages 2 and 3 a 1/N accumulator of parts;
+- :class:`InOrder`: the fixed-order step of ``deterministic=``
+  (:mod:`zeroshard.canonical`): the global batch's ``parts`` micro-batches summed in
+  one binary tree, across devices in device order; its loss, aux and model state
+  come back global already (:attr:`InOrder.reduced`).
+
+Each returns ``((loss, (aux, model_state)), parts)`` from :meth:`run`, and says how
+the batch must split (:meth:`OneBatch.check_batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeroshard import canonical, step_io
+from zeroshard.checks import check_batch
+from zeroshard.collectives import all_gathered
+from zeroshard.layout import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBatch:
+    """The device's rows in one forward and backward pass.
+
+    Attributes:
+      stage: the step's ZeRO stage.
+      axes: the batch axes (the replica axis, if any, then the sharding axis).
+      reduced: whether :meth:`run`'s loss, aux and model state are global already.
+    """
+
+    stage: int
+    axes: tuple[str, ...]
+    reduced = False
+
+    @property
+    def batch_axes(self) -> str | tuple[str, ...]:
+        return self.axes if len(self.axes) > 1 else self.axes[0]
+
+    def check(self, num_devices: int) -> None:
+        """Refuses a device count this strategy cannot run on (none here)."""
+
+    def check_batch(self, batch: PyTree, num_devices: int) -> None:
+        """Refuses a batch that does not split evenly over the devices."""
+        check_batch(batch, num_devices, self.batch_axes)
+
+    def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
+        """The loss, aux, model state and this device's gradient parts."""
+        key = step_io.device_key(key, self.batch_axes)
+        out, grads = value_and_grad(params, batch, key, model_state)
+        return out, arrival.bring(plan, grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated(OneBatch):
+    """``steps`` micro-batches in a scan: the mean loss and gradient, per-example aux
+    concatenated in batch order (other aux averaged), the model state after the last
+    micro-batch; micro-batch ``i`` gets ``fold_in(key, i)``.
+
+    Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
+    Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
+    so no full-size gradient buffer lives across micro-batches.
+    """
+
+    steps: int = 2
+
+    def check_batch(self, batch: PyTree, num_devices: int) -> None:
+        check_batch(batch, num_devices, self.batch_axes, self.steps)
+
+    def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
+        k, axes, key = self.steps, self.axes, step_io.device_key(key, self.batch_axes)
+        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
+        # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
+        # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
+        add = {
+            1: lambda grads: grads,
+            2: lambda grads: arrival.bring(plan, grads),
+            3: lambda grads: arrival.pieces(plan.layout, grads),
+        }[self.stage]
+        accumulator = jax.tree.map(zeros, jax.eval_shape(add, params))
+
+        def body(carry, xs):
+            model_state, acc = carry
+            mb, i = xs
+            mb_key = None if key is None else jax.random.fold_in(key, i)
+            (loss, (aux, model_state)), grads = value_and_grad(params, mb, mb_key, model_state)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, add(grads))
+            return (model_state, acc), (loss, aux)
+
+        xs = (step_io.split_rows(batch, k), jnp.arange(k))
+        (model_state, acc), (losses, auxes) = jax.lax.scan(body, (model_state, accumulator), xs)
+        rows = step_io.local_rows(batch) // k
+        aux = jax.tree.map(lambda x: step_io.stacked_aux(x, rows), auxes)
+        out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
+        acc = jax.tree.map(lambda a: a / k, acc)
+        if self.stage == 1:
+            return out, arrival.bring(plan, acc)
+        return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
+
+
+@dataclasses.dataclass(frozen=True)
+class InOrder(OneBatch):
+    """The fixed-order step (``deterministic=parts``): device ``d``'s rows are
+    micro-batches ``d * R`` to ``(d + 1) * R - 1`` of the global batch's ``parts``
+    (``R = parts / N`` rounds); round ``i`` computes its micro-batch ``i`` (the key
+    folded with its index in the global batch, from the model state as given).
+    Stage 1 sums its rounds first and then the devices' sums, with one
+    ``all_to_all``; stages 2 and 3 sum every round across the devices, then the
+    rounds. Each in its fixed tree; the sums are divided by ``parts``. Per-example
+    aux comes back in batch order."""
+
+    parts: int = 2
+    reduced = True
+
+    def check(self, num_devices: int) -> None:
+        """Refuses a device count that does not leave each device at least two of the
+        ``parts`` micro-batches (a gradient computed outside a loop compiles to other
+        bits than inside one)."""
+        parts = self.parts
+        if parts % num_devices or parts // num_devices < 2:
+            raise ValueError(
+                f"deterministic={parts} gives the same bits on the device counts that leave "
+                f"each device at least two of its {parts} micro-batches (powers of two up to "
+                f"{parts // 2}; with one, the compiler lays the gradient out another way), but "
+                f"{self.batch_axes!r} has {num_devices} devices: pass "
+                f"deterministic={2 * num_devices} or a larger power of two."
+            )
+
+    def check_batch(self, batch: PyTree, num_devices: int) -> None:
+        what = f"the deterministic={self.parts} micro-batches"
+        check_batch(batch, num_devices, self.batch_axes, parts=(self.parts, what))
+
+    def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
+        axis, stage = self.axes[-1], self.stage
+        rounds, f32, aux_of = self.parts // jax.lax.axis_size(axis), _f32, {}
+        micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
+        if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
+            params = jax.tree.map(f32, params)
+        order = canonical.LOW if stage == 1 else canonical.HIGH
+        # (N, ...), in device order, the same on every device
+        devices = lambda x: all_gathered(x, axis, to="invarying")
+        across = lambda x: canonical.tree_sum(devices(f32(x)), order=order)
+        # Per round: stage 1 keeps this device's values, stages 2 and 3 sum the devices'.
+        per_round = f32 if stage == 1 else across
+
+        def one(i):
+            index = jax.lax.axis_index(axis) * rounds + i  # its place in the global batch
+            mb_key = None if key is None else jax.random.fold_in(key, index)
+            mb = jax.tree.map(lambda x: x[i], micro)
+            (loss, (aux, state)), grads = value_and_grad(params, mb, mb_key, model_state)
+            if stage > 1:
+                grads = (
+                    arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
+                )
+            aux, aux_of["tree"] = jax.tree.flatten(aux)
+            aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
+            state = jax.tree.map(lambda x: per_round(x) if step_io.is_floating(x) else x, state)
+            scalar = [per_round(x) for x, e in zip(aux, each, strict=True) if not e]
+            rest = [x for x, e in zip(aux, each, strict=True) if e]
+            return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
+
+        (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds, order)
+        if stage == 1:  # the devices' sums of their rounds, summed in device order
+            parts, loss, scalar = (
+                arrival.bring(plan, parts),
+                across(loss),
+                list(map(across, scalar)),
+            )
+        mean = lambda x: x / self.parts
+        parts = jax.tree.map(mean, parts)
+        if stage == 3:
+            parts = arrival.to_owners(plan, parts)
+        ordered = lambda x: devices(x).reshape(-1, *x.shape[1:])  # in batch order
+        scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
+        aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
+        state = lambda x, y: (
+            mean(across(x) if stage == 1 else x).astype(y.dtype)
+            if step_io.is_floating(y)
+            else devices(x)[0]
+        )
+        new_state = jax.tree.map(state, new_state, model_state)
+        return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
+
+
+def _f32(x: Any) -> Any:
+    return x.astype(jnp.float32)

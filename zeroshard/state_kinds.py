@@ -1,0 +1,101 @@
+"""State kinds: where one leaf of the inner optimizer's state lives, one class each.
+
+The plan (:mod:`zeroshard.placement`) gives every leaf of the inner state a kind,
+read from the inner ``init`` traced on each device's view:
+
+- :class:`SlicedState`: per element, shaped like a sliced parameter's pieces (Adam's
+  moments);
+- :class:`BlockedState`: a blocked parameter's state (:mod:`zeroshard.blocks`), kept
+  as blocks of rows or columns;
+- :class:`OwnedState`: on the device owning its parameter (or each layer on that
+  layer's owner), in the storage rows;
+- :class:`ReplicatedState`: the same on every device (counts, hyperparameters).
+
+Each knows its ``PartitionSpec`` in the global state, whether it is stored in the
+owners' rows, and its bytes per device; the conversions to and from plain optax's
+form match on the kind (:mod:`zeroshard.logical`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedState:
+    """The same value on every device.
+
+    Attributes:
+      stored: whether the value lives in the owners' storage rows, not in the state's
+        tree.
+    """
+
+    stored = False
+
+    def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
+        """``PartitionSpec`` of state leaf ``k`` in the global state (``None``: a leaf
+        the tree does not hold)."""
+        return P()
+
+    def per_device(self, nbytes: float, num_shards: int) -> float:
+        """The bytes one device keeps in the tree of a leaf of ``nbytes`` in the view."""
+        return nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedState(ReplicatedState):
+    """Per element: shaped like sliced parameter ``leaf``'s pieces (see
+    :meth:`zeroshard.placement.Plan.piece_shape`)."""
+
+    leaf: int
+
+    def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
+        return None if k in plan.hidden_state else plan.layout.slots[self.leaf].spec(axis_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedState(ReplicatedState):
+    """A blocked parameter's state kept as blocks along ``axis`` (the axis its update
+    computes it along; for one it computes whole, its first that divides by the
+    devices). The update traces it whole.
+
+    Attributes:
+      axis: the axis it is cut along.
+      gathered: whether the update reads it whole (a factor vector broadcast along
+        the other axis): gathered before the update, cut after.
+    """
+
+    axis: int
+    gathered: bool = False
+
+    def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
+        ndim = len(plan.state_structs[k].shape)
+        return P(*(axis_name if d == self.axis else None for d in range(ndim)))
+
+    def per_device(self, nbytes: float, num_shards: int) -> float:
+        return nbytes / num_shards
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedState(ReplicatedState):
+    """Held where its parameter is owned, in the storage rows.
+
+    Attributes:
+      source: the device holding its value as plain optax would (its leaf's owner),
+        or ``None`` for one held layer by layer.
+      layers_of: for one held layer by layer (its first axis the layers of a
+        layer-owned leaf, each on that layer's owner), the leaf, else ``None``.
+    """
+
+    source: int | None = None
+    layers_of: int | None = None
+    stored = True
+
+    def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
+        return None
+
+    def per_device(self, nbytes: float, num_shards: int) -> float:
+        return 0.0
