@@ -91,7 +91,7 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     """Inner ``state`` of ``branch`` split into the tree it keeps (``None`` at owned
     leaves) and its storage rows (owned state, plus the owned master weights taken
     from ``local``, what the branch holds of its owned leaves)."""
-    leaves = plan.state_treedef.flatten_up_to(plan.compact_state(state))
+    leaves = plan.state_treedef.flatten_up_to(plan.on_state.compact(state))
     stored = [x.stored for x in plan.state_kinds]
     values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
@@ -131,7 +131,7 @@ def init_parts(
 
     def init_branch(b, pieces, wholes):
         local = plan.local_wholes(b, wholes, axis_name)
-        view = plan.filled(plan.view(b, pieces, local, axis_name), axis_name)
+        view = plan.on_view.filled(plan.view(b, pieces, local, axis_name), axis_name)
         if plan.layout.blocked:  # (traced whole, evaluated on the blocks)
             state = init_blocked(inner, view, plan.block_marks(), axis_name, plan.layout.num_shards)
         else:

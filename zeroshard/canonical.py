@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.collectives import all_gathered, all_gathered_parts, is_identity
-from zeroshard.layout import PyTree, Slot
+from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.rows import spans
 
 HIGH, LOW = "high bits first", "low bits first"
@@ -85,7 +85,7 @@ def in_order(
     index = (lambda t, i: 2 * i + t) if order == HIGH else (lambda t, i: t * half + i)
     inner = lambda t: in_order(lambda i: fn(index(t, i)), half, order)
     summed, joined = jax.lax.map(inner, jnp.arange(2))
-    add = lambda x: x[0] + x[1] if jnp.issubdtype(x.dtype, jnp.floating) else x[0]
+    add = lambda x: x[0] + x[1] if is_floating(x) else x[0]
     # (2, half * rows) -> in the order of i: the even i's rows and the odd ones'
     # interleaved (HIGH), or the halves one after the other (LOW)
     rows = lambda x: x.reshape(2, half, -1, *x.shape[2:]).swapaxes(0, 1) if order == HIGH else x
@@ -118,7 +118,7 @@ def _gathered_forward(parts, axis_name, dtype):
     return gathered(parts, axis_name, dtype), [jnp.zeros(0, p.dtype) for p in parts]
 
 
-def _gathered_backward(axis_name, dtype, like, cotangents):
+def _gathered_backward(axis_name, _, like, cotangents):
     sums = summed_rows(cotangents, axis_name)
     return ([s.astype(x.dtype) for s, x in zip(sums, like, strict=True)],)
 

@@ -198,23 +198,17 @@ def _check_deterministic(config: ShardConfig) -> None:
             f"deterministic must be a power of two (the number of micro-batches the global "
             f"batch is cut into, at least the largest device count to run on), got {parts!r}."
         )
-    clashes = {
-        "replica_axis": config.replica_axis,
-        "quantize_grads": config.quantize_grads,
-        "quantize_weights": config.quantize_weights,
+    clashes = {  # (what each sums that is not made to run in the fixed order)
+        "replica_axis": (config.replica_axis, "the reduction over a replica axis"),
+        "quantize_grads": (config.quantize_grads, "the reduction of quantized codes"),
+        "quantize_weights": (config.quantize_weights, "the reduction of quantized codes"),
     }
-    for name, value in clashes.items():
-        if value is not None:
-            raise ValueError(
-                f"deterministic={parts} does not combine with {name}={value!r}: "
-                + (
-                    "the reduction over a replica axis"
-                    if name == "replica_axis"
-                    else "the reduction of quantized codes"
-                )
-                + " is not made to run in the fixed order. Leave it unset to get the same "
-                "bits on any device count."
-            )
+    for name, (value, what) in ((k, v) for k, v in clashes.items() if v[0] is not None):
+        raise ValueError(
+            f"deterministic={parts} does not combine with {name}={value!r}: {what} is not "
+            "made to run in the fixed order. Leave it unset to get the same bits on any "
+            "device count."
+        )
 
 
 def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:

@@ -197,5 +197,7 @@ def _ints(text: str, sep: str = ",") -> list[int]:
 
 
 def _itemsize(hlo_dtype: str) -> int:
-    bits = int(re.sub(r"\D", "", hlo_dtype) or 8)  # pred (no digits): one byte
-    return max(1, bits // 8)
+    """Bytes of one element of an HLO element type: the bits after its kind letters
+    (``bf16``: 2, ``f8e4m3fn``: 1, ``s4``: 1); ``pred``: one byte."""
+    bits = re.match(r"[a-z]+?(\d+)", hlo_dtype)
+    return max(1, int(bits[1] if bits else 8) // 8)

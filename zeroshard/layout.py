@@ -273,6 +273,11 @@ class Slot:
         return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
 
 
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` (an array or a scalar) has a floating-point dtype."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
 def stacked_dims(tree: PyTree, stacked: Stacked) -> tuple[int, ...]:
     """The number of leading layer axes of each leaf of ``tree`` (see :data:`Stacked`).
 
@@ -388,7 +393,7 @@ class Layout:
         for i, (path, leaf) in enumerate(path_leaves):
             dtype = np.dtype(leaf.dtype)
             name = jax.tree_util.keystr(path)
-            if not jnp.issubdtype(dtype, jnp.floating):
+            if not is_floating(dtype):
                 raise TypeError(
                     f"zeroshard shards floating-point parameters only, but leaf {name} has "
                     f"dtype {dtype}. Keep integer or boolean state out of the tree passed "

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.layout import Layout, PyTree, Slot
+from zeroshard.layout import Layout, PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
 from zeroshard.placement import Key, Plan
@@ -143,7 +143,7 @@ def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
     """``x`` as ``device`` has it, on every device: a sum of its bits with zeros from
     the others, so every value (``-0.0`` and ``nan`` too) arrives exactly."""
     mine = jax.lax.axis_index(axis_name) == device
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    if is_floating(x):
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
         summed = jax.lax.psum(jnp.where(mine, bits, 0), axis_name)
         return jax.lax.bitcast_convert_type(summed, x.dtype)
@@ -285,7 +285,9 @@ def _to_optax_converter(
     departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
-        pieces = plan.ungrouped(master_pieces(plan, opt_state, departure.own_pieces(plan, params)))
+        pieces = plan.on_view.ungrouped(
+            master_pieces(plan, opt_state, departure.own_pieces(plan, params))
+        )
 
         def block(i: int, s: Slot, x: Any) -> jax.Array:  # of leaf i's master weights
             if not s.owned:
@@ -298,7 +300,7 @@ def _to_optax_converter(
 
         leaves = layout.treedef.flatten_up_to(params)
         master = [block(i, s, x) for i, (s, x) in enumerate(zip(layout.slots, leaves, strict=True))]
-        inner = plan.ungrouped_state(plan.state_treedef.flatten_up_to(opt_state.inner_state))
+        inner = plan.on_state.ungrouped(plan.state_treedef.flatten_up_to(opt_state.inner_state))
         inner = [_state_to_logical(plan, opt_state.owned, k, x, axis) for k, x in enumerate(inner)]
         return layout.treedef.unflatten(master), plan.state_treedef.unflatten(inner)
 
@@ -385,7 +387,7 @@ def _from_logical_local(
             None if s.owned else from_logical(s, x, axis)
             for x, s in zip(leaves, layout.slots, strict=True)
         ]
-        master = plan.master_tree(plan.grouped(pieces))
+        master = plan.master_tree(plan.on_view.grouped(pieces))
         fulls = [
             logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
         ]
@@ -406,7 +408,7 @@ def _from_logical_local(
             cast = layout.sliced(lambda s, p: p.reshape(-1).astype(s.dtype), pieces)
             compute = departure.gather(layout, cast, rows, plan.leaf_order)
         wholes = owned_wholes(plan, layout.treedef.unflatten(fulls))
-        inner_state, owned = init_parts(tx.inner, plan, axis, plan.grouped(pieces), wholes)
+        inner_state, owned = init_parts(tx.inner, plan, axis, plan.on_view.grouped(pieces), wholes)
         kept = plan.state_treedef.flatten_up_to(inner_state)
         for k, x in enumerate(plan.state_treedef.flatten_up_to(opt_state)):
             shape = opt_leaves[k].shape
@@ -421,7 +423,7 @@ def _from_logical_local(
                 case _:  # replicated
                     kept[k] = logical_gather(x, shape, axis)
         grad_norm = jnp.zeros((), jnp.float32)
-        state = plan.state_treedef.unflatten(plan.grouped_state(kept))
+        state = plan.state_treedef.unflatten(plan.on_state.grouped(kept))
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
         return TrainState(step, compute, opt, model_state)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 from zeroshard import canonical, step_io
 from zeroshard.checks import check_batch
 from zeroshard.collectives import all_gathered
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, is_floating
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,28 +35,28 @@ class OneBatch:
 
     Attributes:
       stage: the step's ZeRO stage.
-      axes: the batch axes (the replica axis, if any, then the sharding axis).
+      axes: the batch axes: the replica axis, if any, then the sharding axis (one
+        axis: its name).
+      steps: the micro-batches of each device's rows.
       reduced: whether :meth:`run`'s loss, aux and model state are global already.
     """
 
     stage: int
-    axes: tuple[str, ...]
+    axes: str | tuple[str, ...]
+    steps: int = 1
     reduced = False
-
-    @property
-    def batch_axes(self) -> str | tuple[str, ...]:
-        return self.axes if len(self.axes) > 1 else self.axes[0]
 
     def check(self, num_devices: int) -> None:
         """Refuses a device count this strategy cannot run on (none here)."""
 
     def check_batch(self, batch: PyTree, num_devices: int) -> None:
-        """Refuses a batch that does not split evenly over the devices."""
-        check_batch(batch, num_devices, self.batch_axes)
+        """Refuses a batch that does not split evenly over the devices (and their
+        micro-batches)."""
+        check_batch(batch, num_devices, self.axes, self.steps)
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
         """The loss, aux, model state and this device's gradient parts."""
-        key = step_io.device_key(key, self.batch_axes)
+        key = step_io.device_key(key, self.axes)
         out, grads = value_and_grad(params, batch, key, model_state)
         return out, arrival.bring(plan, grads)
 
@@ -73,13 +72,8 @@ class Accumulated(OneBatch):
     so no full-size gradient buffer lives across micro-batches.
     """
 
-    steps: int = 2
-
-    def check_batch(self, batch: PyTree, num_devices: int) -> None:
-        check_batch(batch, num_devices, self.batch_axes, self.steps)
-
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
-        k, axes, key = self.steps, self.axes, step_io.device_key(key, self.batch_axes)
+        k, axes, key = self.steps, self.axes, step_io.device_key(key, self.axes)
         zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
         # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
         # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
@@ -121,7 +115,17 @@ class InOrder(OneBatch):
     aux comes back in batch order."""
 
     parts: int = 2
+    accum_steps: int = 1
     reduced = True
+
+    def __post_init__(self) -> None:
+        if self.accum_steps != 1:
+            raise ValueError(
+                f"deterministic={self.parts} cuts the global batch into {self.parts} "
+                f"micro-batches itself ({self.parts} // N per device), so accum_steps="
+                f"{self.accum_steps} has nothing to add: leave it at 1 and choose "
+                "deterministic= for the micro-batch size you can afford."
+            )
 
     def check(self, num_devices: int) -> None:
         """Refuses a device count that does not leave each device at least two of the
@@ -133,17 +137,18 @@ class InOrder(OneBatch):
                 f"deterministic={parts} gives the same bits on the device counts that leave "
                 f"each device at least two of its {parts} micro-batches (powers of two up to "
                 f"{parts // 2}; with one, the compiler lays the gradient out another way), but "
-                f"{self.batch_axes!r} has {num_devices} devices: pass "
+                f"{self.axes!r} has {num_devices} devices: pass "
                 f"deterministic={2 * num_devices} or a larger power of two."
             )
 
     def check_batch(self, batch: PyTree, num_devices: int) -> None:
         what = f"the deterministic={self.parts} micro-batches"
-        check_batch(batch, num_devices, self.batch_axes, parts=(self.parts, what))
+        check_batch(batch, num_devices, self.axes, parts=(self.parts, what))
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
-        axis, stage = self.axes[-1], self.stage
-        rounds, f32, aux_of = self.parts // jax.lax.axis_size(axis), _f32, {}
+        axis, stage = self.axes, self.stage  # (one batch axis)
+        rounds, aux_of = self.parts // jax.lax.axis_size(axis), {}
+        f32 = lambda x: x.astype(jnp.float32)
         micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
         if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
             params = jax.tree.map(f32, params)
@@ -165,7 +170,7 @@ class InOrder(OneBatch):
                 )
             aux, aux_of["tree"] = jax.tree.flatten(aux)
             aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
-            state = jax.tree.map(lambda x: per_round(x) if step_io.is_floating(x) else x, state)
+            state = jax.tree.map(lambda x: per_round(x) if is_floating(x) else x, state)
             scalar = [per_round(x) for x, e in zip(aux, each, strict=True) if not e]
             rest = [x for x, e in zip(aux, each, strict=True) if e]
             return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
@@ -186,12 +191,8 @@ class InOrder(OneBatch):
         aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
         state = lambda x, y: (
             mean(across(x) if stage == 1 else x).astype(y.dtype)
-            if step_io.is_floating(y)
+            if is_floating(y)
             else devices(x)[0]
         )
         new_state = jax.tree.map(state, new_state, model_state)
         return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts
-
-
-def _f32(x: Any) -> Any:
-    return x.astype(jnp.float32)

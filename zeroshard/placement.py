@@ -175,14 +175,29 @@ class Plan:
         )
 
     @functools.cached_property
-    def hidden(self) -> frozenset[int]:
-        """The grouped leaves whose pieces are in another leaf's place."""
-        return frozenset(i for g in self.groups for i in g[1:])
+    def on_view(self) -> Grouping:
+        """How the view and the master pieces hold :attr:`groups` (1-D buffers)."""
+        shapes = {i: self.piece_shape(i) for g in self.groups for i in g}
+        dtypes = {i: self.inner_dtypes[self.layout.slots[i].bucket] for i in shapes}
+        return Grouping(self.layout.treedef, self.groups, shapes, dtypes, self.holes)
 
     @functools.cached_property
+    def on_state(self) -> Grouping:
+        """How the inner state holds :attr:`state_groups` (buffers shaped as pieces)."""
+        leaf = lambda k: self.state_kinds[k].leaf
+        shapes = {k: self.piece_shape(leaf(k)) for g in self.state_groups for k in g}
+        dtypes = {k: self.state_dtypes[k] for k in shapes}
+        return Grouping(self.state_treedef, self.state_groups, shapes, dtypes, self.holes, True)
+
+    @property
+    def hidden(self) -> frozenset[int]:
+        """The grouped leaves whose pieces are in another leaf's place."""
+        return self.on_view.hidden
+
+    @property
     def hidden_state(self) -> frozenset[int]:
         """The inner state leaves of :attr:`hidden` leaves."""
-        return frozenset(k for g in self.state_groups for k in g[1:])
+        return self.on_state.hidden
 
     @functools.cached_property
     def leaf_order(self) -> tuple[int, ...]:
@@ -200,71 +215,12 @@ class Plan:
         s, group = self.layout.slots[i], self.group_of.get(i)
         if group is None:
             return s.piece_shape
-        return (*s.piece_shape[:-1], 0 if i in self.hidden else s.piece_size * len(group))
+        return (*s.piece_shape[:-1], 0 if i != group[0] else s.piece_size * len(group))
 
     @functools.cached_property
     def group_of(self) -> dict[int, tuple[int, ...]]:
         """The group of each grouped leaf (looked up per leaf at every trace)."""
         return {i: g for g in self.groups for i in g}
-
-    def grouped(self, pieces: list) -> list:
-        """Per-leaf 1-D pieces (``None`` at owned leaves) with each group's laid end to
-        end in its first leaf's place and ``None`` at its other leaves'."""
-        return _grouped(pieces, self.groups)
-
-    def ungrouped(self, pieces: list) -> list:
-        """The inverse of :meth:`grouped`: each leaf's 1-D piece again."""
-        return _ungrouped(pieces, self.groups)
-
-    def grouped_state(self, leaves: list) -> list:
-        """Inner state leaves with the per-element ones of each group laid end to end,
-        as :meth:`grouped` lays out the pieces (shaped as the state keeps them)."""
-        out = _grouped(leaves, self.state_groups)
-        for g in self.state_groups:
-            out[g[0]] = out[g[0]].reshape(self.piece_shape(self.state_kinds[g[0]].leaf))
-        return out
-
-    def ungrouped_state(self, leaves: list) -> list:
-        """The inverse of :meth:`grouped_state` (the per-element leaves 1-D)."""
-        return _ungrouped(leaves, self.state_groups)
-
-    def filled(self, view: PyTree, axis_name: str) -> PyTree:
-        """A view (see :meth:`view`) with a zero-element piece at each hidden leaf, what
-        the inner optimizer sees there (the view as it is, with :attr:`holes`)."""
-        if self.holes:
-            return view
-        dtype = lambda i: self.inner_dtypes[self.layout.slots[i].bucket]
-        empty = lambda i: _empty(self.piece_shape(i), dtype(i), axis_name)
-        leaves = self.layout.treedef.flatten_up_to(view)
-        return self.layout.treedef.unflatten(
-            empty(i) if i in self.hidden else x for i, x in enumerate(leaves)
-        )
-
-    def compact(self, view: PyTree) -> PyTree:
-        """A view with ``None`` at each hidden leaf (the inverse of :meth:`filled`)."""
-        leaves = self.layout.treedef.flatten_up_to(view)
-        return self.layout.treedef.unflatten(
-            None if i in self.hidden else x for i, x in enumerate(leaves)
-        )
-
-    def filled_state(self, state: PyTree, axis_name: str) -> PyTree:
-        """An inner state with a zero-element leaf at each hidden leaf's per-element
-        state (the inverse of :meth:`compact_state`; as it is, with :attr:`holes`)."""
-        if self.holes:
-            return state
-        leaves = self.state_treedef.flatten_up_to(state)
-        shape = lambda k: self.piece_shape(self.state_kinds[k].leaf)
-        return self.state_treedef.unflatten(
-            _empty(shape(k), self.state_dtypes[k], axis_name) if k in self.hidden_state else x
-            for k, x in enumerate(leaves)
-        )
-
-    def compact_state(self, state: PyTree) -> PyTree:
-        """An inner state with ``None`` at each hidden leaf's per-element state."""
-        leaves = self.state_treedef.flatten_up_to(state)
-        return self.state_treedef.unflatten(
-            None if k in self.hidden_state else x for k, x in enumerate(leaves)
-        )
 
     def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
         """Per-leaf pieces (``None`` for owned and hidden leaves) cast to the inner dtypes."""
@@ -409,6 +365,71 @@ class Plan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Grouping:
+    """How one tree (a view of the parameters, or the inner state) holds groups of
+    leaves updated as one buffer (:attr:`Plan.groups`): each group's leaves laid end
+    to end in its first leaf's place, the others *hidden* (``None``).
+
+    Attributes:
+      treedef: the tree's structure.
+      groups: the groups, by leaf index.
+      shapes: per grouped leaf, its shape in the tree (zero elements for a hidden
+        one, which the inner optimizer may need present: :meth:`filled`).
+      dtypes: per grouped leaf, its dtype.
+      holes: whether the inner optimizer takes the tree with ``None`` at the hidden
+        leaves (:attr:`Plan.holes`).
+      shaped: whether a group's buffer takes its first leaf's shape (else 1-D).
+    """
+
+    treedef: Any
+    groups: tuple[tuple[int, ...], ...]
+    shapes: dict[int, tuple[int, ...]]
+    dtypes: dict[int, Any]
+    holes: bool
+    shaped: bool = False
+
+    @functools.cached_property
+    def hidden(self) -> frozenset[int]:
+        """The grouped leaves whose values are in another leaf's place."""
+        return frozenset(i for g in self.groups for i in g[1:])
+
+    def grouped(self, leaves: list) -> list:
+        """Per-leaf values with each group's laid end to end in its first leaf's place
+        and ``None`` at its other leaves'."""
+        out = list(leaves)
+        for g in self.groups:
+            joined = jnp.concatenate([jnp.ravel(leaves[i]) for i in g])
+            out[g[0]] = joined.reshape(self.shapes[g[0]]) if self.shaped else joined
+            for i in g[1:]:
+                out[i] = None
+        return out
+
+    def ungrouped(self, leaves: list) -> list:
+        """The inverse of :meth:`grouped`: each leaf's value again, 1-D."""
+        out = list(leaves)
+        for g in self.groups:
+            for i, piece in zip(g, jnp.split(jnp.ravel(leaves[g[0]]), len(g)), strict=True):
+                out[i] = piece
+        return out
+
+    def filled(self, tree: PyTree, axis_name: str) -> PyTree:
+        """``tree`` with a zero-element value at each hidden leaf, what the inner
+        optimizer sees there (``tree`` as it is, with :attr:`holes`)."""
+        if self.holes:
+            return tree
+        empty = lambda i: _empty(self.shapes[i], self.dtypes[i], axis_name)
+        leaves = self.treedef.flatten_up_to(tree)
+        return self.treedef.unflatten(
+            empty(i) if i in self.hidden else x for i, x in enumerate(leaves)
+        )
+
+    def compact(self, tree: PyTree) -> PyTree:
+        """``tree`` with ``None`` at each hidden leaf (the inverse of :meth:`filled`)."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return self.treedef.unflatten(None if i in self.hidden else x for i, x in enumerate(leaves))
+
+
+@dataclasses.dataclass(frozen=True)
 class Joined:
     """A group's buffer, as the sums over its leaves see it: its leaves' pieces end to
     end (see :class:`zeroshard.layout.Slot`, whose attributes it has for the sums)."""
@@ -436,23 +457,6 @@ class Joined:
 def _empty(shape: tuple[int, ...], dtype: Any, axis_name: str) -> jax.Array:
     """Zeros of ``shape``, typed varying over the axis as the pieces they stand with."""
     return jax.lax.pcast(jnp.zeros(shape, dtype), axis_name, to="varying")
-
-
-def _grouped(values: list, groups: tuple[tuple[int, ...], ...]) -> list:
-    out = list(values)
-    for g in groups:
-        out[g[0]] = jnp.concatenate([jnp.ravel(values[i]) for i in g])
-        for i in g[1:]:
-            out[i] = None
-    return out
-
-
-def _ungrouped(values: list, groups: tuple[tuple[int, ...], ...]) -> list:
-    out = list(values)
-    for g in groups:
-        for i, piece in zip(g, jnp.split(jnp.ravel(values[g[0]]), len(g)), strict=True):
-            out[i] = piece
-    return out
 
 
 def leaf_cost(slot: Any, matrix: bool) -> float:
@@ -605,7 +609,7 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
     view, n = plan.view_structs(0, holes=True), plan.layout.num_shards
     try:  # a tree with holes it cannot take: the hidden leaves stay zero-element arrays
         state = jax.eval_shape(inner.init, view)
-        if jax.tree.structure(state) != jax.tree.structure(plan.compact_state(full_state)):
+        if jax.tree.structure(state) != jax.tree.structure(plan.on_state.compact(full_state)):
             return False
         closed, extra = trace_update(inner, view, state, axis_name, n, analysis.stand_ins())
     except Exception:  # any failure of the inner optimizer on it means no

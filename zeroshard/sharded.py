@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.config import Placement, ShardConfig
-from zeroshard.layout import Layout, PyTree, Stacked
-from zeroshard.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.config import ShardConfig
+from zeroshard.layout import Layout, PyTree
+from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import bound_axis_size, find_mesh
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
@@ -86,7 +86,9 @@ class Sharded:
         plan = self.plan(params, jax.lax.axis_size(axis))
         source = params if master_params is None else master_params
         plan.layout.check_matches(source, "master_params")
-        pieces = plan.grouped(plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis))))
+        pieces = plan.on_view.grouped(
+            plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis)))
+        )
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, owned_wholes(plan, source))
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
@@ -293,25 +295,7 @@ def optimizer_of(tx: Any) -> Sharded:
     return tx.optimizer
 
 
-def sharded(
-    inner: optax.GradientTransformation,
-    *,
-    axis_name: str = "data",
-    master_dtype: Any = jnp.float32,
-    reduce_dtype: Any = None,
-    replica_axis: str | None = None,
-    skip_nonfinite: bool = True,
-    pack_bytes: int = 1 << 18,
-    loss_scale: DynamicLossScale | None = None,
-    stacked: Stacked = None,
-    placement: Placement = None,
-    mesh: jax.sharding.Mesh | None = None,
-    group_alike: bool = True,
-    quantize_grads: str | None = None,
-    quantize_weights: str | None = None,
-    quantize_block: int = 256,
-    deterministic: int | None = None,
-) -> ShardedTransformation:
+def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTransformation:
     """Wraps an optax optimizer so its state lives 1/N per device (ZeRO-1).
 
     ``update(grads, state, params)`` runs ``inner`` on this device's part only and
@@ -352,11 +336,15 @@ def sharded(
     skipped-step count and the loss scale are on the state (``state.skipped``,
     ``state.loss_scale``); :func:`zeroshard.make_train_step` reports them per step.
 
+    The options are keywords, declared (with their defaults) and validated once by
+    :class:`zeroshard.ShardConfig`.
+
     Args:
       inner: any optax transformation whose update treats leaves separately, or
         combines them through sums (``optax.clip_by_global_norm``'s global norm is
         summed across devices where it is used). Combining leaves otherwise
         (``optax.apply_if_finite``) is refused with a ``ValueError``.
+      **options: the keywords below.
       axis_name: the mesh axis the batch (and the state) is split over.
       master_dtype: dtype of the master weights kept for lower-precision parameters;
         ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
@@ -457,8 +445,9 @@ def sharded(
         is not bound, or the update calls back into the model (``optax.lbfgs``'s
         ``value_fn=``); at ``update`` when the gradients do not match the params, or
         an extra argument is a function.
-      TypeError: for an ``inner`` that is not an optax transformation, an axis name
-        that is not a string; when a parameter leaf is not floating point.
+      TypeError: for an ``inner`` that is not an optax transformation, an unknown
+        option, an axis name that is not a string; when a parameter leaf is not
+        floating point.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
@@ -485,22 +474,8 @@ def sharded(
         raise TypeError(
             f"zs.sharded expects an optax GradientTransformation, got {type(inner).__name__}."
         )
-    config = ShardConfig(
-        axis_name=axis_name,
-        master_dtype=master_dtype,
-        reduce_dtype=reduce_dtype,
-        replica_axis=replica_axis,
-        skip_nonfinite=skip_nonfinite,
-        pack_bytes=pack_bytes,
-        loss_scale=loss_scale,
-        stacked=stacked,
-        placement=placement,
-        mesh=mesh,
-        group_alike=group_alike,
-        quantize_grads=quantize_grads,
-        quantize_weights=quantize_weights,
-        quantize_block=quantize_block,
-        deterministic=deterministic,
-    )
+    if unknown := sorted(options.keys() - {f.name for f in dataclasses.fields(ShardConfig)}):
+        raise TypeError(f"zs.sharded got unknown options {unknown}; see help(zs.sharded).")
+    config = ShardConfig(**options)
     opt = Sharded(optax.with_extra_args_support(inner), config)
     return ShardedTransformation(opt.init, opt.update)

@@ -15,8 +15,13 @@ class ShardedState(NamedTuple):
     """State of :func:`sharded`; every array is this device's part or a scalar.
 
     Attributes:
-      inner_state: the inner optimizer's state for this device's pieces, with
-        ``None`` in place of each leaf that belongs to owned leaves (kept in ``owned``).
+      inner_state: the inner optimizer's state for this device's pieces. Not plain
+        optax's layout: a leaf's moments are ``None`` where the leaf is owned (they
+        are in ``owned``) and where it is updated in a group of alike small leaves
+        (they are laid end to end in the group's first leaf's place), and a sliced
+        leaf's are its piece, flattened. ``zs.to_optax_state`` gives every leaf's
+        state as ``inner.init(params)`` shapes it
+        (``zs.to_optax_state(state, tx)[1][0].mu["w"]``).
       master: this device's pieces of the master weights: a tree like the parameters,
         shaped like the inner state's pieces, with ``None`` at leaves already in the
         master dtype (their piece is the master) and at owned leaves (their master is

@@ -159,7 +159,7 @@ class TrainStep:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         self.route = Route.of(self.opt.config, stage, accum_steps=k)
-        self.batch_axes = axes if len(axes) > 1 else self.axis_name
+        self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
         self.per_device_loss = (

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from zeroshard.collectives import is_identity
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, is_floating
 from zeroshard.scopes import METRICS, MODEL_STATE, scope
 
 if TYPE_CHECKING:
@@ -55,16 +55,11 @@ def mean_state(tree: PyTree, axes: Axes) -> PyTree:
         return jax.tree.map(lambda x: pmean(x, axes) if is_floating(x) else x, tree)
 
 
-def is_floating(x: Any) -> bool:
-    """Whether ``x`` (an array or a scalar) has a floating-point dtype."""
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
 def across_devices(x: jax.Array) -> jax.Array:
     """One value from a leaf stacked over devices (a leading axis, e.g. under ``vmap``):
     the mean of floating-point state (e.g. BatchNorm statistics), the first device's
     otherwise (counts, keys)."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    if is_floating(x):
         return jnp.mean(x, axis=0).astype(x.dtype)
     return x[0]
 

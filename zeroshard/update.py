@@ -93,44 +93,34 @@ class Route(NamedTuple):
           ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
             batch itself.
         """
-        grads, weights = config.grad_quantizer, config.weight_quantizer
-        parts, axes = config.deterministic, config.batch_axes
+        grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
+        axes, gather = config.batch_axes, exact_gather
+        axes = axes if len(axes) > 1 else axes[0]
         loop = OneBatch(stage, axes) if accum_steps == 1 else Accumulated(stage, axes, accum_steps)
-        gather = exact_gather
         if parts is not None:
-            _check_parts(parts, accum_steps)
-            loop, gather = InOrder(stage, axes, parts), canonical.gathered
+            loop = InOrder(stage, axes, parts=parts, accum_steps=accum_steps)
+            gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
         if stage == 3:  # (stage 3's weights are quantized in its gathers)
-            kind = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
-            return cls(kind(config), ToPieces(config), loop, gather)
-        departure = (QuantizedAllGather if weights else AllGather)(config)
+            arrival = (CanonicalPieces if parts else QuantizedPieces if grads else Pieces)(config)
+            return cls(arrival, ToPieces(config), loop, gather)
+        if mean and grads is not None:
+            logger.warning(
+                "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, which "
+                "jax.grad in your jit reduced already, so no gradient is quantized; "
+                "zs.make_train_step (or tx.update inside jax.shard_map) reduces them quantized.",
+                config.quantize_grads,
+            )
         if mean:
-            if grads is not None:
-                logger.warning(
-                    "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, "
-                    "which jax.grad in your jit reduced already, so no gradient is quantized; "
-                    "zs.make_train_step (or tx.update inside jax.shard_map) reduces them "
-                    "quantized.",
-                    config.quantize_grads,
-                )
-            return cls(CutMean(config), departure, loop, gather)
-        if parts:  # stage 1 sums each device's micro-batches first (canonical.LOW)
-            order = canonical.LOW if stage == 1 else canonical.HIGH
-            return cls(CanonicalReduceScatter(config, order), departure, loop, gather)
-        arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
-        return cls(arrival, departure, loop, gather)
-
-
-def _check_parts(parts: int, accum_steps: int) -> None:
-    """Refuses ``accum_steps`` of its own in a fixed-order step."""
-    if accum_steps != 1:
-        raise ValueError(
-            f"deterministic={parts} cuts the global batch into {parts} micro-batches itself "
-            f"({parts} // N per device), so accum_steps={accum_steps} has nothing to add: leave "
-            "it at 1 and choose deterministic= for the micro-batch size you can afford."
-        )
+            arrival = CutMean(config)
+        elif parts:  # stage 1 sums each device's micro-batches first (canonical.LOW)
+            arrival = CanonicalReduceScatter(
+                config, canonical.LOW if stage == 1 else canonical.HIGH
+            )
+        else:
+            arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
+        return cls(arrival, (QuantizedAllGather if weights else AllGather)(config), loop, gather)
 
 
 def updated(
@@ -170,7 +160,7 @@ def updated(
     with scope(UPDATE):  # this device's part in the dtypes the inner optimizer works in
         # Grouped first (a packed row's slices, laid out together: no copy), then cast
         # once per group.
-        grad_pieces, dtypes = plan.to_inner(plan.grouped(grad_pieces)), plan.inner_dtypes
+        grad_pieces, dtypes = plan.to_inner(plan.on_view.grouped(grad_pieces)), plan.inner_dtypes
         grad_rows = plan.layout.per_owned_bucket(lambda b, _: grad_rows[b].astype(dtypes[b]))
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
         if config.loss_scale is not None:  # the gradients are of the scaled loss
@@ -178,7 +168,9 @@ def updated(
             grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
     # The norm leaf by leaf, as without groups (the same sum, the same bits).
     with scope(GRAD_NORM):
-        grad_norm, finite = arrival.norm_and_finite(plan, plan.ungrouped(grad_pieces), grad_rows)
+        grad_norm, finite = arrival.norm_and_finite(
+            plan, plan.on_view.ungrouped(grad_pieces), grad_rows
+        )
     with scope(UPDATE):
         update_branch = _branch_update(inner, config, plan, route, extra_args)
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
@@ -195,7 +187,7 @@ def updated(
     new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
     # Cast to the parameters' dtypes once per group, then cut into the leaves' pieces.
     cast = lambda s, x: None if x is None else x.astype(s.dtype)
-    new = plan.ungrouped(plan.layout.sliced(cast, new))
+    new = plan.on_view.ungrouped(plan.layout.sliced(cast, new))
     return departure.send(plan, new, rows, params), new_state
 
 
@@ -203,7 +195,7 @@ def master_pieces(
     plan: Plan, state: ShardedState, own: list[jax.Array | None]
 ) -> list[jax.Array | None]:
     """This device's pieces of the sliced leaves' master weights, grouped
-    (:meth:`zeroshard.placement.Plan.grouped`; 1-D, inner dtypes; ``None`` for owned
+    (:meth:`zeroshard.placement.Grouping.grouped`; 1-D, inner dtypes; ``None`` for owned
     and hidden leaves).
 
     Args:
@@ -219,7 +211,7 @@ def master_pieces(
     pick = lambda s, p, m: (
         m.reshape(-1) if m is not None else None if p is None else p.astype(dtypes[s.bucket])
     )
-    return layout.sliced(pick, plan.grouped(own), master)
+    return layout.sliced(pick, plan.on_view.grouped(own), master)
 
 
 def _branch_update(
@@ -249,13 +241,13 @@ def _branch_update(
             # The hidden leaves are absent (None) from the conditional's operands: an
             # operand costs XLA's partitioner even when empty. Where the inner
             # optimizer needs them present, their zero-element pieces are made here.
-            full, state = plan.filled(params, axis), plan.filled_state(inner_state, axis)
+            full, state = plan.on_view.filled(params, axis), plan.on_state.filled(inner_state, axis)
             updates, new_state = plan.updates_and_state(
-                inner, plan.filled(grads, axis), state, full, axis, **extra_args
+                inner, plan.on_view.filled(grads, axis), state, full, axis, **extra_args
             )
             new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), full, updates)
-            new_state = plan.compact_state(new_state)
-            return plan.compact(new), branches.varying_like(new_state, inner_state, axis)
+            new_state = plan.on_state.compact(new_state)
+            return plan.on_view.compact(new), branches.varying_like(new_state, inner_state, axis)
 
         if config.skip_nonfinite:
             # One conditional, not a select per element: the update runs in place, with
