@@ -177,3 +177,15 @@ def test_arrival_and_departure_bytes_are_the_compiled_programs(stage, rng):
     else:
         assert by_scope("to_owners") == arrival.nbytes(plan)  # muon reads no weights here
         assert by_scope("from_owners") == departure.nbytes(plan)
+
+
+def test_fp8_collectives_count_one_byte_per_element():
+    """An fp8 element type (``f8e4m3fn``: digits inside its name) is one byte."""
+    line = (
+        "  %ag = f8e4m3fn[8,64]{1,0} all-gather(f8e4m3fn[1,64]{1,0} %p), "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
+    )
+    (found,) = zs.collectives(line, num_devices=8)
+    assert (found.kind, found.dtype, found.result_bytes) == ("all-gather", "f8e4m3fn", 512)
+    bf16 = line.replace("f8e4m3fn", "bf16")
+    assert zs.collectives(bf16, num_devices=8)[0].result_bytes == 1024

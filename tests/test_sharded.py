@@ -183,6 +183,11 @@ def test_clear_errors_on_bad_trees():
             tx.init({"w": jnp.ones(3), "step": jnp.int32(0)})
 
 
+def test_an_unknown_option_is_named():
+    with pytest.raises(TypeError, match=r"unknown options \['axis'\]"):
+        zs.sharded(optax.sgd(0.1), axis="data")
+
+
 def test_init_without_a_mesh_says_how_to_fix():
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     with pytest.raises(ValueError, match="set_mesh"):

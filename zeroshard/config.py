@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroshard.canonical import FixedOrder
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
-from zeroshard.order import PSUM, FixedOrder, Psum
 from zeroshard.quantized import Quantizer, quantizer
+from zeroshard.sums import PSUM, Psum
 
 Placement = Any
 """Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
@@ -116,7 +117,9 @@ class ShardConfig:
 
     @functools.cached_property
     def sum_order(self) -> Psum:
-        """The order of the step's sums (:mod:`zeroshard.order`): chosen here, once."""
+        """The order of the step's sums (:class:`zeroshard.sums.Psum`, or
+        :class:`zeroshard.canonical.FixedOrder` with ``deterministic``): chosen here,
+        once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
 
     def master_dtype_of(self, dtype: Any) -> np.dtype | None:

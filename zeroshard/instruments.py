@@ -15,7 +15,7 @@ from zeroshard.layout import PyTree
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\]")  # (fp8: f8e4m3fn)
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")

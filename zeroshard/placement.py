@@ -51,10 +51,9 @@ from zeroshard.analysis import (
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
 from zeroshard.layout import Layout, PyTree
-from zeroshard.order import PSUM, Psum
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
-from zeroshard.sums import run_with_sums
+from zeroshard.sums import PSUM, Psum, run_with_sums
 
 Key = tuple[str, int]
 """A storage entry: ``("state", k)`` for leaf ``k`` of the inner state, ``("master",
@@ -128,7 +127,7 @@ class Plan:
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
       state_structs: per leaf of the inner state, its full shape and dtype.
-      order: the order of the sums in the update (:mod:`zeroshard.order`).
+      order: the order of the sums in the update (:class:`zeroshard.sums.Psum`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
         leaves (and their state) and computes the others as it does with every leaf
         present; else the hidden leaves are zero-element arrays.

@@ -7,13 +7,14 @@ tags of :mod:`zeroshard.analysis.tags` say where (:class:`~zeroshard.analysis.ta
 :func:`evaluate` then evaluates the update's jaxpr equation by equation, with a
 ``psum`` over the sharding axis inserted on those partial sums, so every device uses
 the sum over whole leaves. How a partial sum becomes the leaf's total is the step's
-order of sums (:mod:`zeroshard.order`): a ``psum``, or the leaf's total in a fixed
+order of sums (:class:`Psum`): a ``psum``, or the leaf's total in a fixed
 order (``deterministic=``), the same on every device count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,11 +24,57 @@ from jax.extend import core as jex_core
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
 from zeroshard.layout import Slot
-from zeroshard.order import PSUM, Psum
 
 # Evaluated on invariant operands, these give the same value on every device.
 _MIXING = "reduce_sum reduce_max reduce_min dot_general transpose concatenate pad slice"
 _FREE_TYPED = ELEMENTWISE | RESHAPING | frozenset(_MIXING.split())
+
+
+@dataclasses.dataclass(frozen=True)
+class Psum:
+    """The order of a step's sums where the collectives and the compiler choose it (the
+    default): a partial sum in the update is ``psum``-ed over the axis where it is
+    used, and the bits of a sum follow the device count. It and its subclass
+    :class:`zeroshard.canonical.FixedOrder` (``deterministic=``) are the one object
+    :attr:`zeroshard.ShardConfig.sum_order` chooses; the plan, the evaluation below,
+    and the step's checks ask it, and no module tests the option.
+
+    Attributes:
+      chunks: the canonical chunks a leaf's layers are cut into (none: ``0``).
+      any_order: whether sums may run in any order, so alike leaves may be updated
+        as one buffer and a whole-tensor update may run on blocks.
+      rewrites: whether the inner update is evaluated equation by equation even
+        where no sum needs making whole.
+    """
+
+    chunks = 0
+    any_order = True
+    rewrites = False
+
+    def over(self, slots: Sequence[Slot]) -> Psum:
+        """This order for a plan's leaves (``slots``)."""
+        return self
+
+    def check_drop_in(self) -> None:
+        """Refuses an order the user's own step cannot keep (none here)."""
+
+    def made_whole(self, sums: Any, xs: list, axis: str) -> list:
+        """Operands whose partial sums (``sums.summed``) are summed over ``axis``."""
+        return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
+
+    def noted(self, eqn: Any, xs: list, scalars: dict) -> None:
+        """Records what :meth:`divided` needs of ``eqn`` (nothing here)."""
+
+    def total(self, eqn: Any, sums: Any, xs: list, axis: str) -> list | None:
+        """``eqn``'s outputs where it is a sum this order takes itself, else ``None``."""
+        return None
+
+    def divided(self, eqn: Any, sums: Any, xs: list, scalars: dict) -> list | None:
+        """``eqn``'s outputs where it is a division this order rewrites, else ``None``."""
+        return None
+
+
+PSUM = Psum()
 
 
 def run_with_sums(
@@ -43,7 +90,7 @@ def run_with_sums(
     ``sliced`` leaves (this device's pieces) made the sum over the whole leaf where it
     meets a non-linear operation: summed over ``axis_name``, padding left out, a mean
     divided by the leaf's size (see :class:`zeroshard.analysis.tags.Tagger`). Inputs
-    past ``in_tags`` are clean. ``order`` (:mod:`zeroshard.order`, over the plan's
+    past ``in_tags`` are clean. ``order`` (:class:`Psum` or a subclass, over the plan's
     leaves) says how the partial sums become totals."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     program = Tagger(axis_name, leaf_names, sliced).run(closed, in_tags)[1]
