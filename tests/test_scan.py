@@ -124,6 +124,26 @@ def test_scan_stage3_memory_and_per_layer_gathers(rng):
     assert max(gathers) < 2 * layer_bytes  # never the whole stack
 
 
+def test_scan_stage3_temporaries_grow_by_pieces_not_layers(rng):
+    """Stage 3 over a scan keeps one layer's gathered weights and full gradient at a
+    time: from 4 to 8 stacked layers its compiled temporaries grow by less than half a
+    layer per layer (each layer's 1/N gradient piece, not the layer), while stage 1's
+    grow by at least a full layer per layer (its full gradient)."""
+    width, mesh = 256, make_mesh(8)
+    tx = zs.sharded(optax.adamw(1e-3), axis_name="data", stacked=("blocks",))
+    batch = data(rng, steps=1, size=64, width=width)[0]
+    layer_bytes, temp = (width * width + width) * 4, {}
+    for layers in (4, 8):
+        params = make_params(rng, layers, width)
+        for stage, loss_fn in ((1, plain_loss), (3, stage3_loss)):
+            state = zs.init_train_state(params, tx, mesh, stage=stage)
+            step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+            temp[stage, layers] = step.lower(state, batch).compile().memory_analysis()
+    grown = {s: (temp[s, 8].temp_size_in_bytes - temp[s, 4].temp_size_in_bytes) / 4 for s in (1, 3)}
+    assert grown[3] < 0.5 * layer_bytes, grown
+    assert grown[1] >= layer_bytes, grown
+
+
 # The same model through Flax: NNX (nnx.vmap + nnx.scan) and Linen (nn.scan).
 
 

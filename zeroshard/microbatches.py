@@ -11,7 +11,7 @@ One strategy per step, chosen with its route (:meth:`zeroshard.update.Route.of`)
   one binary tree, across devices in device order; its loss, aux and model state
   come back global already (:attr:`InOrder.reduced`).
 
-Each returns ``((loss, (aux, model_state)), parts)`` from :meth:`run`, and says how
+Each returns ``((loss, (aux, model_state)), parts)`` from :meth:`OneBatch.run`, and says how
 the batch must split (:meth:`OneBatch.check_batch`).
 """
 

@@ -1,0 +1,378 @@
+"""The largest model per device: each way to train, its compiled peak, against ZeRO.
+
+Every variant trains the same scan-stacked transformer (``compare.py --model stacked``:
+pre-norm blocks ``qkv`` (L, d, 3d), ``out`` (L, d, d), ``up`` (L, d, 4d), ``down``
+(L, 4d, d), norms, an embedding and a head) with Adam, bf16 parameters and fp32 master
+weights, on N devices:
+
+- ``replicated``: data parallelism (``shard_map`` + ``pmean``), plain optax on every
+  device's fp32 master copy (the ZeRO paper's baseline: 16 bytes per parameter);
+- ``jit-sharded``: plain optax under ``jax.jit``, the master weights and moments laid
+  out over ``"data"`` by ``NamedSharding`` (flax's ``optimizer_sharding``, MaxText);
+- ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step;
+- ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3.
+
+Per variant and size: the compiled step's per-device peak, ``arguments + outputs +
+temporaries - aliased`` (``compiled.memory_analysis()``: per device for an SPMD
+program), lowered on abstract values (``jax.ShapeDtypeStruct`` with their shardings:
+nothing is allocated), in bytes per parameter beside the ZeRO formulas (mixed
+precision, Adam, K = 12 bytes of fp32 state: replicated 16, stage 1 ``4 + 12/N``,
+stage 2 ``2 + 14/N``, stage 3 ``16/N``). ``--budgets`` finds, per variant, the most
+layers (at ``--width``) whose compiled peak fits each per-device budget (a binary
+search on compiled figures), and ``--real`` runs one real training step at that size
+per variant, each in its own process, reporting the process's peak RSS beside it.
+
+    .venv/bin/python benchmarks/capacity.py --width 512 --layers 4 8 16 32
+    .venv/bin/python benchmarks/capacity.py --width 512 --budgets 512 1024 --real
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("replicated", "jit-sharded", "dropin", "zeroshard-1", "zeroshard-2", "zeroshard-3")
+MiB = 2**20
+
+
+def formula(variant: str, n: int) -> float | None:
+    """The ZeRO paper's bytes per parameter (mixed precision, Adam) for ``variant``."""
+    return {
+        "replicated": 16.0,
+        "zeroshard-1": 4 + 12 / n,
+        "zeroshard-2": 2 + 14 / n,
+        "zeroshard-3": 16 / n,
+        "dropin": 4 + 12 / n,
+        "jit-sharded": 4 + 12 / n,
+    }.get(variant)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, nargs="*", default=[4, 8, 16])
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--budgets", type=int, nargs="*", default=[], help="MiB per device")
+    parser.add_argument("--real", action="store_true", help="one real step at each largest")
+    parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="benchmarks/results", help="JSON goes here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    if args.one:  # (a child process: one real step)
+        print(json.dumps(real_step(args, args.one[0], int(args.one[1]))))
+        return
+    machine = f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.machine()}, "
+    machine += f"{os.cpu_count()} CPUs), jax {jax.__version__}"
+    print(f"{machine}; width {args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}")
+    rows = [peak(args, v, layers) for layers in args.layers for v in args.variants]
+    print_table(rows, args.devices)
+    largest = [search(args, v, budget) for budget in args.budgets for v in args.variants]
+    if largest:
+        print_largest(largest, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump({"machine": machine, "peaks": rows, "largest": largest}, f, indent=1)
+
+
+def shapes(width: int, layers: int, vocab: int) -> dict:
+    """The parameters' shapes and dtype (fp32: the master weights' precision)."""
+    import jax
+    import jax.numpy as jnp
+
+    d, f32 = width, jnp.float32
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
+    blocks = {
+        "ln1": s(layers, d),
+        "qkv": s(layers, d, 3 * d),
+        "out": s(layers, d, d),
+        "ln2": s(layers, d),
+        "up": s(layers, d, 4 * d),
+        "down": s(layers, 4 * d, d),
+    }
+    return {"embed": s(vocab, d), "blocks": blocks, "ln_f": s(d), "head": s(d, vocab)}
+
+
+def init_params(structs: dict, seed: int = 0) -> dict:
+    """Random parameters of ``structs``: fan-in scaled normals, the norms at one."""
+    import jax
+    import jax.numpy as jnp
+
+    paths, treedef = jax.tree_util.tree_flatten_with_path(structs)
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+
+    def one(key: Any, path: Any, x: Any) -> Any:
+        if "ln" in jax.tree_util.keystr(path):
+            return jnp.ones(x.shape, x.dtype)
+        return jax.random.normal(key, x.shape, x.dtype) * x.shape[-2] ** -0.5
+
+    return jax.tree.unflatten(treedef, [one(k, *p) for k, p in zip(keys, paths, strict=True)])
+
+
+def variant_step(args: argparse.Namespace, name: str, structs: dict, mesh: Any) -> tuple:
+    """``(step, state)`` of ``name``: ``step(state, batch) -> state``, and its state as
+    abstract values with their shardings (``jax.ShapeDtypeStruct``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from compare import transformer_loss
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zeroshard as zs
+
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), structs)
+    heads, inner = max(1, args.width // 64), optax.adam(1e-4)
+    loss = lambda stage: transformer_loss(stage, heads)
+    whole = NamedSharding(mesh, P())
+    placed = lambda tree, sharding: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
+    )
+    if name.startswith("zeroshard-"):
+        stage = int(name[-1])
+        tx = zs.sharded(inner, stacked=["blocks"])
+        init = lambda p: zs.init_train_state(p, tx, mesh, param_dtype=jnp.bfloat16, stage=stage)
+        step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
+        lower = lambda s, b: step.jitted.lower(s, b, None)
+        return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
+    if name == "dropin":
+        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"])
+        params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
+
+        def dropin(p, s, b):
+            updates, s = tx.update(jax.grad(loss(1))(p, b), s, p)
+            return optax.apply_updates(p, updates), s
+
+        step = jax.jit(dropin, donate_argnums=(0, 1))
+        state = (params, on(mesh, jax.eval_shape(tx.init, params)))
+        return (lambda s, b: step(*s, b)), state, (lambda s, b: step.lower(*s, b))
+    step, state = mixed_precision_step(name, loss(1), inner, structs, mesh)
+    return step, state, step.lower
+
+
+def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mesh: Any) -> tuple:
+    """Plain optax with fp32 master weights of bf16 parameters, as a JAX user writes it:
+    the state ``(params, master, inner state)``; the gradient of the bf16 parameters,
+    averaged, updates the master weights, and the parameters are their rounding.
+    ``replicated``: ``shard_map`` + ``pmean``, everything on every device;
+    ``jit-sharded``: ``jax.jit`` with the master and the moments split over ``"data"``
+    (each leaf along its first dimension that divides, as flax's
+    ``optimizer_sharding`` and MaxText lay them out). The step donates its state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    n, whole = mesh.shape["data"], NamedSharding(mesh, P())
+
+    def update(params, master, opt, grads):
+        grads = jax.tree.map(lambda g: g.astype(f32), grads)
+        updates, opt = inner.update(grads, opt, master)
+        master = optax.apply_updates(master, updates)
+        return jax.tree.map(lambda m: m.astype(bf16), master), master, opt
+
+    def spread(x: Any) -> Any:
+        k = next((i for i, d in enumerate(x.shape) if d % n == 0), None)
+        return (
+            whole
+            if name == "replicated" or k is None
+            else NamedSharding(mesh, P(*(None,) * k, "data"))
+        )
+
+    abstract = jax.eval_shape(
+        lambda p: (jax.tree.map(lambda x: x.astype(bf16), p), p, inner.init(p)), structs
+    )
+    shardings = (jax.tree.map(lambda _: whole, abstract[0]), *jax.tree.map(spread, abstract[1:]))
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+    if name == "replicated":
+
+        def local(state, batch):
+            params, master, opt = state
+            grads = jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), batch)
+            return update(params, master, opt, jax.lax.pmean(grads, "data"))
+
+        run = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(run, donate_argnums=0), state
+    step = lambda state, batch: update(*state, jax.grad(loss_fn)(state[0], batch))
+    rows = NamedSharding(mesh, P("data"))
+    return jax.jit(
+        step, in_shardings=(shardings, rows), out_shardings=shardings, donate_argnums=0
+    ), state
+
+
+def on(mesh: Any, tree: Any) -> Any:
+    """``tree``'s abstract values (as ``jax.eval_shape`` gives them, typed on the mesh's
+    abstract twin) with their specs on ``mesh`` itself."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    put = lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
+    )
+    return jax.tree.map(put, tree)
+
+
+def batch_structs(args: argparse.Namespace, mesh: Any) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = NamedSharding(mesh, P("data"))
+    tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32, sharding=rows)
+    return {"tokens": tokens, "targets": tokens}
+
+
+def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
+    """The compiled per-device peak of ``name`` at ``layers`` layers (abstract values)."""
+    import jax
+
+    mesh = jax.make_mesh((args.devices,), ("data",))
+    structs = shapes(args.width, layers, args.vocab)
+    count = sum(x.size for x in jax.tree.leaves(structs))
+    start = time.perf_counter()
+    _, state, lower = variant_step(args, name, structs, mesh)
+    stats = lower(state, batch_structs(args, mesh)).compile().memory_analysis()
+    arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
+    temp, alias = stats.temp_size_in_bytes, stats.alias_size_in_bytes
+    row = {"variant": name, "layers": layers, "params": count, "arguments": arg}
+    row |= {"outputs": out, "temporaries": temp, "aliased": alias, "peak": arg + out + temp - alias}
+    row["compile_s"] = time.perf_counter() - start
+    return row
+
+
+def print_table(rows: list[dict], n: int) -> None:
+    base = {r["layers"]: r["peak"] for r in rows if r["variant"] == "replicated"}
+    print(
+        "\n| variant | layers | params | arguments | temporaries | peak / device | B/param "
+        "| formula | vs replicated |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rel = f"{r['peak'] / base[r['layers']]:.3f}x" if r["layers"] in base else "-"
+        f = formula(r["variant"], n)
+        print(
+            f"| {r['variant']} | {r['layers']} | {r['params'] / 1e6:.1f}M | "
+            f"{r['arguments'] / MiB:.1f} MiB | {r['temporaries'] / MiB:.1f} MiB | "
+            f"{r['peak'] / MiB:.1f} MiB | {r['peak'] / r['params']:.2f} | "
+            f"{f:.2f} ({f / 16:.3f}x) | {rel} |"
+        )
+
+
+def search(args: argparse.Namespace, name: str, budget: int) -> dict:
+    """The most layers whose compiled peak fits ``budget`` MiB (doubling, then a binary
+    search), with that peak; and with ``--real`` one real step at that size."""
+    fits = lambda layers: peak(args, name, layers)["peak"] <= budget * MiB
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    row = {"budget_mib": budget} | (
+        peak(args, name, low) if low else {"variant": name, "layers": 0}
+    )
+    if args.real and low:
+        command = [sys.executable, __file__, "--one", name, str(low)]
+        command += ["--devices", str(args.devices), "--width", str(args.width)]
+        command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            row |= json.loads(done.stdout.strip().splitlines()[-1])
+        else:
+            row["real_error"] = done.stderr.strip().splitlines()[-1][:200]
+    return row
+
+
+def real_step(args: argparse.Namespace, name: str, layers: int) -> dict:
+    """One real step of ``name`` at ``layers`` layers: its time and the process's peak
+    resident memory (``ru_maxrss``: all 8 simulated devices share this process)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    mesh = jax.make_mesh((args.devices,), ("data",))
+    structs = shapes(args.width, layers, args.vocab)
+    run, abstract, _ = variant_step(args, name, structs, mesh)
+    start = time.perf_counter()
+    state = materialize(name, abstract, structs, mesh, args)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, args.vocab, size=(args.batch, args.seq + 1), dtype=np.int32)
+    rows = NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, rows)
+    made = time.perf_counter()
+    state = jax.block_until_ready(run(state, batch))
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"init_s": made - start, "step_s": time.perf_counter() - made, "rss_mib": kib / 1024}
+
+
+def materialize(name: str, abstract: Any, structs: dict, mesh: Any, args: Any) -> Any:
+    """Real arrays of a variant's state: zeroshard's from ``zs.init_train_state`` on
+    random parameters, the others' from their optimizer's init, laid out as
+    ``abstract`` says."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeroshard as zs
+
+    fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
+    if name.startswith("zeroshard-"):
+        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
+        return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
+    if name == "dropin":
+        tx = zs.sharded(optax.adam(1e-4), mesh=mesh, stacked=["blocks"])
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
+        return bf16, tx.init(bf16)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    start = lambda p: (
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), p),
+        p,
+        optax.adam(1e-4).init(p),
+    )
+    return jax.jit(start, out_shardings=shardings)(fresh)
+
+
+def _whole(mesh: Any) -> Any:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return NamedSharding(mesh, P())
+
+
+def print_largest(rows: list[dict], args: argparse.Namespace) -> None:
+    print("\n| budget | variant | layers | params | compiled peak | real step | process RSS |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        step = f"{r['step_s']:.1f} s" if "step_s" in r else r.get("real_error", "-")
+        rss = f"{r['rss_mib']:.0f} MiB" if "rss_mib" in r else "-"
+        print(
+            f"| {r['budget_mib']} MiB | {r['variant']} | {r['layers']} | "
+            f"{r.get('params', 0) / 1e6:.1f}M | {r.get('peak', 0) / MiB:.0f} MiB | {step} | {rss} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
