@@ -247,28 +247,46 @@ def batch_structs(args: argparse.Namespace, mesh: Any) -> dict:
 def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
     """The compiled per-device peak of ``name`` at ``layers`` layers (abstract values)."""
     import jax
+    import jax.numpy as jnp
+    import optax
+    from compare import transformer_loss
+
+    import zeroshard as zs
 
     mesh = jax.make_mesh((args.devices,), ("data",))
-    structs = shapes(args.width, layers, args.vocab)
+    structs, batch = shapes(args.width, layers, args.vocab), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
-    start = time.perf_counter()
-    _, state, lower = variant_step(args, name, structs, mesh)
-    stats = lower(state, batch_structs(args, mesh)).compile().memory_analysis()
-    arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
-    temp, alias = stats.temp_size_in_bytes, stats.alias_size_in_bytes
-    row = {"variant": name, "layers": layers, "params": count, "arguments": arg}
-    row |= {"outputs": out, "temporaries": temp, "aliased": alias, "peak": arg + out + temp - alias}
-    row["compile_s"] = time.perf_counter() - start
-    return row
+    start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
+    if stage:  # zeroshard's planner: its step compiled on abstract values
+        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
+        loss = transformer_loss(stage, max(1, args.width // 64))
+        stats = zs.step_memory(
+            loss, tx, mesh, structs, batch, stage=stage, param_dtype=jnp.bfloat16
+        )
+    else:
+        _, state, lower = variant_step(args, name, structs, mesh)
+        m = lower(state, batch).compile().memory_analysis()
+        stats = zs.StepMemory(
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.temp_size_in_bytes,
+            m.alias_size_in_bytes,
+        )
+    row = {"variant": name, "layers": layers, "params": count} | stats._asdict()
+    row |= {"peak": stats.peak, "compile_s": time.perf_counter() - start}
+    # The model-state estimate (zs.estimate_memory: params, grads, state, master; no
+    # temporaries), to say how far it is from the compiled peak.
+    analytic = zs.estimate_memory(count, args.devices, stage=stage or int(name != "replicated"))
+    return row | {"model_state": analytic.total}
 
 
 def print_table(rows: list[dict], n: int) -> None:
     base = {r["layers"]: r["peak"] for r in rows if r["variant"] == "replicated"}
     print(
         "\n| variant | layers | params | arguments | temporaries | peak / device | B/param "
-        "| formula | vs replicated |"
+        "| formula | vs replicated | model-state estimate |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rel = f"{r['peak'] / base[r['layers']]:.3f}x" if r["layers"] in base else "-"
         f = formula(r["variant"], n)
@@ -276,20 +294,22 @@ def print_table(rows: list[dict], n: int) -> None:
             f"| {r['variant']} | {r['layers']} | {r['params'] / 1e6:.1f}M | "
             f"{r['arguments'] / MiB:.1f} MiB | {r['temporaries'] / MiB:.1f} MiB | "
             f"{r['peak'] / MiB:.1f} MiB | {r['peak'] / r['params']:.2f} | "
-            f"{f:.2f} ({f / 16:.3f}x) | {rel} |"
+            f"{f:.2f} ({f / 16:.3f}x) | {rel} | {r['model_state'] / r['peak']:.2f}x peak |"
         )
 
 
 def search(args: argparse.Namespace, name: str, budget: int) -> dict:
-    """The most layers whose compiled peak fits ``budget`` MiB (doubling, then a binary
-    search), with that peak; and with ``--real`` one real step at that size."""
-    fits = lambda layers: peak(args, name, layers)["peak"] <= budget * MiB
-    low, high = 0, 1
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
+    """The most layers whose compiled peak fits ``budget`` MiB, with that peak; and with
+    ``--real`` one real step at that size. A stacked model's peak is affine in its
+    layers (the scan's body is one program): two compiles give the line, then the
+    fit is checked by compiling, one layer at a time."""
+    fits = lambda layers: layers < 1 or peak(args, name, layers)["peak"] <= budget * MiB
+    a, b = (peak(args, name, layers)["peak"] for layers in (4, 8))
+    low = max(0, int((budget * MiB - a) / ((b - a) / 4)) + 4)
+    while not fits(low):
+        low -= 1
+    while fits(low + 1):
+        low += 1
     row = {"budget_mib": budget} | (
         peak(args, name, low) if low else {"variant": name, "layers": 0}
     )
@@ -338,7 +358,8 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, args: Any) -
     import zeroshard as zs
 
     fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
-    if name.startswith("zeroshard-"):
+    if name.startswith("zeroshard-"):  # (its masters from bf16 values: half the host memory)
+        fresh = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
     if name == "dropin":

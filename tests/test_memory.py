@@ -4,6 +4,7 @@ import functools
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -56,6 +57,27 @@ def test_compiled_arguments_match_the_planner(stage, param_dtype, width, rng):
     est = zs.estimate_memory(params, n, stage=stage, param_dtype=param_dtype, optimizer="adamw")
     planned = est.params + est.optimizer_state + est.master
     assert compiled.argument_size_in_bytes - batch_bytes == pytest.approx(planned, rel=0.10)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_memory_is_the_compiled_step_of_the_run(stage, rng):
+    """The peak planner, on abstract values (nothing allocated), gives the memory of the
+    very program the run compiles from real arrays: arguments, outputs, temporaries
+    and aliases equal, for bf16 parameters with fp32 masters."""
+    n, width, params = 8, 256, layered_params(rng, width=256)
+    mesh = make_mesh(n)
+    tx = zs.sharded(optax.adamw(1e-3), axis_name="data")
+    loss_fn = functools.partial(layered_loss, stage=stage)
+    batch = {"x": jnp.ones((2 * n, width)), "y": jnp.zeros((2 * n, width))}
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    planned = zs.step_memory(loss_fn, tx, mesh, *structs, stage=stage, param_dtype=jnp.bfloat16)
+    state = zs.init_train_state(params, tx, mesh, param_dtype=jnp.bfloat16, stage=stage)
+    step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+    stats = step.lower(state, batch).compile().memory_analysis()
+    real = (stats.argument_size_in_bytes, stats.output_size_in_bytes)
+    real += (stats.temp_size_in_bytes, stats.alias_size_in_bytes)
+    assert tuple(planned) == real
+    assert planned.peak == real[0] + real[1] + real[2] - real[3] > 0
 
 
 def test_plan_command_prints_the_table():
@@ -111,3 +133,56 @@ def test_plan_command_prints_the_placement_of_a_model(tmp_path):
     assert "imbalance (max/mean): owned bytes 1.00, update cost 1.00" in out, out
     bad = run("--params", "mymodel:no_such_function", "--optimizer", "adam")
     assert bad.returncode == 1 and "no_such_function" in bad.stderr
+
+
+PEAK_FILE = """
+import jax
+import jax.numpy as jnp
+import zeroshard as zs
+
+
+def init_params():
+    return {"blocks": {"w": jnp.zeros((8, 256, 256))}, "head": jnp.zeros((256, 16))}
+
+
+def loss_fn(params, batch):
+    layer = zs.layer(lambda p, x: jnp.tanh(x @ p["w"]))
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), batch["x"], params["blocks"])
+    return jnp.mean((x @ zs.gather(params["head"]) - batch["y"]) ** 2)
+
+
+def make_batch():
+    return {"x": jnp.zeros((32, 256)), "y": jnp.zeros((32, 16))}
+
+
+def make_tx():
+    import optax
+    return zs.sharded(optax.adam(1e-3), stacked=["blocks"])
+"""
+
+
+def test_plan_command_prints_each_stage_s_compiled_peak(tmp_path):
+    """``--loss``/``--batch``: the compiled peak per stage on ``--devices`` simulated
+    devices, the same as zs.step_memory's; stage 3's is the smallest."""
+    (tmp_path / "peakmodel.py").write_text(PEAK_FILE)
+    args = ["--params", "peakmodel:init_params", "--optimizer", "peakmodel:make_tx"]
+    args += ["--loss", "peakmodel:loss_fn", "--batch", "peakmodel:make_batch"]
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "plan", "--devices", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "," in line]
+    peaks = {int(r.split("|")[1]): int(r.split("|")[4].replace(",", "")) for r in rows[-3:]}
+    assert sorted(peaks) == [1, 2, 3] and peaks[3] < peaks[1], out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "plan", "--devices", "4", *args[:6]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "--loss and --batch go together" in bad.stderr

@@ -29,7 +29,7 @@ from zeroshard.instruments import (
 )
 from zeroshard.logical import from_optax_state, to_optax_state
 from zeroshard.loss_scale import DynamicLossScale, LossScaleState
-from zeroshard.memory import MemoryEstimate, estimate_memory
+from zeroshard.memory import MemoryEstimate, StepMemory, estimate_memory, step_memory
 from zeroshard.peers import PeerWatchdog
 from zeroshard.preemption import PreemptionGuard
 from zeroshard.sharded import Sharded, ShardedState, ShardedTransformation, sharded
@@ -60,6 +60,7 @@ __all__ = [
     "ShardedSave",
     "ShardedState",
     "ShardedTransformation",
+    "StepMemory",
     "TrainState",
     "TrainStep",
     "__version__",
@@ -77,6 +78,7 @@ __all__ = [
     "make_train_step",
     "sharded",
     "state_bytes_per_device",
+    "step_memory",
     "summarize",
     "to_optax_state",
 ]

@@ -10,7 +10,12 @@
   mymodel:make_tx`` (a function returning an optax transformation or
   ``zs.sharded(...)``), the bytes are those of the placement ``zs.sharded`` chooses,
   which it prints too: leaves sliced, owned and layer-owned, and per device the owned
-  units, their bytes and update cost, and the imbalance.
+  units, their bytes and update cost, and the imbalance. With ``--loss
+  mymodel:loss_fn --batch mymodel:make_batch`` (the loss as ``zs.make_train_step``
+  takes it, and a function returning the global batch; both with ``--params`` a
+  function), it also prints each stage's compiled per-device peak
+  (:func:`zeroshard.step_memory`: the step lowered on abstract values on ``--devices``
+  simulated CPU devices, nothing allocated).
 """
 
 from __future__ import annotations
@@ -73,16 +78,23 @@ def _describe(manager, meta: dict) -> None:
     )
 
 
-def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
+def plan(
+    params: str, devices: int, param_dtype: str, optimizer: str, loss: str | None = None, batch=None
+) -> int:
     """Prints model-state bytes per device for ZeRO stages 0-3, and the placement
-    when ``params`` and ``optimizer`` name functions (``module:function``)."""
+    when ``params`` and ``optimizer`` name functions (``module:function``); with
+    ``loss`` and ``batch``, each stage's compiled peak."""
     import jax
 
+    if loss is not None:  # (before JAX starts: the devices to plan for, simulated)
+        jax.config.update("jax_num_cpu_devices", devices)
     from zeroshard.memory import param_count, placement_table, plan_table
 
     try:
         tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
         tx = _load(optimizer)() if ":" in optimizer else optimizer
+        loss_fn = None if loss is None else _load(loss)
+        batch = None if batch is None else jax.eval_shape(_load(batch))
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
@@ -93,7 +105,33 @@ def plan(params: str, devices: int, param_dtype: str, optimizer: str) -> int:
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
     if not isinstance(tree, float) and hasattr(tx, "init"):
         print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, devices, tx, param_dtype)}")
+    if loss_fn is not None:
+        print(f"\n{peak_table(loss_fn, tree, batch, tx, devices, param_dtype)}")
     return 0
+
+
+def peak_table(loss_fn, params, batch, tx, devices: int, param_dtype: str) -> str:
+    """Each stage's compiled peak per device (:func:`zeroshard.step_memory`)."""
+    import jax
+
+    import zeroshard as zs
+
+    tx = tx if isinstance(tx, zs.ShardedTransformation) else zs.sharded(tx)
+    mesh = jax.make_mesh((devices,), (tx.axis_name,), devices=jax.devices()[:devices])
+    lines = [
+        "| stage | arguments | temporaries | peak per device (compiled) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for stage in (1, 2, 3):
+        try:
+            m = zs.step_memory(
+                loss_fn, tx, mesh, params, batch, stage=stage, param_dtype=param_dtype
+            )
+        except ValueError as e:  # e.g. a loss that does not gather stage 3's pieces
+            lines.append(f"| {stage} | - | - | {str(e).splitlines()[0][:120]} |")
+            continue
+        lines.append(f"| {stage} | {m.arguments:,} | {m.temporaries:,} | {m.peak:,} |")
+    return "\n".join(lines)
 
 
 def _load(spec: str):
@@ -114,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "--params", required=True, help="a count (7.5e9) or module:function returning the params"
     )
     plan_cmd.add_argument("--devices", type=int, required=True)
+    plan_cmd.add_argument("--loss", help="module:function, the loss (with --batch: the peak)")
+    plan_cmd.add_argument("--batch", help="module:function returning the global batch")
     plan_cmd.add_argument("--param-dtype", default="bfloat16")
     plan_cmd.add_argument(
         "--optimizer",
@@ -129,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "plan":
-        return plan(args.params, args.devices, args.param_dtype, args.optimizer)
+        if (args.loss is None) != (args.batch is None) or (args.loss and ":" not in args.params):
+            parser.error("--loss and --batch go together, with --params module:function")
+        return plan(
+            args.params, args.devices, args.param_dtype, args.optimizer, args.loss, args.batch
+        )
     return inspect(args.directory, args.step, args.json, args.verify)
 
 

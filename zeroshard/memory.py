@@ -10,6 +10,12 @@ parameters as well, (2 + 2 + K)Ψ/N. Activations and temporaries are not counted
 zeroshard keeps a master copy only when the parameters are narrower than the master
 dtype, so fp32 parameters have K = the moments alone.
 
+:func:`estimate_memory` counts that model state. :func:`step_memory` is the planner of
+the peak: it compiles zeroshard's step for the model's shapes (lowered on abstract
+values, so nothing is allocated) and reads what the program holds per device, its
+temporaries (gradients, gathered layers, activations) included: the figure the run
+itself has, not an estimate of it.
+
 Example:
     >>> est = estimate_memory(7.5e9, 64, stage=1)
     >>> round(est.total / 1e9, 1)   # the paper's 31.4 GB
@@ -24,9 +30,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharded
+from zeroshard.step import init_train_state, make_train_step
 
 # Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
 MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
@@ -153,6 +161,94 @@ def estimate_memory(
     else:
         o = shard(_optimizer_bytes(optimizer), 1)
     return MemoryEstimate(shard(p, 3), shard(p, 2), o, shard(m, 1))
+
+
+class StepMemory(NamedTuple):
+    """What a compiled step holds on each device (``compiled.memory_analysis()``,
+    per device for an SPMD program), in bytes.
+
+    Attributes:
+      arguments: the state and the batch the step reads.
+      outputs: what it returns (the new state, the metrics).
+      temporaries: what it makes and frees inside (gradients, gathered weights,
+        activations, collective buffers).
+      aliased: outputs written into donated arguments (counted once).
+    """
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+
+    @property
+    def peak(self) -> int:
+        """The most the step holds at once: arguments + outputs + temporaries -
+        aliased."""
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def step_memory(
+    loss_fn: Any,
+    tx: ShardedTransformation,
+    mesh: jax.sharding.Mesh,
+    params: PyTree,
+    batch: PyTree,
+    *,
+    stage: int = 1,
+    param_dtype: Any = None,
+    accum_steps: int = 1,
+    has_aux: bool = False,
+) -> StepMemory:
+    """The per-device memory of :func:`zeroshard.make_train_step`'s step, before any run.
+
+    The step is built as the run builds it, lowered on abstract values (the state of
+    :func:`zeroshard.init_train_state` traced with ``jax.eval_shape``, the batch as
+    ``jax.ShapeDtypeStruct``) and compiled, so nothing is allocated and the figures are
+    those of the program that will run (for this jax, backend and mesh).
+
+    Args:
+      loss_fn: the loss, as :func:`zeroshard.make_train_step` takes it.
+      tx: the optimizer from :func:`zeroshard.sharded`.
+      mesh: the mesh to plan for.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      batch: the global batch (arrays or ``jax.ShapeDtypeStruct``).
+      stage: the ZeRO stage (1, 2 or 3).
+      param_dtype: the compute dtype of the parameters (``None``: theirs).
+      accum_steps: micro-batches per step.
+      has_aux: whether ``loss_fn`` returns aux.
+
+    Returns:
+      A :class:`StepMemory`; ``.peak`` is the most a device holds during the step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+      >>> batch = {"x": jax.ShapeDtypeStruct((16, 1024), jnp.float32)}
+      >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+      >>> memory = zs.step_memory(loss, zs.sharded(optax.adam(1e-3)), mesh, params, batch)
+      >>> weights = 4 * 1024 * 1024  # (replicated; the moments 1/N each)
+      >>> weights < memory.arguments < weights * (1 + 2 / jax.device_count()) + 2**17
+      True
+      >>> memory.peak >= memory.arguments
+      True
+    """
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    init = lambda p: init_train_state(p, tx, mesh, param_dtype=param_dtype, stage=stage)
+    on_mesh = lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
+    )
+    state = jax.tree.map(on_mesh, jax.eval_shape(init, structs))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
+    step = make_train_step(loss_fn, tx, mesh, **options)
+    stats = step.lower(state, abstract).compile().memory_analysis()
+    return StepMemory(
+        stats.argument_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.temp_size_in_bytes,
+        stats.alias_size_in_bytes,
+    )
 
 
 def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimizer: Any):

@@ -263,15 +263,24 @@ class TrainStep:
             return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
+        """``batch`` split over the batch axes; abstract values (``jax.ShapeDtypeStruct``,
+        to :meth:`lower` the step without data) given that sharding, not placed."""
         self.route.loop.check_batch(batch, self.batch_parts)
-        return jax.device_put(batch, NamedSharding(self.mesh, P(self.batch_axes)))
+        rows = NamedSharding(self.mesh, P(self.batch_axes))
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), batch
+            )
+        return jax.device_put(batch, rows)
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
         state, metrics = self.jitted(state, self._place(batch), key)
         return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
-        """Lowers the step for ``state`` and ``batch`` without running it."""
+        """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
+        ``jax.ShapeDtypeStruct`` with the state's shardings: see
+        :func:`zeroshard.step_memory`)."""
         return self.jitted.lower(state, self._place(batch), key)
 
 
