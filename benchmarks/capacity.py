@@ -24,6 +24,12 @@ per variant, each in its own process, reporting the process's peak RSS beside it
 
     .venv/bin/python benchmarks/capacity.py --width 512 --layers 4 8 16 32
     .venv/bin/python benchmarks/capacity.py --width 512 --budgets 512 1024 --real
+    .venv/bin/python benchmarks/capacity.py --plot docs/images/capacity.png \
+        --runs n2.json n4.json n8.json budget512.json budget1024.json
+
+``--plot`` draws two panels from the JSONs runs wrote: bytes per parameter against the
+device count (measured points, the ZeRO formulas as lines) and the largest model per
+budget.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 VARIANTS = ("replicated", "jit-sharded", "dropin", "zeroshard-1", "zeroshard-2", "zeroshard-3")
@@ -67,11 +74,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--real", action="store_true", help="one real step at each largest")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LAYERS"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results", help="JSON goes here")
+    parser.add_argument("--plot", help="draw this PNG from --runs (JSONs of earlier runs)")
+    parser.add_argument("--runs", nargs="*", default=[])
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.plot:
+        plot(args.plot, [json.loads(Path(path).read_text()) for path in args.runs])
+        return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -89,7 +101,8 @@ def main() -> None:
         print_largest(largest, args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
-        json.dump({"machine": machine, "peaks": rows, "largest": largest}, f, indent=1)
+        run = {"machine": machine, "devices": args.devices, "peaks": rows, "largest": largest}
+        json.dump(run, f, indent=1)
 
 
 def shapes(width: int, layers: int, vocab: int) -> dict:
@@ -320,8 +333,10 @@ def search(args: argparse.Namespace, name: str, budget: int) -> dict:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode == 0:
             row |= json.loads(done.stdout.strip().splitlines()[-1])
-        else:
-            row["real_error"] = done.stderr.strip().splitlines()[-1][:200]
+        else:  # (killed by a signal: negative; the kernel's OOM killer sends SIGKILL)
+            said = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+            row["real_error"] = said[-1][:200]
+    print(f"{name}: {budget} MiB -> {row['layers']} layers {row}", file=sys.stderr, flush=True)
     return row
 
 
@@ -354,12 +369,19 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, args: Any) -
     import jax
     import jax.numpy as jnp
     import optax
+    from jax.sharding import PartitionSpec as P
 
     import zeroshard as zs
 
-    fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
-    if name.startswith("zeroshard-"):  # (its masters from bf16 values: half the host memory)
-        fresh = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
+    if name == "zeroshard-3":  # made split over the devices (whole, it would not fit)
+        n = mesh.shape["data"]
+        dim = lambda x: next((k for k, d in enumerate(x.shape) if d % n == 0), None)
+        spec = lambda x: P() if dim(x) is None else P(*(None,) * dim(x), "data")
+        split = lambda x: jax.sharding.NamedSharding(mesh, spec(x))
+        fresh = jax.jit(lambda: init_params(structs), out_shardings=jax.tree.map(split, structs))()
+    else:
+        fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
+    if name.startswith("zeroshard-"):
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
     if name == "dropin":
@@ -392,6 +414,47 @@ def print_largest(rows: list[dict], args: argparse.Namespace) -> None:
             f"| {r['budget_mib']} MiB | {r['variant']} | {r['layers']} | "
             f"{r.get('params', 0) / 1e6:.1f}M | {r.get('peak', 0) / MiB:.0f} MiB | {step} | {rss} |"
         )
+
+
+def plot(path: str, runs: list[dict]) -> None:
+    """Bytes per parameter against N (the runs' peaks; the formulas as lines), and the
+    largest model per budget (the runs' searches), side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    ns = sorted({r["devices"] for r in runs if r["peaks"]})
+    for k, variant in enumerate(VARIANTS):
+        color = f"C{k}"
+        points = [(r["devices"], p) for r in runs for p in r["peaks"] if p["variant"] == variant]
+        left.plot(
+            [n for n, _ in points], [p["peak"] / p["params"] for _, p in points], "o", color=color
+        )
+        if variant in ("replicated", "zeroshard-1", "zeroshard-2", "zeroshard-3"):
+            left.plot(ns, [formula(variant, n) for n in ns], "--", color=color, alpha=0.6)
+        best = sorted(
+            (r["budget_mib"], r.get("params", 0))
+            for x in runs
+            for r in x["largest"]
+            if r["variant"] == variant
+        )
+        right.plot(
+            [b for b, _ in best], [p / 1e6 for _, p in best], "o-", color=color, label=variant
+        )
+    left.set(xlabel="devices N", ylabel="compiled peak / parameter (bytes)")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log", base=2)
+    left.set_xticks(ns, [str(n) for n in ns])
+    left.set_yticks([2, 4, 8, 16], ["2", "4", "8", "16"])
+    left.minorticks_off()
+    left.set_title("bytes per parameter (points: compiled; dashed: ZeRO formula)")
+    right.set(xlabel="per-device budget (MiB)", ylabel="largest model (M parameters)")
+    right.set_title("largest stacked transformer that fits, N = 8")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

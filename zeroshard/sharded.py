@@ -86,11 +86,17 @@ class Sharded:
         plan = self.plan(params, jax.lax.axis_size(axis))
         source = params if master_params is None else master_params
         plan.layout.check_matches(source, "master_params")
-        pieces = plan.on_view.grouped(
-            plan.to_inner(plan.layout.pieces(source, jax.lax.axis_index(axis)))
-        )
+        pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
+        return self.init_parts(plan, pieces, owned_wholes(plan, source))
+
+    def init_parts(self, plan: Plan, pieces: list, wholes: list) -> ShardedState:
+        """This device's state from its 1-D pieces of the sliced leaves' master values
+        (``None`` at owned leaves) and the owned leaves' full ones
+        (:func:`zeroshard.branches.owned_wholes`), inside ``shard_map``."""
+        axis = self.config.axis_name
+        pieces = plan.on_view.grouped(plan.to_inner(pieces))
         master = plan.master_tree(pieces)
-        inner_state, owned = init_parts(self.inner, plan, axis, pieces, owned_wholes(plan, source))
+        inner_state, owned = init_parts(self.inner, plan, axis, pieces, wholes)
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
         zero = jnp.zeros((), jnp.float32)
         return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)

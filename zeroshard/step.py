@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard import step_io
+from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
 from zeroshard.layout import PyTree
 from zeroshard.mesh import StepContext, check_mesh, in_step, run_on_mesh
@@ -106,20 +107,53 @@ def init_train_state(
     check_stage(stage)
     num_shards = mesh.shape[axis_name]
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
+    specs = state_specs(tx, jax.eval_shape(partial(jax.tree.map, cast), params), num_shards, stage)
+    copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    if stage == 3:  # (never the whole model on every device: see _stage3_parts)
+        plan = tx.plan(jax.eval_shape(partial(jax.tree.map, cast), params), num_shards)
+        parts, part_specs = _stage3_parts(plan.layout, params, mesh, axis_name)
+
+        def local_parts(parts: list, model_state: PyTree) -> TrainState:
+            index, layout = jax.lax.axis_index(axis_name), plan.layout
+            pieces = layout.sliced(lambda s, x: x.reshape(-1), parts)
+            opt_state = tx.optimizer.init_parts(plan, pieces, owned_wholes(plan, parts_tree(parts)))
+            cut = lambda s, x: cast(x).reshape(-1) if not s.owned else s.cut(cast(x), index)
+            shards = to_shards(
+                layout, [cut(s, x) for s, x in zip(layout.slots, parts, strict=True)]
+            )
+            return TrainState(jnp.zeros((), jnp.int32), shards, opt_state, copy(model_state))
+
+        parts_tree = plan.layout.treedef.unflatten
+        return run_on_mesh(
+            local_parts, mesh, axis_name, ((part_specs, P()), specs), parts, model_state
+        )
 
     def local_init(master_params: PyTree, model_state: PyTree) -> TrainState:
         params = jax.tree.map(cast, master_params)
         opt_state = tx.optimizer.init_local(params, master_params)
-        if stage == 3:
-            layout, index = tx.plan(params, num_shards).layout, jax.lax.axis_index(axis_name)
-            leaves = zip(layout.slots, layout.treedef.flatten_up_to(params), strict=True)
-            params = to_shards(layout, [s.cut(x, index) for s, x in leaves])  # owned ones too
-        model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, copy(model_state))
 
-    specs = state_specs(tx, jax.eval_shape(partial(jax.tree.map, cast), params), num_shards, stage)
     # The same out_specs as the step's, so the first step sees the shardings it returns.
     return run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
+
+
+def _stage3_parts(layout: Any, params: PyTree, mesh: Any, axis_name: str) -> tuple[list, list]:
+    """Every device's piece of each sliced leaf, laid out on ``mesh`` one leaf at a time
+    (``(num_shards, piece_size)``, row ``d`` on device ``d``), and the owned leaves whole
+    (replicated): the parts a stage-3 state is made from. Cutting the pieces leaf by
+    leaf keeps at most one leaf whole per device while the state is laid out; laying
+    the whole tree out on every device first would need more memory than training."""
+    rows = NamedSharding(mesh, P(axis_name))
+    whole = NamedSharding(mesh, P())
+    parts, specs = [], []
+    for s, x in zip(layout.slots, layout.treedef.flatten_up_to(params), strict=True):
+        if s.owned:
+            parts.append(jax.device_put(x, whole)), specs.append(P())
+            continue
+        # (the leaf whole on every device for a moment: its pieces' layout is not its own)
+        parts.append(jax.jit(s.blocks, out_shardings=rows)(jax.device_put(x, whole)))
+        specs.append(P(axis_name))
+    return parts, specs
 
 
 @dataclasses.dataclass(eq=False)
