@@ -116,14 +116,14 @@ def init_train_state(
         def local_parts(parts: list, model_state: PyTree) -> TrainState:
             index, layout = jax.lax.axis_index(axis_name), plan.layout
             pieces = layout.sliced(lambda s, x: x.reshape(-1), parts)
-            opt_state = tx.optimizer.init_parts(plan, pieces, owned_wholes(plan, parts_tree(parts)))
+            wholes = owned_wholes(plan, layout.treedef.unflatten(parts))
+            opt_state = tx.optimizer.init_parts(plan, pieces, wholes)
             cut = lambda s, x: cast(x).reshape(-1) if not s.owned else s.cut(cast(x), index)
             shards = to_shards(
                 layout, [cut(s, x) for s, x in zip(layout.slots, parts, strict=True)]
             )
             return TrainState(jnp.zeros((), jnp.int32), shards, opt_state, copy(model_state))
 
-        parts_tree = plan.layout.treedef.unflatten
         return run_on_mesh(
             local_parts, mesh, axis_name, ((part_specs, P()), specs), parts, model_state
         )
