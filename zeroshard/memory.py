@@ -182,8 +182,8 @@ class StepMemory(NamedTuple):
 
     @property
     def peak(self) -> int:
-        """The most the step holds at once: arguments + outputs + temporaries -
-        aliased."""
+        """The most the step holds at once (arguments, outputs and temporaries, less
+        the aliased outputs)."""
         return self.arguments + self.outputs + self.temporaries - self.aliased
 
 
