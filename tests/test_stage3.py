@@ -209,3 +209,16 @@ def test_gather_and_layer_take_the_axis_of_the_step(rng):
         zs.gather(state.params["scale"])
     with pytest.raises(ValueError, match="zs.layer " + match):
         zs.layer(dense)(state.params["layers"][0], batches[0]["x"])
+
+
+def test_stage3_state_from_parameters_split_over_the_devices(rng):
+    """``init_train_state(stage=3)`` lays the pieces out leaf by leaf from parameters in
+    any placement: from leaves split over the mesh it gives the same state, bit for
+    bit, as from the parameters whole."""
+    mesh, tx = make_mesh(8), zs.sharded(optax.adamw(1e-2), axis_name="data")
+    params = make_params(rng, layers=2)
+    split = lambda x: jax.sharding.NamedSharding(mesh, P("data") if x.ndim else P())
+    spread = jax.device_put(params, jax.tree.map(split, params))
+    states = [zs.init_train_state(p, tx, mesh, stage=3) for p in (params, spread)]
+    same = [zs.to_optax_state(s, tx) for s in states]
+    jax.tree.map(np.testing.assert_array_equal, *same)
