@@ -127,7 +127,8 @@ class Plan:
         group per state role (``mu``, ``nu``, ...), in the same order.
       state_dtypes: per leaf of the inner state, its dtype.
       state_structs: per leaf of the inner state, its full shape and dtype.
-      order: the order of the sums in the update (:class:`zeroshard.sums.Psum`).
+      order: the order of the sums in the update, bound to the layout's leaves
+        (:class:`zeroshard.sums.Psum`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
         leaves (and their state) and computes the others as it does with every leaf
         present; else the hidden leaves are zero-element arrays.
@@ -260,7 +261,7 @@ class Plan:
             for i, s in enumerate(slots)
             if (not s.owned and not s.blocked and i not in sliced) or (i in sums and s.layered)
         }
-        order = self.order.over(slots)
+        order = self.order
         partial = any(len(x) > 1 or x & sliced.keys() for x in self.analysis.sums)
         if not (order.rewrites or sums or partial or self.layout.blocked):
             return inner.update(grads, state, params, **extra_args)
@@ -490,7 +491,8 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     branch_of = tuple(branches.index(o) for o in profiles)
     plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
     structs = tuple(jax.tree.leaves(full_state))
-    plan = dataclasses.replace(plan, order=config.sum_order, state_structs=structs)
+    order = config.sum_order.over(layout.slots)  # (its sums run over these leaves)
+    plan = dataclasses.replace(plan, order=order, state_structs=structs)
     gathered = frozenset().union(*(g for *_, g in blocks.values()))
     kept = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
     store = {k: BlockedState(a, k in gathered) for k, a in kept.items()}

@@ -107,10 +107,11 @@ def init_train_state(
     check_stage(stage)
     num_shards = mesh.shape[axis_name]
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
-    specs = state_specs(tx, jax.eval_shape(partial(jax.tree.map, cast), params), num_shards, stage)
+    structs = jax.eval_shape(partial(jax.tree.map, cast), params)
+    specs = state_specs(tx, structs, num_shards, stage)
     copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
     if stage == 3:  # (never the whole model on every device: see _stage3_parts)
-        plan = tx.plan(jax.eval_shape(partial(jax.tree.map, cast), params), num_shards)
+        plan = tx.plan(structs, num_shards)
         parts, part_specs = _stage3_parts(plan.layout, params, mesh, axis_name)
 
         def local_parts(parts: list, model_state: PyTree) -> TrainState:
