@@ -30,11 +30,11 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, PASS_THROUGH, open_jaxpr, scan_parts, walk
 from zeroshard.analysis.tags import Program, Sums, Tagger
+from zeroshard.collectives import varies, vary
 from zeroshard.sums import bound
 
 PARTIAL = "partial"
@@ -145,10 +145,9 @@ class Evaluator:
     def typed(self, values: list) -> list:
         """``values`` typed varying over the axis alike, where some are (a whole value
         computed here, by a ``psum``, meeting a block or a sliced leaf's piece)."""
-        varying = [self.axis_name in _vma(x) for x in values]
+        varying = [varies(x, self.axis_name) for x in values]
         if any(varying) and not all(varying):
-            cast = lambda x: x if self.axis_name in _vma(x) else _vary(x, self.axis_name)
-            return [cast(x) for x in values]
+            return [vary(x, self.axis_name) for x in values]
         return values
 
     def bind(self, eqn: Any, values: list, **params: Any) -> list:
@@ -381,17 +380,6 @@ def _divided(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
 
 def _shape(var: Any) -> tuple[int, ...]:
     return tuple(var.aval.shape) if isinstance(var, jex_core.Var | jex_core.Literal) else ()
-
-
-def _vma(x: Any) -> frozenset:
-    try:
-        return jax.typeof(x).manual_axis_type.varying
-    except (AttributeError, TypeError):
-        return frozenset()
-
-
-def _vary(x: Any, axis_name: str) -> Any:
-    return jax.lax.pcast(jnp.asarray(x), axis_name, to="varying")
 
 
 def _kinds(xs: list[Block]) -> list[str]:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.blocks import init_blocked
+from zeroshard.collectives import varies, vary
 from zeroshard.layout import PyTree
 from zeroshard.placement import Plan
 from zeroshard.rows import pack, unpack
@@ -42,15 +43,7 @@ def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
 
 def varying(tree: PyTree, axis_name: str) -> PyTree:
     """``tree`` typed as varying over ``axis_name`` (a cast; no data moves)."""
-    return jax.tree.map(lambda x: _vary(x, axis_name), tree)
-
-
-def _vary(x: jax.Array, axis_name: str) -> jax.Array:
-    return x if _varies(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
-
-
-def _varies(x: jax.Array, axis_name: str) -> bool:
-    return axis_name in jax.typeof(x).manual_axis_type.varying
+    return jax.tree.map(lambda x: vary(x, axis_name), tree)
 
 
 def varying_like(tree: PyTree, like: PyTree, axis_name: str) -> PyTree:
@@ -59,9 +52,7 @@ def varying_like(tree: PyTree, like: PyTree, axis_name: str) -> PyTree:
     branches of the non-finite conditional agree. A leaf the update builds from
     constants (the factored moments of a one-element stand-in, say) is invariant,
     while its old value from a branch is varying."""
-    return jax.tree.map(
-        lambda x, y: _vary(x, axis_name) if _varies(y, axis_name) else x, tree, like
-    )
+    return jax.tree.map(lambda x, y: vary(x, axis_name) if varies(y, axis_name) else x, tree, like)
 
 
 def replicated_again(plan: Plan, axis_name: str, inner_state: PyTree) -> PyTree:

@@ -10,6 +10,7 @@ into one collective (:func:`all_gathered_parts`, :func:`summed_parts`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,19 +21,46 @@ from zeroshard.layout import PyTree
 from zeroshard.rows import spans
 
 
+def axes_of(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``axis_name`` (one mesh axis or a tuple of them) as a tuple."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def mesh_size(mesh: Any, axis_name: str | tuple[str, ...]) -> int:
+    """The number of devices of ``mesh`` along ``axis_name`` (the product, for several)."""
+    return math.prod(mesh.shape[a] for a in axes_of(axis_name))
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual axes ``x`` (an array, a tracer or a jaxpr variable) is typed as
+    varying over; none for a value outside ``shard_map``."""
+    aval = getattr(x, "aval", None)
+    try:
+        return (aval or jax.typeof(x)).manual_axis_type.varying
+    except (AttributeError, TypeError):
+        return frozenset()
+
+
+def varies(x: Any, axes: str | tuple[str, ...]) -> bool:
+    """Whether ``x`` is typed varying over every one of ``axes``."""
+    return set(axes_of(axes)) <= varying_axes(x)
+
+
+def vary(x: Any, axes: str | tuple[str, ...]) -> jax.Array:
+    """``x`` typed varying over ``axes`` (a cast, over those it does not vary over yet;
+    no data moves)."""
+    missing = tuple(a for a in axes_of(axes) if a not in varying_axes(x))
+    return jax.lax.pcast(jnp.asarray(x), missing, to="varying") if missing else x
+
+
 def is_identity(x: PyTree, axes: str | tuple[str, ...]) -> bool:
     """Whether a collective of ``x`` over ``axes`` is the identity and can be left out:
     the axes hold one device and no leaf of ``x`` is typed as varying over them (in a
     ``shard_map`` with ``check_vma=False``, or on invariant values). Where a leaf is
     varying, only the collective makes it invariant, so it stays."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    if any(jax.lax.axis_size(a) != 1 for a in axes):
+    if any(jax.lax.axis_size(a) != 1 for a in axes_of(axes)):
         return False
-    for leaf in jax.tree.leaves(x):
-        manual = getattr(jax.typeof(leaf), "manual_axis_type", None)
-        if set(getattr(manual, "varying", ())) & set(axes):
-            return False
-    return True
+    return not any(varying_axes(leaf) & set(axes_of(axes)) for leaf in jax.tree.leaves(x))
 
 
 def all_gathered(x: jax.Array, axis_name: str, **kwargs: Any) -> jax.Array:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.canonical import FixedOrder
+from zeroshard.collectives import axes_of
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
 from zeroshard.quantized import Quantizer, quantizer
@@ -48,7 +49,8 @@ class ShardConfig:
     may be trees or functions.
 
     Attributes:
-      axis_name: the mesh axis the batch and the state are split over.
+      axis_name: the mesh axis the batch and the state are split over, or a tuple of
+        axes (the batch and the state split over all of them, major to minor).
       master_dtype: dtype of the master weights of narrower parameters, or ``None``.
       reduce_dtype: dtype of the gradient reduce-scatter, or ``None`` (the gradients').
       replica_axis: a second data-parallel axis the state is replicated over, or ``None``.
@@ -82,7 +84,7 @@ class ShardConfig:
         quantized collectives.
     """
 
-    axis_name: str = "data"
+    axis_name: str | tuple[str, ...] = "data"
     master_dtype: Any = jnp.float32
     reduce_dtype: Any = None
     replica_axis: str | None = None
@@ -109,6 +111,7 @@ class ShardConfig:
         if self.mesh is not None:
             check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
         normal = functools.partial(object.__setattr__, self)  # (frozen: set once, here)
+        normal("axis_name", self.axes[0] if len(self.axes) == 1 else self.axes)
         normal("master_dtype", _dtype(self.master_dtype))
         normal("reduce_dtype", _dtype(self.reduce_dtype))
         normal("skip_nonfinite", bool(self.skip_nonfinite))
@@ -143,10 +146,15 @@ class ShardConfig:
         return quantizer(self.quantize_weights, self.quantize_block)
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the state is split over: ``axis_name``, as a tuple."""
+        return axes_of(self.axis_name)
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (the replica axis, if any, then the
-        sharding axis)."""
-        return tuple(a for a in (self.replica_axis, self.axis_name) if a is not None)
+        sharding axes)."""
+        return (*(() if self.replica_axis is None else (self.replica_axis,)), *self.axes)
 
 
 def _dtype(dtype: Any) -> np.dtype | None:
@@ -160,12 +168,18 @@ def _stacked(stacked: Stacked) -> Stacked:
 
 
 def _check_axes(axis_name: Any, replica_axis: Any) -> None:
-    for name, axis in (("axis_name", axis_name), ("replica_axis", replica_axis)):
-        if not isinstance(axis, str) and not (name == "replica_axis" and axis is None):
-            raise TypeError(f"{name} must be a mesh axis name (str), got {axis!r}.")
-    if replica_axis == axis_name:
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not (isinstance(names, tuple) and names and all(isinstance(a, str) for a in names)):
+        raise TypeError(
+            f"axis_name must be a mesh axis name (str) or a tuple of them, got {axis_name!r}."
+        )
+    if not isinstance(replica_axis, str | None):
+        raise TypeError(f"replica_axis must be a mesh axis name (str), got {replica_axis!r}.")
+    if len(set(names)) < len(names):
+        raise ValueError(f"axis_name names an axis twice: {axis_name!r}.")
+    if replica_axis in names:
         raise ValueError(
-            f"replica_axis must differ from axis_name (both {axis_name!r}): the state is "
+            f"replica_axis must differ from axis_name (both {replica_axis!r}): the state is "
             "sharded over axis_name and replicated over replica_axis."
         )
 
@@ -232,11 +246,12 @@ def _check_loss_scale(loss_scale: Any, skip_nonfinite: bool) -> None:
         )
 
 
-def check_mesh_axes(mesh: Any, axis_name: str, replica_axis: str | None) -> None:
+def check_mesh_axes(mesh: Any, axis_name: str | tuple[str, ...], replica_axis: str | None) -> None:
     """Refuses, naming the fix, a mesh that lacks one of the optimizer's axes."""
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    for name, axis in (("axis_name", axis_name), ("replica_axis", replica_axis)):
+    named = [("axis_name", a) for a in axes_of(axis_name)] + [("replica_axis", replica_axis)]
+    for name, axis in named:
         if axis is not None and axis not in mesh.axis_names:
             raise ValueError(
                 f"mesh has no axis {axis!r} (its axes: {tuple(mesh.axis_names)}): the "

@@ -36,14 +36,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
+from zeroshard.collectives import axes_of, mesh_size
 from zeroshard.layout import Layout, PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh
+from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh, with_layout
 from zeroshard.placement import Key, Plan
-from zeroshard.sharded import ShardedTransformation, optimizer_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of, state_axes
 from zeroshard.stage3 import full_structs, stage_of, to_shards
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
@@ -268,10 +270,11 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       as ``inner.init(params)`` would shape it. Leaves are sharded over the axis along
       their first dimension where it divides by the axis size, else replicated.
     """
-    mesh = mesh_of(state)
+    mesh, tx = mesh_of(state), tx.over(state_axes(state.opt_state))
     stage = stage_of(state.params)
-    layout = tx.plan(full_structs(state.params), mesh.shape[tx.axis_name]).layout
-    return _to_optax_converter(tx, mesh, stage, layout)(state.params, state.opt_state)
+    layout = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name)).layout
+    params = with_layout(state.params, NamedSharding(mesh, P()))  # (Explicit axes: whole)
+    return _to_optax_converter(tx, mesh, stage, layout)(params, state.opt_state)
 
 
 @functools.lru_cache(maxsize=64)
@@ -308,7 +311,7 @@ def _to_optax_converter(
     in_specs = (specs.params, specs.opt_state)
     out_specs = _specs(logical_structs(plan, tx), num_shards, axis)
     convert = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes_of(axis))
     )
     return jax.jit(convert)
 
@@ -358,7 +361,7 @@ def from_optax_state(
     compute_structs = jax.tree.map(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
     )
-    num_shards = mesh.shape[axis_name]
+    num_shards = mesh_size(mesh, axis_name)
     plan = tx.plan(compute_structs, num_shards)
     params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")

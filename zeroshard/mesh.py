@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.collectives import axes_of
 from zeroshard.config import ShardConfig, check_mesh_axes
 from zeroshard.layout import PyTree
 
@@ -39,28 +40,36 @@ def check_mesh(config: ShardConfig, mesh: jax.sharding.Mesh, axis_name: str | No
 
 
 def find_mesh(
-    config: ShardConfig, tree: PyTree = None, mesh: Any = None, *, context: bool = True
+    config: ShardConfig,
+    tree: PyTree = None,
+    mesh: Any = None,
+    *,
+    context: bool = True,
+    any_axes: bool = False,
 ) -> Any:
     """``mesh``, else ``config.mesh``, else (with ``context``) the mesh set with
     ``jax.set_mesh``, else the mesh the arrays of ``tree`` are laid out on: the first
-    with ``config.axis_name``.
+    with ``config.axis_name`` (with ``any_axes``, the first at all: the one-line
+    drop-in spreads its state over every axis of whatever mesh it is on).
 
     Raises:
       ValueError: if none is known, or (with ``context``) the mesh found differs
         from the one set with ``jax.set_mesh``, naming the fixes.
     """
     axis = config.axis_name
+    wanted = set() if any_axes else set(config.axes)
+    has_axes = lambda m: not m.empty and wanted <= set(m.axis_names)
     current = jax.sharding.get_abstract_mesh()
     if mesh is not None or config.mesh is not None:
         return _agreed(config.mesh if mesh is None else mesh, current, context, "mesh=", axis)
-    if context and not current.empty and axis in current.axis_names:
+    if context and has_axes(current):
         return current
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, NamedSharding):  # a tracer: its type's sharding
             sharding = getattr(jax.typeof(leaf), "sharding", None)
         found = getattr(sharding, "mesh", None)
-        if found is not None and not found.empty and axis in found.axis_names:
+        if found is not None and has_axes(found):
             return _agreed(found, current, context, "the arrays' layout", axis)
     if not context:
         raise ValueError(
@@ -180,6 +189,23 @@ def run_on_mesh(
     named = lambda spec: NamedSharding(mesh, spec)
     placed = jax.device_put(args, jax.tree.map(named, in_specs, is_leaf=lambda x: isinstance(x, P)))
     run = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name}
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes_of(axis_name))
     )
     return jax.jit(run)(*placed)
+
+
+def with_layout(tree: PyTree, like: Any) -> PyTree:
+    """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
+    arrays, or one ``NamedSharding`` for every leaf); unchanged where the types carry no
+    layout (Auto axes: the compiler places it)."""
+    one = isinstance(like, NamedSharding)
+
+    def put(x: Any, y: Any = None) -> Any:
+        target = like if one else getattr(jax.typeof(y), "sharding", None)
+        mesh = getattr(target, "mesh", None)
+        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is None or mesh.empty or AxisType.Explicit not in getattr(own, "axis_types", ()):
+            return x
+        return jax.sharding.reshard(x, target)
+
+    return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)

@@ -50,6 +50,7 @@ from zeroshard.analysis import (
     trace_update,
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
+from zeroshard.collectives import vary
 from zeroshard.layout import Layout, PyTree
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
@@ -456,7 +457,7 @@ class Joined:
 
 def _empty(shape: tuple[int, ...], dtype: Any, axis_name: str) -> jax.Array:
     """Zeros of ``shape``, typed varying over the axis as the pieces they stand with."""
-    return jax.lax.pcast(jnp.zeros(shape, dtype), axis_name, to="varying")
+    return vary(jnp.zeros(shape, dtype), axis_name)
 
 
 def leaf_cost(slot: Any, matrix: bool) -> float:

@@ -20,15 +20,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
+from zeroshard.collectives import axes_of, mesh_size
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import bound_axis_size, find_mesh
+from zeroshard.mesh import bound_axis_size, find_mesh, with_layout
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
@@ -65,14 +66,28 @@ class Sharded:
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
         return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
 
+    def spanning(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Sharded:
+        """This optimizer with its state split over every axis of ``mesh`` but the
+        replica axis: the one-line drop-in's. Where ``update`` takes the mean gradient
+        (reduced already, the same on every device), nothing ties the state to the
+        batch's axes, so each of the N devices keeps 1/N of it, whatever the mesh and
+        whatever the parameters' own layout over it (tensor parallelism, FSDP)."""
+        return self.over(tuple(a for a in mesh.axis_names if a != self.config.replica_axis))
+
+    def over(self, axes: tuple[str, ...]) -> Sharded:
+        """This optimizer with its state split over ``axes`` (itself, where they are
+        its own ``axis_name``'s, or none are given)."""
+        return _over(self, tuple(axes) or self.config.axes)
+
     def init(self, params: PyTree) -> ShardedState:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
-        global state, 1/N per device, on the mesh of :func:`zeroshard.mesh.find_mesh`
-        (eagerly, or inside the user's ``jax.jit``)."""
+        global state, 1/N per device of every axis (:meth:`spanning`), on the mesh of
+        :func:`zeroshard.mesh.find_mesh` (eagerly, or inside the user's ``jax.jit``)."""
         params = _values(params)
         if bound_axis_size(self.config.axis_name) is not None:
             return self.init_local(params)
-        return self.init_global(params, find_mesh(self.config, params))
+        mesh = find_mesh(self.config, params, any_axes=True)
+        return self.spanning(mesh).init_global(params, mesh)
 
     def init_local(self, params: PyTree, master_params: PyTree | None = None) -> ShardedState:
         """This device's state, inside ``shard_map`` over the sharding axis.
@@ -114,10 +129,10 @@ class Sharded:
             self.init_local,
             mesh=mesh,
             in_specs=(P(), P()),
-            out_specs=self.state_specs(params, mesh.shape[axis]),
+            out_specs=self.state_specs(params, mesh_size(mesh, axis)),
             axis_names=set(mesh.axis_names),
         )
-        whole = lambda tree: _with_layout(tree, NamedSharding(mesh, P()))
+        whole = lambda tree: with_layout(tree, NamedSharding(mesh, P()))
         return jax.jit(init)(whole(params), whole(master_params))
 
     def update(
@@ -155,24 +170,29 @@ class Sharded:
         """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
         ``grads`` is the mean gradient, already reduced by the program that computed
         it; each device cuts its part out, updates it, and the new parameters are
-        all-gathered whole (see :class:`zeroshard.arrival.CutMean`)."""
-        axis, route = self.config.axis_name, Route.of(self.config, 1, mean=True)
-        mesh = find_mesh(self.config, state)
-        specs = self.state_specs(params, mesh.shape[axis])
+        all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
+        over every device (:meth:`spanning`)."""
+        mesh = find_mesh(self.config, state, any_axes=True)
+        opt = self.spanning(mesh)
+        route, num_shards = (
+            Route.of(opt.config, 1, mean=True),
+            mesh_size(mesh, opt.config.axis_name),
+        )
+        specs = opt.state_specs(params, num_shards)
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to
         # the parameters' own layout afterwards.
         step = jax.shard_map(
-            functools.partial(self._local_update, route),
+            functools.partial(opt._local_update, route),
             mesh=mesh,
             in_specs=(P(), specs, P(), P()),
             out_specs=(P(), specs),
             axis_names=set(mesh.axis_names),
-            check_vma=mesh.shape[axis] > 1,
+            check_vma=num_shards > 1,
         )
-        grads_in, params_in = (_with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
+        grads_in, params_in = (with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
         new, state = step(grads_in, state, params_in, extra_args)
-        return _with_layout(new, params), state
+        return with_layout(new, params), state
 
     def _local_update(
         self, route: Route, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
@@ -215,21 +235,11 @@ def _values(tree: PyTree) -> PyTree:
     return tree if nnx is None else nnx.as_pure(tree)
 
 
-def _with_layout(tree: PyTree, like: Any) -> PyTree:
-    """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
-    arrays, or one ``NamedSharding`` for every leaf); unchanged where the types carry no
-    layout (Auto axes: the compiler places it)."""
-    one = isinstance(like, NamedSharding)
-
-    def put(x: Any, y: Any = None) -> Any:
-        target = like if one else getattr(jax.typeof(y), "sharding", None)
-        mesh = getattr(target, "mesh", None)
-        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is None or mesh.empty or AxisType.Explicit not in getattr(own, "axis_types", ()):
-            return x
-        return jax.sharding.reshard(x, target)
-
-    return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)
+@functools.lru_cache(maxsize=256)
+def _over(opt: Sharded, axes: tuple[str, ...]) -> Sharded:
+    if axes == opt.config.axes:
+        return opt
+    return Sharded(opt.inner, dataclasses.replace(opt.config, axis_name=axes))
 
 
 @functools.lru_cache(maxsize=256)
@@ -278,6 +288,16 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def axis_name(self) -> str:
         return self.config.axis_name
 
+    def spanning(self, mesh: jax.sharding.Mesh) -> ShardedTransformation:
+        """The drop-in's transformation on ``mesh`` (see :meth:`Sharded.spanning`)."""
+        return self.over(self.optimizer.spanning(mesh).config.axes)
+
+    def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
+        """This transformation with its state split over ``axes`` (see
+        :meth:`Sharded.over`); e.g. ``tx.over(state_axes(opt_state))``."""
+        opt = self.optimizer.over(axes)
+        return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
+
     def plan(self, params: PyTree, num_shards: int) -> Plan:
         """See :meth:`Sharded.plan`."""
         return self.optimizer.plan(params, num_shards)
@@ -285,6 +305,16 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
         """See :meth:`Sharded.state_specs`."""
         return self.optimizer.state_specs(params, num_shards)
+
+
+def state_axes(opt_state: ShardedState) -> tuple[str, ...]:
+    """The mesh axes a global :class:`zeroshard.ShardedState` is split over, as its
+    arrays are laid out: a step's, its optimizer's ``axis_name``; the one-line
+    drop-in's, every axis of its mesh but the replica axis (:meth:`Sharded.spanning`);
+    ``()`` where the layout says none (every axis of one device)."""
+    specs = [getattr(x.sharding, "spec", ()) for x in jax.tree.leaves(opt_state)]
+    split = [axes_of(spec[-1]) for spec in specs if spec and spec[-1] is not None]
+    return max(split, key=len, default=())  # (a sliced piece's last dimension)
 
 
 def optimizer_of(tx: Any) -> Sharded:

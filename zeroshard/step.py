@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard import step_io
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
+from zeroshard.collectives import mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.mesh import StepContext, check_mesh, in_step, run_on_mesh
 from zeroshard.microbatches import OneBatch
@@ -105,7 +106,7 @@ def init_train_state(
     """
     axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    num_shards = mesh.shape[axis_name]
+    num_shards = mesh_size(mesh, axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
     specs = state_specs(tx, structs, num_shards, stage)
@@ -276,7 +277,7 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = state_specs(self.tx, state.params, self.mesh.shape[self.axis_name], self.stage)
+        specs = state_specs(self.tx, state.params, mesh_size(self.mesh, self.axis_name), self.stage)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:

@@ -23,6 +23,7 @@ from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
+from zeroshard.collectives import varies, vary
 from zeroshard.layout import Slot
 
 # Evaluated on invariant operands, these give the same value on every device.
@@ -135,14 +136,12 @@ def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, order: Psum, scalars:
 
 def _varying(x: Any, axis: str) -> bool:
     """Whether ``x``, a value or a traced variable, is typed varying over ``axis``."""
-    if isinstance(x, jex_core.Var):
-        return axis in x.aval.manual_axis_type.varying
-    return isinstance(x, jax.Array) and axis in jax.typeof(x).manual_axis_type.varying
+    return isinstance(x, jex_core.Var | jax.Array) and varies(x, axis)
 
 
 def _vary(x: Any, axis: str, traced: bool) -> Any:
     """``x``, cast to varying over ``axis`` where it was ``traced`` so and is not."""
-    return jax.lax.pcast(x, axis, to="varying") if traced and not _varying(x, axis) else x
+    return vary(x, axis) if traced and not _varying(x, axis) else x
 
 
 def _exact(sums: Sums, xs: list, axis: str, order: Psum) -> list:

@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import KEEPS_SHAPE, PASS_THROUGH, RESHAPING, has_matmul, walk
+from zeroshard.collectives import axes_of
 from zeroshard.layout import Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
@@ -231,7 +232,9 @@ class Tagger:
             generated = GENERATED in kinds or name in _GENERATORS
             big = generated and any(v.aval.size > 1 for v in eqn.outvars)
             return [(GENERATED, _NONE) if big else CLEAN_TAG] * n_out
-        if name.startswith("psum") and self.axis_name in eqn.params.get("axes", ()):
+        if name.startswith("psum") and set(axes_of(self.axis_name)) <= set(
+            eqn.params.get("axes", ())
+        ):
             if kinds & {ELEM, WHOLE}:
                 _refuse(eqn, "sums per-element or whole-tensor values across devices")
             return [CLEAN_TAG] * n_out

@@ -59,6 +59,7 @@ from zeroshard.checkpointing.integrity import (
     read_or_refuse,
     record,
 )
+from zeroshard.collectives import mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.logical import (
     describe,
@@ -130,7 +131,7 @@ def save_item(
         "step": int(state.step),
         "skipped_steps": int(state.opt_state.skipped),
         "loss_scale": None if scale is None else [float(scale.scale), int(scale.good_steps)],
-        "num_shards": mesh.shape[tx.axis_name],
+        "num_shards": mesh_size(mesh, tx.axis_name),
         "axis_name": tx.axis_name,
         "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
         "master_dtype": None if tx.config.master_dtype is None else tx.config.master_dtype.name,
@@ -276,7 +277,7 @@ def restore_item(
     """
     like, model_state = full_structs(like), full_structs(model_state)
     check_mesh(optimizer_of(tx).config, mesh, tx.axis_name)
-    logical = logical_structs(tx.plan(like, mesh.shape[tx.axis_name]), tx)
+    logical = logical_structs(tx.plan(like, mesh_size(mesh, tx.axis_name)), tx)
     check_matches(saved, where, like, logical, model_state)
     params, opt_state = logical
     item = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
@@ -356,7 +357,7 @@ def placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = Non
     ``mesh`` as saved: split along ``axis_name`` (default: the mesh's first axis) where
     :func:`zeroshard.logical.logical_spec` splits them."""
     axis = mesh.axis_names[0] if axis_name is None else axis_name
-    num = mesh.shape[axis]
+    num = mesh_size(mesh, axis)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, logical_spec(x.shape, num, axis))

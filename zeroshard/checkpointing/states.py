@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.mesh import find_mesh, mesh_of
-from zeroshard.sharded import ShardedTransformation, optimizer_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of, state_axes
 from zeroshard.stage3 import stage_of
 from zeroshard.state import ShardedState
 from zeroshard.step import TrainState
@@ -135,9 +135,10 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
             "zs.ShardedState: build the state with the optimizer from zs.sharded(...), "
             "e.g. tx=zs.sharded(optax.adamw(1e-3), mesh=mesh)."
         )
-    mesh = find_mesh(tx.config, core.opt_state, context=False)
+    # (the one-line drop-in's state is split over every axis of its mesh)
+    mesh = find_mesh(tx.config, core.opt_state, context=False, any_axes=True)
     step = jax.device_put(jnp.asarray(core.step, jnp.int32), NamedSharding(mesh, P()))
-    return Parts(core._replace(step=step), stored(extra), tx)
+    return Parts(core._replace(step=step), stored(extra), tx.over(state_axes(core.opt_state)))
 
 
 def _is_key(x: Any) -> bool:
@@ -162,8 +163,11 @@ def target_parts(
       mesh: the mesh to restore onto (default: the optimizer's, else the target's).
     """
     kind, (core, extra, tx) = _split(target, tx)
-    tree = (core.step, core.opt_state) if kind == "zeroshard" else core.opt_state
-    mesh = find_mesh(tx.config, tree, mesh, context=False)
+    if kind == "zeroshard":
+        mesh = find_mesh(tx.config, (core.step, core.opt_state), mesh, context=False)
+    else:  # the one-line drop-in's state, split over every axis of its mesh
+        mesh = find_mesh(tx.config, core.opt_state, mesh, context=False, any_axes=True)
+        tx = tx.spanning(mesh)
     return Parts(core, _structs(extra, mesh), tx), mesh, stage_of(core.params)
 
 

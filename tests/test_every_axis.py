@@ -1,0 +1,246 @@
+"""Every mesh axis: the one-line drop-in keeps 1/N_devices of the state on any mesh.
+
+Where ``tx.update`` takes the mean gradient (the user's own ``jax.jit``), the gradient
+is reduced already and the same on every device, so the state is split over every axis
+of the mesh but the replica axis, whatever the parameters' own layout over it (tensor
+parallelism, FSDP); the parameters keep that layout. The reference is plain optax on
+one device on the global batch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_trees_close
+from jax.sharding import AxisType, NamedSharding, reshard
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+
+# A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
+# replicated bias.
+TP_SPECS = {"up": P(None, "model"), "down": P("model", None), "b": P()}
+
+
+def tp_params(rng):
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
+    return {"up": f(16, 64), "down": f(64, 16), "b": f(16)}
+
+
+def tp_loss(params, x, y):
+    h = jax.nn.relu(x @ params["up"])
+    if jax.sharding.get_abstract_mesh().are_all_axes_explicit:  # as written for Explicit
+        out = jnp.dot(h, params["down"], out_sharding=P("data", None))
+    else:
+        out = h @ params["down"]
+    return jnp.mean((out + params["b"] - y) ** 2)
+
+
+def jit_loop(tx, params, data, steps=6):
+    """The user's loop: their own jitted step, plain optax's API."""
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        grads = jax.grad(tp_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state, *data)
+    return params, opt_state
+
+
+def per_device_bytes(tree):
+    """Bytes of ``tree``'s arrays on each device."""
+    held = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def adam_bytes(params):
+    """Adam's two moments of ``params``: the state to split."""
+    return 2 * sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_dropin_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(axis_type, rng):
+    """4 data x 2 model, column/row-parallel weights, Adam: 1/8 of the state on every
+    device (plain optax under GSPMD keeps 1/2: its state follows the weights' specs),
+    the weights keep their "model" layout, and the numbers are plain optax's."""
+    params = tp_params(rng)
+    x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
+    expected, _ = jit_loop(optax.adam(1e-2), params, (x, y))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
+        data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+        plain, plain_state = jit_loop(optax.adam(1e-2), placed, data)
+        got, state = jit_loop(zs.sharded(optax.adam(1e-2)), placed, data)
+    assert_trees_close(plain, expected, 1e-5)
+    assert_trees_close(got, expected, 1e-5)
+    for name, value in got.items():  # the parameters' own layout, kept
+        assert value.sharding.is_equivalent_to(NamedSharding(mesh, TP_SPECS[name]), value.ndim)
+    held = per_device_bytes(state)
+    assert len(held) == 8
+    assert max(held.values()) <= 1.10 * adam_bytes(params) / 8
+    assert max(per_device_bytes(plain_state).values()) >= adam_bytes(params) / 2
+
+
+def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):
+    """2 replica x 2 data x 2 model: 1/4 of the state per device, the same on both
+    replicas, exact."""
+    params = tp_params(rng)
+    x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
+    expected, _ = jit_loop(optax.adam(1e-2), params, (x, y))
+    mesh = jax.make_mesh((2, 2, 2), ("replica", "data", "model"), axis_types=(AxisType.Auto,) * 3)
+    tx = zs.sharded(optax.adam(1e-2), replica_axis="replica")
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
+        batch = NamedSharding(mesh, P(("replica", "data")))
+        got, state = jit_loop(tx, placed, tuple(jax.device_put(a, batch) for a in (x, y)))
+    assert_trees_close(got, expected, 1e-5)
+    assert max(per_device_bytes(state).values()) <= 1.10 * adam_bytes(params) / 4
+    moments = [x for x in jax.tree.leaves(state.inner_state) if x.size > 1]
+    assert moments
+    for x in moments:
+        assert x.sharding.spec[-1] == ("data", "model")  # the replicas hold the same
+        by_device = {s.device: np.asarray(s.data) for s in x.addressable_shards}
+        for coords in np.ndindex(mesh.devices.shape):
+            twin = mesh.devices[(1 - coords[0], *coords[1:])]
+            np.testing.assert_array_equal(by_device[mesh.devices[coords]], by_device[twin])
+
+
+class Block(nnx.Module):
+    """A pre-norm MLP block written for an Explicit ("fsdp", "tensor") mesh, as flax's
+    Gemma example shards it: kernels FSDP x tensor-parallel, the norm replicated."""
+
+    def __init__(self, dim, rngs):
+        init = nnx.initializers.lecun_normal()
+        linear = lambda i, o, axes: nnx.Linear(
+            i, o, use_bias=False, kernel_init=nnx.with_partitioning(init, axes), rngs=rngs
+        )
+        self.norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.up = linear(dim, 4 * dim, ("fsdp", "tensor"))
+        self.down = linear(4 * dim, dim, ("tensor", "fsdp"))
+
+    def __call__(self, x):  # x: (batch over "fsdp", dim)
+        up = reshard(self.up.kernel[...], P(None, "tensor"))  # FSDP: gathered for use
+        h = jax.nn.gelu(jnp.dot(self.norm(x), up, out_sharding=P("fsdp", "tensor")))
+        down = reshard(self.down.kernel[...], P("tensor", None))
+        return x + jnp.dot(h, down, out_sharding=P("fsdp", None))
+
+
+class Net(nnx.Module):
+    def __init__(self, dim=32, rngs=None):
+        self.blocks = nnx.List([Block(dim, rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def nnx_losses(make_tx, mesh, data):
+    """The user's NNX loop (nnx.Optimizer in their own nnx.jit step) on ``mesh``:
+    the losses, the final weights and the optimizer state."""
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x, y):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        rows = NamedSharding(mesh, P("fsdp"))
+        losses = [float(step(model, optimizer, *jax.device_put(b, rows))) for b in data]
+    return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
+
+
+def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_nnx_optimizer(rng):
+    """The one-line change on a model annotated with nnx.with_partitioning: the
+    losses of plain optax, and 1/8 of the state on every device (plain optax's
+    follows the weights: 1/8 of the kernels, the norms' scale on every device)."""
+    data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))]
+    data *= 3
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    plain_losses, plain, plain_state = nnx_losses(lambda: optax.adamw(1e-2), mesh, data)
+    losses, got, state = nnx_losses(lambda: zs.sharded(optax.adamw(1e-2)), mesh, data)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    assert_trees_close(got, plain, 1e-5)
+    total = adam_bytes(got)
+    assert max(per_device_bytes(state).values()) <= 1.10 * total / 8
+    assert max(per_device_bytes(state).values()) <= 1.10 * max(
+        per_device_bytes(plain_state).values()
+    )
+    kernel = got["blocks"][0]["up"]["kernel"]
+    assert kernel.sharding.spec == P("fsdp", "tensor")  # the annotation, kept
+
+
+def nnx_pair(mesh):
+    """A fresh (model, optimizer) on ``mesh``, as a restarted job builds it."""
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, zs.sharded(optax.adamw(1e-2)), wrt=nnx.Param)
+
+
+def nnx_train(pair, mesh, data):
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    with jax.set_mesh(mesh):
+        for batch in data:
+            step(*pair, *jax.device_put(batch, NamedSharding(mesh, P("fsdp"))))
+    return pair
+
+
+def logical_state(pair, mesh):
+    """What plain optax would hold for the pair: the same on any mesh."""
+    model, optimizer = pair
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    step = jax.device_put(jnp.asarray(optimizer.step[...], jnp.int32), NamedSharding(mesh, P()))
+    state = zs.TrainState(step, params, nnx.as_pure(optimizer.opt_state))
+    return jax.tree.map(np.asarray, zs.to_optax_state(state, optimizer.tx))
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4), (1, 1)])
+def test_a_checkpoint_saved_on_4x2_restores_on_another_mesh_and_continues(shape, rng, tmp_path):
+    """The drop-in's state, split over all 8 devices of (4 fsdp x 2 tensor), saved
+    with the user's own orbax manager and restored on (8, 1), (2, 4) and one device:
+    the logical state exactly, and the next steps as the uninterrupted run's."""
+    import orbax.checkpoint as ocp
+
+    from zeroshard.checkpointing import ShardedRestore, ShardedSave
+
+    data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))] * 4
+    explicit = lambda shape: (AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=explicit((4, 2)))
+    pair = nnx_train(nnx_pair(mesh), mesh, data[:2])
+    saved = logical_state(pair, mesh)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        assert manager.save(2, args=ocp.args.Composite(state=ShardedSave(pair)))
+        manager.wait_until_finished()
+    expected = nnx.to_pure_dict(nnx.state(nnx_train(pair, mesh, data[2:])[0], nnx.Param))
+
+    devices = jax.devices()[: shape[0] * shape[1]]
+    other = jax.make_mesh(shape, ("fsdp", "tensor"), axis_types=explicit(shape), devices=devices)
+    target = nnx_pair(other)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        args = ocp.args.Composite(state=ShardedRestore(target, mesh=other))
+        restored = manager.restore(2, args=args).state
+    for a, b in zip(
+        jax.tree.leaves(logical_state(restored, other)), jax.tree.leaves(saved), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    held = per_device_bytes(nnx.as_pure(restored[1].opt_state))
+    assert len(held) == len(devices)
+    got = nnx.to_pure_dict(nnx.state(nnx_train(restored, other, data[2:])[0], nnx.Param))
+    assert_trees_close(got, expected, 1e-5)
