@@ -244,3 +244,26 @@ def test_a_checkpoint_saved_on_4x2_restores_on_another_mesh_and_continues(shape,
     assert len(held) == len(devices)
     got = nnx.to_pure_dict(nnx.state(nnx_train(restored, other, data[2:])[0], nnx.Param))
     assert_trees_close(got, expected, 1e-5)
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adamw(1e-2)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_step_over_two_data_axes(inner, stage, rng):
+    """axis_name=("data", "fsdp") on jax's default (Explicit) 4 x 2 mesh: the batch and
+    the state split over both, 1/8 each; the numbers are plain optax's."""
+    from helpers import awkward_loss, awkward_params, batches, reference_run
+
+    params, data = awkward_params(rng), batches(rng, 3)
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+    tx = zs.sharded(inner, axis_name=("data", "fsdp"))
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    one_axis = zs.init_train_state(params, zs.sharded(inner), jax.make_mesh((8,), ("data",)))
+    assert zs.state_bytes_per_device(state.opt_state) == zs.state_bytes_per_device(
+        one_axis.opt_state
+    )
+    loss = (lambda p, b: awkward_loss(zs.gather(p), b)) if stage == 3 else awkward_loss
+    step = zs.make_train_step(loss, tx, mesh, stage=stage)
+    for batch in data:
+        state, _ = step(state, batch)
+    full = state.params if stage < 3 else zs.to_optax_state(state, tx)[0]
+    assert_trees_close(full, reference_run(awkward_loss, inner, params, data), 1e-5)

@@ -273,7 +273,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     mesh, tx = mesh_of(state), tx.over(state_axes(state.opt_state))
     stage = stage_of(state.params)
     layout = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name)).layout
-    params = with_layout(state.params, NamedSharding(mesh, P()))  # (Explicit axes: whole)
+    params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole first)
+    params = with_layout(params, NamedSharding(mesh, P())) if stage < 3 else params
     return _to_optax_converter(tx, mesh, stage, layout)(params, state.opt_state)
 
 

@@ -265,7 +265,7 @@ class TrainStep:
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
         axes = self.opt.config.batch_axes  # (the replica axis, if any, then the sharding axis)
-        axes = axes if self.stage < 3 else axes[:-1]
+        axes = axes if self.stage < 3 else tuple(a for a in axes if a not in self.opt.config.axes)
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
