@@ -33,12 +33,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, quantized
 from zeroshard.clipping import local_squares
-from zeroshard.collectives import is_identity, summed_parts
+from zeroshard.collectives import is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
+from zeroshard.mesh import with_layout
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
 from zeroshard.stage3 import full_structs, to_owners
@@ -336,6 +338,45 @@ class CanonicalPieces(Canonical, Pieces):
         """Each unit of an owned leaf from every device's pieces of it, as its owner
         receives them."""
         return [slot.unit_geometry().uncut(part[:, a:b]) for _, a, b in slot.unit_spans(True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """``arrival`` run manual over the state's other axes too (``rest``: mesh axes the
+    batch is not split over, e.g. tensor parallelism's ``"model"``), inside a step
+    manual over the batch axes only. There each leaf's gradient is whole (the loss's
+    own layout over ``rest`` undone) and the same on every device of ``rest``; cast to
+    vary over them, its copies summed over every device of the state and divided by
+    their count give the mean over the batch axes. The parts come back 1/N of every
+    leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
+
+    Attributes:
+      arrival: how the gradients arrive over every axis of the state.
+      rest: the axes of the state the batch is not split over.
+    """
+
+    arrival: Arrival
+    rest: tuple[str, ...]
+
+    def bring(self, plan: Plan, grads: PyTree) -> GradParts:
+        axes = self.arrival.config.axis_name  # (all of them: on one device none is typed)
+        run = lambda g: self.arrival.bring(plan, jax.tree.map(lambda x: vary(x, axes), g))
+        nested = jax.shard_map(
+            run,
+            in_specs=P(),
+            out_specs=self.specs(plan),
+            axis_names=set(self.rest),
+            check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
+        )
+        return nested(with_layout(grads, P()))
+
+    def specs(self, plan: Plan) -> tuple[list, tuple]:
+        """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over
+        ``rest``."""
+        piece, layout = P(self.rest), plan.layout
+        return [None if s.owned else piece for s in layout.slots], layout.per_owned_bucket(
+            lambda b, bucket: piece
+        )
 
 
 def check_local(leaves: list, layout: Layout, axis_name: str) -> None:

@@ -34,7 +34,7 @@ from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, PASS_THROUGH, open_jaxpr, scan_parts, walk
 from zeroshard.analysis.tags import Program, Sums, Tagger
-from zeroshard.collectives import varies, vary
+from zeroshard.collectives import axis_env, varies, vary
 from zeroshard.sums import bound
 
 PARTIAL = "partial"
@@ -294,9 +294,9 @@ def blockable(
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         out = None if forms is not None else lambda _: mk[:2]
         run = lambda *a: run_blocked(fn, a, mk, out, axis_name, n, None, forms)
-        jax.make_jaxpr(run, axis_env=[(axis_name, n)])(*args)
+        jax.make_jaxpr(run, axis_env=axis_env(axis_name, n))(*args)
         init = lambda p: run_blocked(inner.init, (p,), (mk[0],), lambda _: mk[1], axis_name, n)
-        jax.make_jaxpr(init, axis_env=[(axis_name, n)])(args[0])
+        jax.make_jaxpr(init, axis_env=axis_env(axis_name, n))(args[0])
 
     divides = {k: _divides(s_leaves[k].shape, n) for k in mine}
     try:

@@ -31,6 +31,13 @@ def mesh_size(mesh: Any, axis_name: str | tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes_of(axis_name))
 
 
+def axis_env(axis_name: str | tuple[str, ...], size: int) -> list[tuple[str, int]]:
+    """``jax.make_jaxpr``'s ``axis_env`` binding ``axis_name`` to ``size`` devices (for
+    several axes: the first holds them all, the others one each; a collective over the
+    tuple sees ``size`` either way)."""
+    return [(a, size if k == 0 else 1) for k, a in enumerate(axes_of(axis_name))]
+
+
 def varying_axes(x: Any) -> frozenset:
     """The manual axes ``x`` (an array, a tracer or a jaxpr variable) is typed as
     varying over; none for a value outside ``shard_map``."""

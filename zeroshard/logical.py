@@ -356,7 +356,9 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
+    check_mesh(optimizer_of(tx).config, mesh, axis_name)
+    tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
+    axis_name = tx.axis_name
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -194,17 +194,33 @@ def run_on_mesh(
     return jax.jit(run)(*placed)
 
 
+def keep_axes(specs: PyTree, axes: Collection[str]) -> PyTree:
+    """``specs`` (a tree of ``PartitionSpec``) naming only the mesh axes in ``axes``:
+    how a ``shard_map`` manual over ``axes`` sees arrays laid out as ``specs`` say (an
+    outer one over the batch axes, a nested one over the others)."""
+
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in axes_of(e) if a in axes) if e is not None else ()
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    keep = lambda spec: P(*(entry(e) for e in spec))
+    return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def with_layout(tree: PyTree, like: Any) -> PyTree:
     """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
-    arrays, or one ``NamedSharding`` for every leaf); unchanged where the types carry no
-    layout (Auto axes: the compiler places it)."""
-    one = isinstance(like, NamedSharding)
+    arrays, or one ``NamedSharding`` for every leaf, or one ``PartitionSpec`` on the mesh
+    in context); unchanged where the types carry no layout (Auto axes: the compiler
+    places it)."""
+    one = isinstance(like, NamedSharding | P)
 
     def put(x: Any, y: Any = None) -> Any:
         target = like if one else getattr(jax.typeof(y), "sharding", None)
         mesh = getattr(target, "mesh", None)
         own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is None or mesh.empty or AxisType.Explicit not in getattr(own, "axis_types", ()):
+        if not isinstance(target, P) and (mesh is None or mesh.empty):
+            return x
+        if AxisType.Explicit not in getattr(own, "axis_types", ()):
             return x
         return jax.sharding.reshard(x, target)
 

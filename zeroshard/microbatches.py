@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from zeroshard import canonical, step_io
 from zeroshard.checks import check_batch
-from zeroshard.collectives import all_gathered
+from zeroshard.collectives import all_gathered, vary
 from zeroshard.layout import PyTree, is_floating
 
 
@@ -74,7 +74,8 @@ class Accumulated(OneBatch):
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
         k, axes, key = self.steps, self.axes, step_io.device_key(key, self.axes)
-        zeros = lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), axes, to="varying")
+        # (laid out as the parts are: over the state's other axes, if any)
+        zeros = lambda x: vary(jnp.zeros_like(x, jnp.float32), axes)
         # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
         # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
         add = {

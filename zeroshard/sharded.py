@@ -74,6 +74,19 @@ class Sharded:
         whatever the parameters' own layout over it (tensor parallelism, FSDP)."""
         return self.over(tuple(a for a in mesh.axis_names if a != self.config.replica_axis))
 
+    def for_step(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int) -> Sharded:
+        """This optimizer as zeroshard's step on ``mesh`` lays its state out: over its
+        ``axis_name`` and, in stages 1 and 2, over every other axis of ``mesh`` but the
+        replica axis too (a tensor-parallel ``"model"`` axis, say: the step's update
+        then runs manual over those axes as well, each device updating 1/N of every
+        leaf). Stage 3's pieces are gathered inside the loss, where only the batch axes
+        are manual, and the fixed-order sums of ``deterministic=`` run over the batch
+        axes: there the state stays split over ``axis_name`` only."""
+        if stage == 3 or self.config.deterministic is not None:
+            return self
+        batch = self.config.batch_axes
+        return self.over((*self.config.axes, *(a for a in mesh.axis_names if a not in batch)))
+
     def over(self, axes: tuple[str, ...]) -> Sharded:
         """This optimizer with its state split over ``axes`` (itself, where they are
         its own ``axis_name``'s, or none are given)."""
@@ -291,6 +304,10 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def spanning(self, mesh: jax.sharding.Mesh) -> ShardedTransformation:
         """The drop-in's transformation on ``mesh`` (see :meth:`Sharded.spanning`)."""
         return self.over(self.optimizer.spanning(mesh).config.axes)
+
+    def for_step(self, mesh: jax.sharding.Mesh, stage: int) -> ShardedTransformation:
+        """Zeroshard's step's transformation on ``mesh`` (see :meth:`Sharded.for_step`)."""
+        return self.over(self.optimizer.for_step(mesh, stage).config.axes)
 
     def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
         """This transformation with its state split over ``axes`` (see

@@ -20,11 +20,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard import step_io
+from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
 from zeroshard.collectives import mesh_size
 from zeroshard.layout import PyTree
-from zeroshard.mesh import StepContext, check_mesh, in_step, run_on_mesh
+from zeroshard.mesh import StepContext, check_mesh, in_step, keep_axes, run_on_mesh, with_layout
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
@@ -104,9 +105,10 @@ def init_train_state(
       TypeError: if ``tx`` is not from :func:`zeroshard.sharded`.
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
-    axis_name = check_mesh(optimizer_of(tx).config, mesh, axis_name)
+    check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    num_shards = mesh_size(mesh, axis_name)
+    tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
+    axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
     specs = state_specs(tx, structs, num_shards, stage)
@@ -191,10 +193,20 @@ class TrainStep:
         axes, stage, k = self.opt.config.batch_axes, self.stage, self.accum_steps
         self.axis_name = check_mesh(self.opt.config, self.mesh, self.axis_name)
         check_stage(stage)
-        check_other_axes(self.mesh, axes)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
-        self.route = Route.of(self.opt.config, stage, accum_steps=k)
+        # The state's axes: the batch's, and in stages 1-2 the mesh's others (e.g. a
+        # tensor-parallel "model" axis), over which the update runs manual too (rest).
+        self.state_tx = self.tx.for_step(self.mesh, stage)
+        self.rest = tuple(a for a in self.state_tx.config.axes if a not in axes)
+        if not self.rest:  # (the update runs manual over every axis it reduces over)
+            check_other_axes(self.mesh, axes)
+        self.route = Route.of(self.state_tx.config, stage, accum_steps=k)
+        if self.rest:  # the micro-batches over the batch axes; the gradients over all
+            loop = Route.of(self.opt.config, stage, accum_steps=k).loop
+            self.route = self.route._replace(
+                loop=loop, arrival=Nested(self.route.arrival, self.rest)
+            )
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
@@ -209,7 +221,10 @@ class TrainStep:
     def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
-        plan = self.opt.checked_plan(state.opt_state, state.params)
+        if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
+            plan = self.state_tx.plan(state.params, mesh_size(self.mesh, self.state_tx.axis_name))
+        else:
+            plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
         value_and_grad = self._value_and_grad(scale)
         if self.per_device_loss:  # computed before the shard_map: this device's part
@@ -223,14 +238,13 @@ class TrainStep:
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
-        opt = (self.opt.inner, self.opt.config, plan, self.route)
         # An update that requires value= (optax.contrib.reduce_on_plateau) gets the
         # step's global mean loss, as plain optax's update(..., value=loss) would.
         extra = {}
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        params, opt_state = updated(*opt, parts, state.opt_state, state.params, **extra)
+        params, opt_state = self._update(plan, parts, state, extra)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
@@ -238,6 +252,34 @@ class TrainStep:
         if not (self.per_device_loss or loop.reduced):  # (averaged already)
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
+    def _update(self, plan: Any, parts: Any, state: TrainState, extra: dict) -> Any:
+        """The new parameters and optimizer state (:func:`zeroshard.update.updated`),
+        manual over the state's other axes too (:attr:`rest`), if any."""
+        opt, route = optimizer_of(self.state_tx), self.route
+        if self.rest:  # (the update's own arrival, inside the nested shard_map below)
+            route = route._replace(arrival=route.arrival.arrival)
+
+        def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
+            return updated(opt.inner, opt.config, plan, route, parts, opt_state, params, **extra)
+
+        if not self.rest:
+            return update(parts, state.opt_state, state.params, extra)
+        specs = keep_axes(self._state_specs(state.params).opt_state, self.rest)
+        parts_specs = self.route.arrival.specs(plan)
+        run = jax.shard_map(
+            update,
+            in_specs=(parts_specs, specs, P(), P()),
+            out_specs=(P(), specs),
+            axis_names=set(self.rest),
+            check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
+        )
+        return run(parts, state.opt_state, with_layout(state.params, P()), extra)
+
+    def _state_specs(self, params: PyTree) -> TrainState:
+        """The global state's ``PartitionSpec``s (over every axis of the state)."""
+        num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
+        return state_specs(self.state_tx, params, num_shards, self.stage)
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
@@ -277,7 +319,7 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = state_specs(self.tx, state.params, mesh_size(self.mesh, self.axis_name), self.stage)
+        specs = keep_axes(self._state_specs(state.params), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:

@@ -21,6 +21,7 @@ from zeroshard.analysis.groups import input_names, leaf_forms
 from zeroshard.analysis.jaxprs import open_jaxpr, primitives
 from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
+from zeroshard.collectives import axis_env
 from zeroshard.layout import PyTree
 
 _FIX = (
@@ -109,7 +110,7 @@ def trace_update(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_
     fn = lambda u, s, p, e: inner.update(u, s, p, **e)
     while True:
         try:
-            jaxpr = jax.make_jaxpr(fn, axis_env=[(axis_name, num_shards)])
+            jaxpr = jax.make_jaxpr(fn, axis_env=axis_env(axis_name, num_shards))
             return jaxpr(params, state, params, extra), extra
         except TypeError as e:
             missing = _MISSING.search(str(e))
