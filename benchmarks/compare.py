@@ -18,6 +18,15 @@ bytes over the exact step's. ``--deterministic M`` adds it with every sum in the
 order of ``deterministic=M`` (``-fixed``: the same bits on any device count dividing
 ``M``) and prints its ring bytes and step time over the default step's.
 
+``--model-axis K`` runs every variant on a 2-D mesh of ``N / K`` data x ``K`` model
+devices (``AxisType.Auto``): the batch split over ``"data"``, and every parameter of
+two or more dimensions whose last one divides by ``K`` laid out over ``"model"``
+(tensor parallelism; the compiler partitions the loss around it). Replicated data
+parallelism keeps the state whole on every device; jit + NamedSharding lays each state
+leaf out like its parameter, plus ``"data"`` on its first other dimension that divides
+(MaxText's FSDP x TP); the drop-in and zeroshard's step split it over every device
+(stage 3: over ``"data"``).
+
 ``--optimizer muon`` runs ``optax.contrib.muon`` instead of Adam: replicated data
 parallelism orthogonalises every matrix on every device; zeroshard places each matrix
 whole on one device (owned), which orthogonalises only its own.
@@ -106,7 +115,7 @@ def main() -> None:
         model = build[args.model](args, width, rng)
         size = sum(x.size for x in jax.tree.leaves(model.params))
         for n in args.devices:
-            mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+            mesh = make_mesh(n, args.model_axis)
             batch = jax.device_put(model.batch(rng), NamedSharding(mesh, P("data")))
             fns = variants(args, model, mesh, batch)
             rows = measure(args, fns, model.params, n, {"width": width, "params": size})
@@ -145,8 +154,47 @@ def parse_args() -> argparse.Namespace:
         metavar="M",
         help="add zeroshard's step with deterministic=M (a power of two dividing --batch)",
     )
+    parser.add_argument(
+        "--model-axis",
+        type=int,
+        default=1,
+        metavar="K",
+        help="a 2-D mesh of N/K data x K model devices, weights tensor-parallel over model",
+    )
     parser.add_argument("--out", default="benchmarks/results", help="JSON and PNG go here")
     return parser.parse_args()
+
+
+def make_mesh(n: int, model_axis: int) -> Any:
+    """N devices as ``("data",)``, or with ``model_axis > 1`` as ``(N / K, K)`` of
+    ``("data", "model")``, Auto axes (the models' losses carry no sharding calls, which
+    plain optax under ``jax.jit`` would need on jax 0.12's default Explicit axes)."""
+    import jax
+    from jax.sharding import AxisType
+
+    if n % model_axis:
+        raise SystemExit(f"--model-axis {model_axis} does not divide {n} devices")
+    shape = (n,) if model_axis == 1 else (n // model_axis, model_axis)
+    names = ("data", "model")[: len(shape)]
+    auto = (AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=auto, devices=jax.devices()[:n])
+
+
+def tensor_parallel(tree: Any, mesh: Any) -> Any:
+    """``NamedSharding`` of every leaf: over ``"model"`` along its last dimension where
+    the mesh has that axis, the leaf two or more dimensions and the last divides."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    k = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get("model", 1)
+
+    def spec(x: Any) -> P:
+        if k == 1 or len(x.shape) < 2 or x.shape[-1] % k:
+            return P()
+        return P(*(None,) * (len(x.shape) - 1), "model")
+
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
 
 
 def dense_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
@@ -337,6 +385,16 @@ def replicate(tree: Any, mesh: Any) -> Any:
     return copy(tree)
 
 
+def laid_out(tree: Any, mesh: Any) -> Any:
+    """A fresh copy of ``tree`` on ``mesh``, tensor-parallel where :func:`tensor_parallel`
+    says (replicated on a 1-D mesh)."""
+    import jax
+    import jax.numpy as jnp
+
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=tensor_parallel(tree, mesh))
+    return copy(tree)
+
+
 def replicated(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
     """(a): ``shard_map`` + ``pmean``, plain optax on every device."""
     from baseline import replicated_step
@@ -351,10 +409,11 @@ def jit_sharded(model: Model, inner: Any, mesh: Any, batch: Any) -> Variant:
     import jax
     from baseline import jit_sharded_step, state_shardings
 
-    opt_shardings = state_shardings(inner, model.params, mesh)
-    js = jit_sharded_step(model.make_loss(1), inner, mesh, opt_shardings)
+    opt_shardings = state_shardings(inner, model.params, mesh, tensor_parallel)
+    params = tensor_parallel(model.params, mesh)
+    js = jit_sharded_step(model.make_loss(1), inner, mesh, opt_shardings, params)
     opt = jax.jit(inner.init, out_shardings=opt_shardings)(model.params)
-    state = (replicate(model.params, mesh), opt)
+    state = (laid_out(model.params, mesh), opt)
     return Variant(lambda s: js(*s, batch), lambda s: js.lower(*s, batch), state, lambda s: s[1])
 
 
@@ -372,7 +431,7 @@ def dropin(model: Model, inner: Any, mesh: Any, batch: Any, options: dict) -> Va
         return optax.apply_updates(p, updates), s
 
     ds = jax.jit(dropin_step, donate_argnums=(0, 1))
-    params = replicate(model.params, mesh)
+    params = laid_out(model.params, mesh)
     return Variant(
         lambda s: ds(*s, batch),
         lambda s: ds.lower(*s, batch),
