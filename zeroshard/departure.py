@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from zeroshard import quantized
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered_parts, is_identity
+from zeroshard.collectives import all_gathered_parts, from_bits, is_identity, to_bits
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -123,7 +123,10 @@ class AllGather(Departure):
         """Every device's ``parts`` (1-D, one dtype), invariant over the axis: one
         ``(num_shards, width)`` per part, row ``d`` from device ``d``; one all-gather
         of them packed."""
-        return all_gathered_parts(parts, self.config.axis_name, to="invarying")
+        dtype = parts[0].dtype
+        bits = [to_bits(p) for p in parts]
+        every = all_gathered_parts(bits, self.config.axis_name, to="invarying")
+        return [from_bits(x, dtype) for x in every]
 
     def nbytes(self, plan: Plan) -> int:
         n = plan.layout.num_shards
