@@ -7,7 +7,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 (``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
-  the new pieces and owned rows are all-gathered;
+  the new pieces and owned rows are all-gathered (16-bit floats as their bits);
 - :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Shard` pieces: the
   sliced leaves' new pieces stay where they are; the owners' new units of owned
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
