@@ -10,7 +10,10 @@ weights, on N devices:
 - ``jit-sharded``: plain optax under ``jax.jit``, the master weights and moments laid
   out over ``"data"`` by ``NamedSharding`` (flax's ``optimizer_sharding``, MaxText);
 - ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step;
-- ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3.
+- ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
+  with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
+  reduce-scatters each layer's gradient in the backward pass, ``zeroshard.held``),
+  stage 1 with the plain one.
 
 Per variant and size: the compiled step's per-device peak, ``arguments + outputs +
 temporaries - aliased`` (``compiled.memory_analysis()``: per device for an SPMD
@@ -59,6 +62,14 @@ def formula(variant: str, n: int) -> float | None:
         "dropin": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
     }.get(variant)
+
+
+def gathering(stage: int) -> int:
+    """The loss a zeroshard stage trains: stages 2 and 3 the one that gathers each block
+    (``compare.transformer_loss(3, ...)``: ``zs.layer`` in the scan), so that stage 2
+    reduce-scatters each layer's gradient in the backward pass (``zeroshard.held``);
+    stage 1 the plain one."""
+    return 3 if stage >= 2 else stage
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,7 +164,7 @@ def variant_step(args: argparse.Namespace, name: str, structs: dict, mesh: Any) 
 
     bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), structs)
     heads, inner = max(1, args.width // 64), optax.adam(1e-4)
-    loss = lambda stage: transformer_loss(stage, heads)
+    loss = lambda stage: transformer_loss(gathering(stage), heads)
     whole = NamedSharding(mesh, P())
     placed = lambda tree, sharding: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
@@ -272,7 +283,7 @@ def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
-        loss = transformer_loss(stage, max(1, args.width // 64))
+        loss = transformer_loss(gathering(stage), max(1, args.width // 64))
         stats = zs.step_memory(
             loss, tx, mesh, structs, batch, stage=stage, param_dtype=jnp.bfloat16
         )

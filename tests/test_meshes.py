@@ -38,6 +38,20 @@ def test_hierarchical_sharding_matches_plain_optax(inner, stage, rng):
     assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
 
 
+def test_hierarchical_stage2_through_gathers_matches_plain_optax(rng):
+    """Stage 2 through a loss that gathers (zeroshard.held) on a replica axis: each
+    gathered leaf's gradient is reduce-scattered over the sharding axis, then averaged
+    over the replica axis, as plain optax's mean gradient."""
+    params, data = awkward_params(rng), batches(rng, 3)
+    mesh, inner = hsdp_mesh(), optax.adamw(1e-2)
+    tx = zs.sharded(inner, axis_name="data", replica_axis="replica")
+    state = zs.init_train_state(params, tx, mesh, stage=2)
+    step = zs.make_train_step(lambda p, b: awkward_loss(zs.gather(p), b), tx, mesh, stage=2)
+    for batch in data:
+        state, _ = step(state, batch)
+    assert_trees_close(state.params, reference_run(awkward_loss, inner, params, data), 1e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_hierarchical_sharding_with_accumulation(stage, rng):
     """Micro-batches per device, then one all-reduce over the replicas per step."""

@@ -62,6 +62,7 @@ CASES = [  # (optimizer, stage, accum_steps): SGD everywhere, AdamW on a few
 ]
 OPTIMIZERS = {
     "sgd": (lambda: optax.sgd(0.1, momentum=0.9), 1e-6),
+    "adam": (lambda: optax.adam(1e-2), 1e-5),
     "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), 1e-5),
 }
 
@@ -77,6 +78,53 @@ def test_lax_scan_matches_plain_optax(name, stage, accum_steps, rng):
     if stage == 3:  # each device holds piece d of every layer: (layers, 1, width)
         piece = state.params["blocks"]["w"].piece
         assert piece.addressable_shards[0].data.shape == (LAYERS, 1, WIDTH * WIDTH // 8)
+
+
+def largest_reduce_scatter(loss_fn, params, batch, stage=2):
+    """Bytes per device of the largest reduce-scatter result in a step's lowered program."""
+    mesh = make_mesh(8)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", stacked=("blocks",))
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    text = zs.make_train_step(loss_fn, tx, mesh, stage=stage).lower(state, batch).as_text()
+    return max(c.result_bytes for c in zs.lowered_collectives(text) if c.kind == "reduce-scatter")
+
+
+@pytest.mark.parametrize("name,accum_steps", [("sgd", 1), ("sgd", 2), ("adam", 1), ("adam", 2)])
+def test_stage2_through_gathers_matches_plain_optax(name, accum_steps, rng):
+    """Stage 2 with a loss that gathers (zs.layer in the scan, zs.gather on the head)
+    reduce-scatters each layer's gradient in the backward pass, and trains as plain
+    optax does on one device on the global batch."""
+    make, rtol = OPTIMIZERS[name]
+    params, batches = make_params(rng), data(rng)
+    expected = reference_run(plain_loss, make(), params, batches)
+    actual, _, _ = train(stage3_loss, make(), params, batches, 2, accum_steps)
+    assert_trees_close(actual, expected, rtol=rtol)
+    # One layer's gradient reduce-scattered at a time (its 1/N piece), not the stack's.
+    layer_piece = (WIDTH * WIDTH + WIDTH) * 4 // 8
+    assert largest_reduce_scatter(stage3_loss, params, batches[0]) == layer_piece
+    assert largest_reduce_scatter(plain_loss, params, batches[0]) >= LAYERS * layer_piece
+
+
+def test_stage2_reads_through_gathers_or_not_at_all(rng):
+    """A stage-2 loss that reads a parameter other than through zs.gather (cast first,
+    or not gathered at all) runs the plain stage-2 step: the full gradient, then one
+    reduce-scatter of the stack, and the same training as plain optax."""
+
+    def cast_first(params, batch):
+        return stage3_loss(jax.tree.map(lambda x: x * 1.0, params), batch)
+
+    def head_direct(params, batch):
+        layer = zs.layer(block)
+        x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), batch["x"], params["blocks"])
+        return jnp.mean((x @ params["head"] - batch["y"]) ** 2)
+
+    params, batches = make_params(rng), data(rng, steps=2)
+    expected = reference_run(plain_loss, optax.sgd(0.1, momentum=0.9), params, batches)
+    stack_piece = LAYERS * (WIDTH * WIDTH + WIDTH) * 4 // 8
+    for loss_fn in (cast_first, head_direct):
+        assert largest_reduce_scatter(loss_fn, params, batches[0]) >= stack_piece
+        actual, _, _ = train(loss_fn, optax.sgd(0.1, momentum=0.9), params, batches, 2)
+        assert_trees_close(actual, expected, rtol=1e-6)
 
 
 def test_scanning_unstacked_pieces_raises(rng):
@@ -142,6 +190,28 @@ def test_scan_stage3_temporaries_grow_by_pieces_not_layers(rng):
     grown = {s: (temp[s, 8].temp_size_in_bytes - temp[s, 4].temp_size_in_bytes) / 4 for s in (1, 3)}
     assert grown[3] < 0.5 * layer_bytes, grown
     assert grown[1] >= layer_bytes, grown
+
+
+def test_scan_stage2_gradient_temporaries_grow_by_pieces_not_layers(rng):
+    """Stage 2 through a loss that gathers (bf16 weights, fp32 masters): from 4 to 8
+    stacked layers its compiled temporaries grow by at most stage 3's growth (each
+    layer's gradient piece) plus one bf16 layer per layer (the new weights,
+    all-gathered whole: stage 2 keeps them so), while through a plain loss they grow
+    by a bf16 layer more than that (its full gradient of every layer)."""
+    width, mesh = 256, make_mesh(8)
+    tx = zs.sharded(optax.adamw(1e-3), axis_name="data", stacked=("blocks",))
+    batch = data(rng, steps=1, size=64, width=width)[0]
+    bf16_layer, temp = (width * width + width) * 2, {}
+    cases = {"plain": (2, plain_loss), "gathers": (2, stage3_loss), "stage 3": (3, stage3_loss)}
+    for layers in (4, 8):
+        params = make_params(rng, layers, width)
+        for name, (stage, loss_fn) in cases.items():
+            state = zs.init_train_state(params, tx, mesh, stage=stage, param_dtype=jnp.bfloat16)
+            step = zs.make_train_step(loss_fn, tx, mesh, stage=stage)
+            temp[name, layers] = step.lower(state, batch).compile().memory_analysis()
+    grown = {c: (temp[c, 8].temp_size_in_bytes - temp[c, 4].temp_size_in_bytes) / 4 for c in cases}
+    assert grown["gathers"] <= grown["stage 3"] + bf16_layer, grown
+    assert grown["plain"] >= grown["gathers"] + bf16_layer, grown
 
 
 # The same model through Flax: NNX (nnx.vmap + nnx.scan) and Linen (nn.scan).

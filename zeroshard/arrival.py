@@ -8,7 +8,8 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
-- :class:`Pieces`: stage 3, the gradient of each :class:`zeroshard.Shard` piece,
+- :class:`Pieces`: stage 3 (and stage 2 through a loss that gathers,
+  :mod:`zeroshard.held`), the gradient of each :class:`zeroshard.Shard` piece,
   summed over the devices by the transpose of its gather; the owned leaves' pieces go
   to their owners;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,

@@ -5,7 +5,8 @@ and departure (:mod:`zeroshard.departure`) and to stage 3's gather
 (:mod:`zeroshard.stage3`). On one device (an axis of size 1, with no varying values)
 every collective is the identity and is left out (:func:`is_identity`;
 :func:`all_gathered` leaves out its all-gather so), and a list of parts is packed
-into one collective (:func:`all_gathered_parts`, :func:`summed_parts`).
+into one collective (:func:`all_gathered_parts`, :func:`summed_parts`). 16-bit floats
+are moved as their bits (:func:`to_bits`), exactly, at their own width on every backend.
 """
 
 from __future__ import annotations
@@ -92,3 +93,20 @@ def summed_parts(blocks: Sequence[jax.Array], axis_name: str, over: int = 1) -> 
     row = jax.lax.psum_scatter(matrix, axis_name, scatter_dimension=0, tiled=True)[0]
     row = row if over == 1 else row / over
     return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as its bits (``uint16``); other arrays as they are: how
+    16-bit weights are all-gathered (:class:`zeroshard.departure.AllGather`) and how a
+    :class:`zeroshard.stage3.Held` leaf carries them through a loop over its layers.
+    Moving bits is exact; XLA's CPU backend moves 16-bit floats widened to float32
+    (an all-gather's result twice its size; a loop over the layers of a stacked leaf
+    widens them all before it starts, 4 bytes per parameter)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of :func:`to_bits` for an array of ``dtype``."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x

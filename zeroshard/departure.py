@@ -7,7 +7,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 (``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
-  the new pieces and owned rows are all-gathered;
+  the new pieces and owned rows are all-gathered (16-bit floats as their bits);
 - :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Shard` pieces: the
   sliced leaves' new pieces stay where they are; the owners' new units of owned
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from zeroshard import quantized
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered_parts, is_identity
+from zeroshard.collectives import all_gathered_parts, from_bits, is_identity, to_bits
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -123,7 +123,10 @@ class AllGather(Departure):
         """Every device's ``parts`` (1-D, one dtype), invariant over the axis: one
         ``(num_shards, width)`` per part, row ``d`` from device ``d``; one all-gather
         of them packed."""
-        return all_gathered_parts(parts, self.config.axis_name, to="invarying")
+        dtype = parts[0].dtype
+        bits = [to_bits(p) for p in parts]
+        every = all_gathered_parts(bits, self.config.axis_name, to="invarying")
+        return [from_bits(x, dtype) for x in every]
 
     def nbytes(self, plan: Plan) -> int:
         n = plan.layout.num_shards

@@ -34,7 +34,9 @@ class OneBatch:
     """The device's rows in one forward and backward pass.
 
     Attributes:
-      stage: the step's ZeRO stage.
+      stage: the step's ZeRO stage, as its gradients arrive: 3 too for a stage-2 step
+        whose loss gathers (its gradients arrive as stage 3's pieces:
+        :mod:`zeroshard.held`).
       axes: the batch axes: the replica axis, if any, then the sharding axis (one
         axis: its name).
       steps: the micro-batches of each device's rows.

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.collectives import all_gathered_parts, is_identity
+from zeroshard.analysis.reads import is_marking, mark
+from zeroshard.collectives import all_gathered_parts, from_bits, is_identity
 from zeroshard.layout import Layout, PyTree, Slot
 from zeroshard.mesh import axis_of_step, current_step
 from zeroshard.rows import pack
@@ -122,6 +123,43 @@ class Shard:
         return f"Shard(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
 
 
+@jax.tree_util.register_pytree_node_class
+class Held(Shard):
+    """A stage-2 parameter as a loss that gathers receives it (:mod:`zeroshard.held`):
+    this device's piece, laid out as a stage-3 :class:`Shard`'s, and the whole
+    parameter, replicated. :func:`gather` returns the whole parameter with no
+    collective; its transpose sends the cotangent to the piece as the transpose of the
+    step's stage-3 gather does (a reduce-scatter per gather).
+
+    Attributes:
+      full: the whole parameter (for a stacked parameter scanned over, the layer the
+        piece holds).
+    """
+
+    def __init__(
+        self,
+        piece: Any,
+        full: Any,
+        shape: tuple[int, ...],
+        dtype: Any,
+        stacked: int = 0,
+        chunks: int = 0,
+    ):
+        super().__init__(piece, shape, dtype, stacked, chunks)
+        self.full = full
+
+    def tree_flatten(self):
+        (piece,), aux = super().tree_flatten()
+        return (piece, self.full), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def __repr__(self) -> str:
+        return "Held" + super().__repr__().removeprefix("Shard")
+
+
 def is_shard(x: Any) -> bool:
     return isinstance(x, Shard)
 
@@ -169,7 +207,9 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
 
     Returns:
       The same tree with full arrays for the shards. Differentiating through it
-      reduce-scatters the cotangents back onto the pieces. The gather runs in the
+      reduce-scatters the cotangents back onto the pieces. In a stage-2 step the
+      leaves are :class:`Held`: the whole weights come with no collective, and the
+      cotangents are reduce-scattered the same way (:mod:`zeroshard.held`). The gather runs in the
       named scope ``zeroshard/gather``; its transpose, the gradients' reduce-scatter,
       in ``transpose(jvp(zeroshard/gather))`` (see :mod:`zeroshard.scopes`).
 
@@ -185,24 +225,72 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
 
 def _gather(tree: PyTree, axis_name: str) -> PyTree:
     """:func:`gather`, inside its named scope: as the step being traced gathers
-    (:attr:`zeroshard.update.Route.gather`), else exactly."""
+    (:attr:`zeroshard.update.Route.gather`), else exactly; :class:`Held` leaves with
+    no collective (:func:`held`)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    if is_marking():  # (a loss traced to read its gathers: zeroshard.analysis.reads)
+        return treedef.unflatten(x if is_shard(x) else mark(x) for x in leaves)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
     slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
-    out, step = list(leaves), current_step()
+    out, step = dict(enumerate(leaves)), current_step()
     gathered = exact_gather if step is None else step.gather
-    for dtype in dict.fromkeys(leaves[i].dtype for i in shards):
-        group = [i for i in shards if leaves[i].dtype == dtype]
+    for dtype, whole in dict.fromkeys((leaves[i].dtype, is_held(leaves[i])) for i in shards):
+        group = [i for i in shards if (leaves[i].dtype, is_held(leaves[i])) == (dtype, whole)]
         # (the pieces as given: float32 in a fixed-order step, so the gradients' sums
         # stay float32)
         raw = [jnp.ravel(leaves[i].piece) for i in group]
+        if whole:
+            fulls = [leaves[i].full for i in group]
+            every = held(raw, fulls, [slots[i] for i in group], axis_name, dtype, gathered)
+            out.update(zip(group, every, strict=True))
+            continue
         if is_identity(raw, axis_name):  # one device: each piece is the whole leaf
             every = [p.astype(dtype)[None] for p in raw]
         else:
             every = gathered(raw, axis_name, dtype)
         for i, x in zip(group, every, strict=True):
             out[i] = slots[i].uncut(x)
-    return treedef.unflatten(out)
+    return treedef.unflatten(out.values())
+
+
+def is_held(x: Any) -> bool:
+    return isinstance(x, Held)
+
+
+def held(
+    pieces: list[jax.Array],
+    fulls: list[jax.Array],
+    slots: list[Slot],
+    axis_name: str,
+    dtype: Any,
+    gathered: Callable[..., list],
+) -> list[jax.Array]:
+    """``fulls`` in ``dtype``, with no collective: the forward pass of a :class:`Held`
+    gather. The transpose sends their cotangents to the 1-D ``pieces`` (this device's
+    of each leaf, by ``slots``) through the transpose of ``gathered`` (the step's
+    stage-3 gather, :attr:`zeroshard.update.Route.gather`): a reduce-scatter, in the
+    pieces' dtype, of this gather's leaves only."""
+
+    def gather_pieces(pieces: list[jax.Array]) -> list[jax.Array]:
+        if is_identity(pieces, axis_name):
+            every = [p[None] for p in pieces]
+        else:
+            every = gathered(pieces, axis_name, pieces[0].dtype)
+        return [s.uncut(x).astype(dtype) for s, x in zip(slots, every, strict=True)]
+
+    @jax.custom_vjp
+    def whole(pieces: list[jax.Array], fulls: list[jax.Array]) -> list[jax.Array]:
+        return [from_bits(f, s.dtype).astype(dtype) for s, f in zip(slots, fulls, strict=True)]
+
+    def forward(pieces: list[jax.Array], fulls: list[jax.Array]) -> tuple:
+        return whole(pieces, fulls), pieces
+
+    def backward(pieces: list[jax.Array], cotangents: list[jax.Array]) -> tuple:
+        # (the vjp's forward all-gather has no use and is left out by the compiler)
+        return jax.vjp(gather_pieces, pieces)[1](cotangents)[0], None
+
+    whole.defvjp(forward, backward)
+    return whole(pieces, fulls)
 
 
 def exact_gather(pieces: list[jax.Array], axis_name: str, dtype: Any) -> list[jax.Array]:
@@ -253,17 +341,21 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     dependency the compiler must respect. It orders the gathers of stage 3 layer by
     layer (a gather can neither run before its layer is reached, nor be merged with its
     forward twin, which would keep every layer's weights alive until the backward)."""
+    if is_marking():  # (a loss traced to read its gathers: the tie would read the weights)
+        return tree
     leaves = [x for x in jax.tree.leaves(anchor) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not leaves:
         return tree
     zero = 0 * jnp.ravel(leaves[0])[0]
 
     def tie(x: Any) -> Any:
+        if is_held(x):  # (its whole weights come with no collective: nothing to order)
+            return x.tree_unflatten(x.tree_flatten()[1], (tie(x.piece), x.full))
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             return x + zero.astype(jnp.result_type(x))
         return x
 
-    return jax.tree.map(tie, tree)
+    return jax.tree.map(tie, tree, is_leaf=is_held)
 
 
 # Owned leaves in stage 3: their weights and gradients are pieces like the sliced

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard import step_io
+from zeroshard import held, step_io
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
@@ -216,6 +216,11 @@ class TrainStep:
             and stage < 3
             and len(axes) < 2
         )
+        # Stage 2 with a loss that gathers (zeroshard.held; the fixed-order sums of
+        # deterministic= keep the plain stage-2 step)
+        held = stage == 2 and not self.per_device_loss and self.opt.config.deterministic is None
+        held = held and not self.rest  # (its pieces are over the batch axes)
+        self.held_route = Route.of(self.opt.config, 2, accum_steps=k, held=True) if held else None
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
 
     def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
@@ -227,13 +232,20 @@ class TrainStep:
             plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
         value_and_grad = self._value_and_grad(scale)
+        route, params = self.route, self._varying(state.params)
         if self.per_device_loss:  # computed before the shard_map: this device's part
             batch, ((loss, aux, grads), model_state) = batch
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        loop, params = self.route.loop, self._varying(state.params)
+        elif self._holds(params, batch, key, state.model_state):
+            route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
+            value_and_grad = held.value_and_grad(loss, params)
+            params = held.pieces_of(
+                plan.layout, params, self.axis_name, self.opt.config.reduce_dtype
+            )
+        loop = route.loop
         out, parts = loop.run(
-            value_and_grad, params, batch, key, state.model_state, plan, self.route.arrival
+            value_and_grad, params, batch, key, state.model_state, plan, route.arrival
         )
         loss, (aux, model_state) = out
         if scale is not None:
@@ -244,7 +256,7 @@ class TrainStep:
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        params, opt_state = self._update(plan, parts, state, extra)
+        params, opt_state = self._update(plan, route, parts, state, extra)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
@@ -253,12 +265,13 @@ class TrainStep:
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
-    def _update(self, plan: Any, parts: Any, state: TrainState, extra: dict) -> Any:
-        """The new parameters and optimizer state (:func:`zeroshard.update.updated`),
-        manual over the state's other axes too (:attr:`rest`), if any."""
-        opt, route = optimizer_of(self.state_tx), self.route
+    def _update(self, plan: Any, route: Route, parts: Any, state: TrainState, extra: dict) -> Any:
+        """The new parameters and optimizer state (:func:`zeroshard.update.updated`) for
+        gradient ``parts`` that came by ``route``, manual over the state's other axes
+        too (:attr:`rest`), if any."""
+        opt, nested = optimizer_of(self.state_tx), route.arrival
         if self.rest:  # (the update's own arrival, inside the nested shard_map below)
-            route = route._replace(arrival=route.arrival.arrival)
+            route = route._replace(arrival=nested.arrival)
 
         def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
             return updated(opt.inner, opt.config, plan, route, parts, opt_state, params, **extra)
@@ -266,10 +279,9 @@ class TrainStep:
         if not self.rest:
             return update(parts, state.opt_state, state.params, extra)
         specs = keep_axes(self._state_specs(state.params).opt_state, self.rest)
-        parts_specs = self.route.arrival.specs(plan)
         run = jax.shard_map(
             update,
-            in_specs=(parts_specs, specs, P(), P()),
+            in_specs=(nested.specs(plan), specs, P(), P()),
             out_specs=(P(), specs),
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
@@ -280,6 +292,17 @@ class TrainStep:
         """The global state's ``PartitionSpec``s (over every axis of the state)."""
         num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
         return state_specs(self.state_tx, params, num_shards, self.stage)
+
+    def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
+        """Whether this stage-2 step hands its loss :class:`zeroshard.stage3.Held` leaves
+        (:mod:`zeroshard.held`): its loss reads the parameters only through
+        :func:`zeroshard.gather` (traced on one micro-batch of the device's rows)."""
+        if self.held_route is None:
+            return False
+        rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
+        loss = step_io.step_loss(self.loss_fn, self.has_aux, None)
+        key = step_io.device_key(key, self.batch_axes)
+        return held.gathers_only(loss, params, rows, key, model_state)
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
@@ -384,7 +407,19 @@ def make_train_step(
     keeps a full-size fp32 gradient accumulator and reduce-scatters once per step;
     stage 2 reduce-scatters every micro-batch into a 1/N fp32 accumulator, so no
     full-size gradient buffer outlives a micro-batch (the same bytes per micro-batch
-    as one all-reduce). Without accumulation both are the same step.
+    as one all-reduce). Without accumulation both are the same step, unless the loss
+    gathers (below).
+
+    Stage 2 through a loss that gathers: when ``loss_fn`` reads every parameter only
+    through :func:`zeroshard.gather` or :func:`zeroshard.layer` (read from the loss
+    traced once more, at trace time; nothing to declare), a stage-2 step hands it
+    :class:`zeroshard.stage3.Held` leaves (the weights whole, as before, and this
+    device's piece). Their gather has no collective; its transpose reduce-scatters
+    each gathered layer's gradient as stage 3's does, so the full gradient of every
+    layer is never held at once (:mod:`zeroshard.held`). With ``accum_steps`` the
+    pieces are accumulated as in stage 3; ``quantize_grads`` quantizes those
+    reduce-scatters. A loss that reads a parameter any other way, the fixed-order step
+    of ``deterministic=`` and the NNX step run the plain stage-2 step, unchanged.
 
     Stage 3 keeps the weights as 1/N pieces too (a state from
     ``init_train_state(..., stage=3)``): ``loss_fn`` receives a tree of

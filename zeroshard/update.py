@@ -4,7 +4,8 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
 
 1. the gradients *arrive* as this device's part of the mean gradient, by the
    :class:`zeroshard.arrival.Arrival` the entry point chose (reduce-scattered local
-   gradients, stage-3 pieces sent to their owners, or the mean gradient cut);
+   gradients, stage-3 pieces sent to their owners (stage 2 through a loss that
+   gathers too: :mod:`zeroshard.held`), or the mean gradient cut);
 2. :func:`updated` (the new parameters and state) averages that part over the
    replica axis (if the arrival has not), casts it to the inner dtypes, skips the step
    everywhere if it is not finite, and runs the inner optimizer on this device's part
@@ -82,12 +83,21 @@ class Route(NamedTuple):
     gather: Callable[..., list]
 
     @classmethod
-    def of(cls, config: ShardConfig, stage: int, mean: bool = False, accum_steps: int = 1) -> Route:
+    def of(
+        cls,
+        config: ShardConfig,
+        stage: int,
+        mean: bool = False,
+        accum_steps: int = 1,
+        held: bool = False,
+    ) -> Route:
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
-        ``jax.jit``). Each quantized, or summed in a fixed order, where ``config``
-        says so; the micro-batches as ``accum_steps`` and the order of sums say.
+        ``jax.jit``); with ``held`` (stage 2, a loss that gathers:
+        :mod:`zeroshard.held`), stage-3 pieces in and all-gathered weights out. Each
+        quantized, or summed in a fixed order, where ``config`` says so; the
+        micro-batches as ``accum_steps`` and the order of sums say.
 
         Raises:
           ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
@@ -96,14 +106,19 @@ class Route(NamedTuple):
         grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
         axes, gather = config.batch_axes, exact_gather
         axes = axes if len(axes) > 1 else axes[0]
-        loop = OneBatch(stage, axes) if accum_steps == 1 else Accumulated(stage, axes, accum_steps)
+        arrives = 3 if held else stage  # (how the loop accumulates: stage 3's pieces)
+        loop = OneBatch(arrives, axes)
+        loop = loop if accum_steps == 1 else Accumulated(arrives, axes, accum_steps)
         if parts is not None:
             loop = InOrder(stage, axes, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
-        if stage == 3:  # (stage 3's weights are quantized in its gathers)
+        if stage == 3 or held:  # (stage 3's weights are quantized in its gathers)
             arrival = (CanonicalPieces if parts else QuantizedPieces if grads else Pieces)(config)
+            if held:  # (a held gather sends no weights: they leave all-gathered, as in stage 2)
+                departure = (QuantizedAllGather if weights else AllGather)(config)
+                return cls(arrival, departure, loop, gather)
             return cls(arrival, ToPieces(config), loop, gather)
         if mean and grads is not None:
             logger.warning(

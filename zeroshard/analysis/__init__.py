@@ -22,6 +22,8 @@ jaxpr), not from a list of names:
 - :mod:`~zeroshard.analysis.jaxprs`: reading jaxprs alike on every jax version, and the
   one walker (:func:`~zeroshard.analysis.jaxprs.walk`, calls inlined) that the tags, the
   layer axes and :mod:`zeroshard.sums` follow a jaxpr with;
+- :mod:`~zeroshard.analysis.reads`: whether a loss reads its parameters only through
+  :func:`zeroshard.gather` (for stage 2's held step, :mod:`zeroshard.held`);
 - :mod:`~zeroshard.analysis.leaves` (:func:`analyze`): what each leaf needs, from the
   update traced on full leaves, on slices and on one layer. A leaf whose update
   depends on its shape (factored only when large, masked by shape) is owned too.

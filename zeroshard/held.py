@@ -1,0 +1,70 @@
+"""Held: stage 2 for a loss that gathers, its gradients reduce-scattered layer by layer.
+
+Stage 2 keeps the weights whole and replicated and the gradients 1/N. Given a loss
+that uses the parameters directly, its backward pass makes the full gradient of every
+leaf (for stacked layers scanned over: of every layer) before the step
+reduce-scatters it, so without accumulation it holds what stage 1 holds.
+
+When the loss reads every parameter only through :func:`zeroshard.gather` or
+:func:`zeroshard.layer` (as a stage-3 loss must), the step reads that from the loss
+traced once (:func:`zeroshard.analysis.reads.reads_only_gathered`) and hands it
+:class:`zeroshard.stage3.Held` leaves instead: this device's piece of each parameter
+(laid out as stage 3's) and the whole replicated parameter. Their gather returns the
+whole parameter with no collective, and its transpose is the stage-3 gather's: each
+gathered layer's gradient is reduce-scattered onto the piece as soon as the backward
+pass has made it (exactly, quantized or in fixed order, as the step's
+:attr:`zeroshard.update.Route.gather`). The step differentiates with respect to the
+pieces only, so the gradients arrive as stage 3's do (:class:`zeroshard.arrival.Pieces`)
+and the new weights leave all-gathered, as in stage 2 (:class:`zeroshard.departure.AllGather`).
+A loss that reads a parameter any other way runs the plain stage-2 step, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from zeroshard.analysis.reads import reads_only_gathered
+from zeroshard.collectives import to_bits
+from zeroshard.layout import Layout, PyTree
+from zeroshard.stage3 import Held, Shard, is_shard
+
+
+def gathers_only(loss: Callable[..., Any], params: PyTree, batch: PyTree, *args: Any) -> bool:
+    """Whether the step's ``loss(params, batch, key, model_state)`` reads ``params``
+    only through :func:`zeroshard.gather` (traced once more, on the batch's first
+    rows: nothing runs)."""
+    return reads_only_gathered(loss, params, batch, *args)
+
+
+def pieces_of(layout: Layout, params: PyTree, axis_name: str, dtype: Any = None) -> PyTree:
+    """This device's piece of every leaf of the whole ``params``, as stage-3
+    :class:`zeroshard.Shard` pieces laid out by ``layout`` (owned leaves too), in
+    ``dtype`` (``None``: the parameters'): what a held step differentiates."""
+    index = jax.lax.axis_index(axis_name)
+    leaves = layout.treedef.flatten_up_to(params)
+    return layout.treedef.unflatten(
+        Shard(s.cut(x, index).astype(dtype or x.dtype).reshape(s.piece_shape), *_meta(s))
+        for x, s in zip(leaves, layout.slots, strict=True)
+    )
+
+
+def value_and_grad(loss: Callable[..., Any], params: PyTree) -> Callable[..., Any]:
+    """``(out, grads) = f(pieces, batch, key, model_state)``: ``loss`` (the step's
+    convention, with aux) on :class:`zeroshard.stage3.Held` leaves of ``pieces`` (from
+    :func:`pieces_of`) and the whole ``params``, differentiated with respect to the
+    pieces only: ``grads`` are :class:`zeroshard.Shard` pieces, summed over the axis
+    by the gathers' transposes."""
+
+    def on_pieces(pieces: PyTree, *args: Any) -> Any:
+        hold = lambda p, x: Held(p.piece, to_bits(x), p.shape, p.dtype, p.stacked, p.chunks)
+        return loss(jax.tree.map(hold, pieces, params, is_leaf=is_shard), *args)
+
+    return jax.value_and_grad(on_pieces, has_aux=True)
+
+
+def _meta(slot: Any) -> tuple:
+    """A :class:`zeroshard.Shard`'s static data for a leaf laid out as ``slot``."""
+    return slot.shape, slot.dtype, slot.stacked, slot.chunks
