@@ -126,7 +126,9 @@ def test_collective_dtypes_on_the_lowered_program(reduce_dtype, expected_rs, rng
     batch = {"x": jnp.ones((8, 7)), "y": jnp.ones((8, 5))}
     dtypes = zs.collective_dtypes(step.lower(state, batch).as_text())
     assert [d for k, d in dtypes if k == "reduce-scatter"] == [expected_rs]  # one, packed
-    assert [d for k, d in dtypes if k == "all-gather"] == ["bf16"]  # compute dtype
+    # The compute dtype's bits: bf16 weights go as ui16 (2 bytes, exactly; XLA's CPU
+    # backend would gather bf16 widened to f32).
+    assert [d for k, d in dtypes if k == "all-gather"] == ["ui16"]
 
 
 @pytest.mark.parametrize("pack_bytes", [1 << 18, 0])
@@ -141,7 +143,9 @@ def test_mixed_dtypes_each_leaf_on_the_wire_in_its_own_dtype(pack_bytes, rng):
     # All leaves are small: one collective per dtype when packed, else one per leaf.
     expected = ["bf16", "f32"] if pack_bytes else per_leaf
     assert sorted(d for k, d in dtypes if k == "reduce-scatter") == expected
-    assert sorted(d for k, d in dtypes if k == "all-gather") == expected
+    # (the weights' bits: bf16 as ui16, the same 2 bytes)
+    bits = sorted("ui16" if d == "bf16" else d for d in expected)
+    assert sorted(d for k, d in dtypes if k == "all-gather") == bits
 
 
 def test_state_bytes_of_abstract_and_live_arrays_agree(rng):

@@ -187,10 +187,8 @@ class Sharded:
         over every device (:meth:`spanning`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
         opt = self.spanning(mesh)
-        route, num_shards = (
-            Route.of(opt.config, 1, mean=True),
-            mesh_size(mesh, opt.config.axis_name),
-        )
+        route = Route.of(opt.config, 1, mean=True)
+        num_shards = mesh_size(mesh, opt.config.axis_name)
         specs = opt.state_specs(params, num_shards)
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism), and the new weights return to
@@ -398,7 +396,13 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         summed across devices where it is used). Combining leaves otherwise
         (``optax.apply_if_finite``) is refused with a ``ValueError``.
       **options: the keywords below.
-      axis_name: the mesh axis the batch (and the state) is split over.
+      axis_name: the mesh axis the batch (and the state) is split over, or a tuple of
+        axes (``("data", "fsdp")``): split over all of them. In zeroshard's step,
+        stages 1 and 2 split the state over the mesh's other axes too (a
+        tensor-parallel ``"model"``, say: :meth:`Sharded.for_step`); where
+        ``update`` takes the mean gradient (the one-line drop-in), the state is split
+        over every axis of the mesh but ``replica_axis``, and ``axis_name`` need not
+        name one of them (:meth:`Sharded.spanning`).
       master_dtype: dtype of the master weights kept for lower-precision parameters;
         ``None`` keeps no master (the inner optimizer runs in the parameters' dtype).
         Parameters already in ``master_dtype`` (or wider) need no copy.
