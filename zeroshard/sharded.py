@@ -82,7 +82,7 @@ class Sharded:
         leaf). Stage 3's pieces are gathered inside the loss, where only the batch axes
         are manual, and the fixed-order sums of ``deterministic=`` run over the batch
         axes: there the state stays split over ``axis_name`` only."""
-        if stage == 3 or self.config.deterministic is not None:
+        if stage == 3 or not self.config.sum_order.any_order:
             return self
         batch = self.config.batch_axes
         return self.over((*self.config.axes, *(a for a in mesh.axis_names if a not in batch)))

@@ -218,7 +218,7 @@ class TrainStep:
         )
         # Stage 2 with a loss that gathers (zeroshard.held; the fixed-order sums of
         # deterministic= keep the plain stage-2 step)
-        held = stage == 2 and not self.per_device_loss and self.opt.config.deterministic is None
+        held = stage == 2 and not self.per_device_loss and self.opt.config.sum_order.any_order
         held = held and not self.rest  # (its pieces are over the batch axes)
         self.held_route = Route.of(self.opt.config, 2, accum_steps=k, held=True) if held else None
         self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())

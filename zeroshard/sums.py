@@ -43,7 +43,9 @@ class Psum:
     Attributes:
       chunks: the canonical chunks a leaf's layers are cut into (none: ``0``).
       any_order: whether sums may run in any order, so alike leaves may be updated
-        as one buffer and a whole-tensor update may run on blocks.
+        as one buffer, a whole-tensor update may run on blocks, a step's state may
+        span the mesh's axes the batch is not split over, and a stage-2 step may
+        reduce its gradients layer by layer (:mod:`zeroshard.held`).
       rewrites: whether the inner update is evaluated equation by equation even
         where no sum needs making whole.
     """
