@@ -11,17 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, reference_run
+from helpers import assert_trees_close, awkward_loss, awkward_params, batches, reference_run
 from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+from zeroshard.checkpointing import ShardedRestore, ShardedSave
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
 # replicated bias.
 TP_SPECS = {"up": P(None, "model"), "down": P("model", None), "b": P()}
+EXPLICIT = (AxisType.Explicit, AxisType.Explicit)
 
 
 def tp_params(rng):
@@ -169,7 +172,7 @@ def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_nnx_optimizer(rng
     follows the weights: 1/8 of the kernels, the norms' scale on every device)."""
     data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))]
     data *= 3
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=EXPLICIT)
     plain_losses, plain, plain_state = nnx_losses(lambda: optax.adamw(1e-2), mesh, data)
     losses, got, state = nnx_losses(lambda: zs.sharded(optax.adamw(1e-2)), mesh, data)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
@@ -216,13 +219,8 @@ def test_a_checkpoint_saved_on_4x2_restores_on_another_mesh_and_continues(shape,
     """The drop-in's state, split over all 8 devices of (4 fsdp x 2 tensor), saved
     with the user's own orbax manager and restored on (8, 1), (2, 4) and one device:
     the logical state exactly, and the next steps as the uninterrupted run's."""
-    import orbax.checkpoint as ocp
-
-    from zeroshard.checkpointing import ShardedRestore, ShardedSave
-
     data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))] * 4
-    explicit = lambda shape: (AxisType.Explicit,) * 2
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=explicit((4, 2)))
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=EXPLICIT)
     pair = nnx_train(nnx_pair(mesh), mesh, data[:2])
     saved = logical_state(pair, mesh)
     with ocp.CheckpointManager(tmp_path) as manager:
@@ -231,7 +229,7 @@ def test_a_checkpoint_saved_on_4x2_restores_on_another_mesh_and_continues(shape,
     expected = nnx.to_pure_dict(nnx.state(nnx_train(pair, mesh, data[2:])[0], nnx.Param))
 
     devices = jax.devices()[: shape[0] * shape[1]]
-    other = jax.make_mesh(shape, ("fsdp", "tensor"), axis_types=explicit(shape), devices=devices)
+    other = jax.make_mesh(shape, ("fsdp", "tensor"), axis_types=EXPLICIT, devices=devices)
     target = nnx_pair(other)
     with ocp.CheckpointManager(tmp_path) as manager:
         args = ocp.args.Composite(state=ShardedRestore(target, mesh=other))
@@ -251,8 +249,6 @@ def test_a_checkpoint_saved_on_4x2_restores_on_another_mesh_and_continues(shape,
 def test_the_step_over_two_data_axes(inner, stage, rng):
     """axis_name=("data", "fsdp") on jax's default (Explicit) 4 x 2 mesh: the batch and
     the state split over both, 1/8 each; the numbers are plain optax's."""
-    from helpers import awkward_loss, awkward_params, batches
-
     params, data = awkward_params(rng), batches(rng, 3)
     mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
     tx = zs.sharded(inner, axis_name=("data", "fsdp"))
