@@ -79,16 +79,25 @@ def _describe(manager, meta: dict) -> None:
 
 
 def plan(
-    params: str, devices: int, param_dtype: str, optimizer: str, loss: str | None = None, batch=None
+    params: str,
+    devices: int | dict[str, int],
+    param_dtype: str,
+    optimizer: str,
+    loss: str | None = None,
+    batch=None,
 ) -> int:
     """Prints model-state bytes per device for ZeRO stages 0-3, and the placement
     when ``params`` and ``optimizer`` name functions (``module:function``); with
-    ``loss`` and ``batch``, each stage's compiled peak."""
+    ``loss`` and ``batch``, each stage's compiled peak. ``devices``: a count, or a
+    mesh's shape (axis name -> size)."""
+    import math
+
     import jax
 
+    count = math.prod(devices.values()) if isinstance(devices, dict) else devices
     if loss is not None:  # (before JAX starts: the devices to plan for, simulated)
-        jax.config.update("jax_num_cpu_devices", devices)
-    from zeroshard.memory import param_count, placement_table, plan_table
+        jax.config.update("jax_num_cpu_devices", count)
+    from zeroshard.memory import device_counts, param_count, placement_table, plan_table
 
     try:
         tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
@@ -98,26 +107,35 @@ def plan(
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
+    where = f"a {devices} mesh" if isinstance(devices, dict) else f"{devices} devices"
     print(
-        f"{param_count(tree):,.0f} parameters on {devices} devices, {param_dtype} params and "
+        f"{param_count(tree):,.0f} parameters on {where}, {param_dtype} params and "
         f"grads, {optimizer}, fp32 master where the params are narrower (per device):\n"
     )
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
     if not isinstance(tree, float) and hasattr(tx, "init"):
-        print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, devices, tx, param_dtype)}")
+        n = device_counts(devices, 1, tx)[1]  # (stage 1: the devices its state is split over)
+        print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, n, tx, param_dtype)}")
     if loss_fn is not None:
         print(f"\n{peak_table(loss_fn, tree, batch, tx, devices, param_dtype)}")
     return 0
 
 
-def peak_table(loss_fn, params, batch, tx, devices: int, param_dtype: str) -> str:
-    """Each stage's compiled peak per device (:func:`zeroshard.step_memory`)."""
+def peak_table(loss_fn, params, batch, tx, devices: int | dict[str, int], param_dtype: str) -> str:
+    """Each stage's compiled peak per device (:func:`zeroshard.step_memory`), on
+    ``devices`` simulated devices along the optimizer's axis or on a mesh of that shape
+    (Auto axes)."""
+    import math
+
     import jax
 
     import zeroshard as zs
 
     tx = tx if isinstance(tx, zs.ShardedTransformation) else zs.sharded(tx)
-    mesh = jax.make_mesh((devices,), (tx.axis_name,), devices=jax.devices()[:devices])
+    shape = devices if isinstance(devices, dict) else {tx.axis_name: devices}
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    used = jax.devices()[: math.prod(shape.values())]
+    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=auto, devices=used)
     lines = [
         "| stage | arguments | temporaries | peak per device (compiled) |",
         "|---:|---:|---:|---:|",
@@ -132,6 +150,19 @@ def peak_table(loss_fn, params, batch, tx, devices: int, param_dtype: str) -> st
             continue
         lines.append(f"| {stage} | {m.arguments:,} | {m.temporaries:,} | {m.peak:,} |")
     return "\n".join(lines)
+
+
+def _mesh_shape(text: str) -> dict[str, int]:
+    """``"data=4,model=2"`` as ``{"data": 4, "model": 2}``."""
+    try:
+        shape = {name: int(size) for name, size in (a.split("=") for a in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected axis=size,... (data=4,model=2), got {text!r}"
+        ) from None
+    if not shape or min(shape.values()) < 1:
+        raise argparse.ArgumentTypeError(f"every axis needs a positive size, got {text!r}")
+    return shape
 
 
 def _load(spec: str):
@@ -151,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd.add_argument(
         "--params", required=True, help="a count (7.5e9) or module:function returning the params"
     )
-    plan_cmd.add_argument("--devices", type=int, required=True)
+    where = plan_cmd.add_mutually_exclusive_group(required=True)
+    where.add_argument("--devices", type=int, help="the device count (along the data axis)")
+    where.add_argument(
+        "--mesh",
+        type=_mesh_shape,
+        help="a mesh's shape, e.g. data=4,model=2: as zeroshard's step lays the state on it",
+    )
     plan_cmd.add_argument("--loss", help="module:function, the loss (with --batch: the peak)")
     plan_cmd.add_argument("--batch", help="module:function returning the global batch")
     plan_cmd.add_argument("--param-dtype", default="bfloat16")
@@ -171,9 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if (args.loss is None) != (args.batch is None) or (args.loss and ":" not in args.params):
             parser.error("--loss and --batch go together, with --params module:function")
-        return plan(
-            args.params, args.devices, args.param_dtype, args.optimizer, args.loss, args.batch
-        )
+        devices = args.mesh or args.devices
+        return plan(args.params, devices, args.param_dtype, args.optimizer, args.loss, args.batch)
     return inspect(args.directory, args.step, args.json, args.verify)
 
 

@@ -147,7 +147,7 @@ class ShardConfig:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The mesh axes the state is split over: ``axis_name``, as a tuple."""
+        """The mesh axes the state is split over (``axis_name`` as a tuple)."""
         return axes_of(self.axis_name)
 
     @property

@@ -25,13 +25,17 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 
+from zeroshard.collectives import mesh_size
+from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharded
 from zeroshard.step import init_train_state, make_train_step
@@ -116,7 +120,7 @@ def _optimizer_bytes(optimizer: Any) -> float:
 
 def estimate_memory(
     params_or_count: PyTree | float,
-    num_devices: int,
+    num_devices: int | Mapping[str, int],
     *,
     stage: int = 1,
     param_dtype: Any = jnp.bfloat16,
@@ -127,7 +131,14 @@ def estimate_memory(
 
     Args:
       params_or_count: the parameter tree (arrays or ``ShapeDtypeStruct``) or a count.
-      num_devices: devices the state is sharded over (N).
+      num_devices: devices the state is sharded over (N); or the mesh's shape, a
+        mapping of axis names to sizes (``{"data": 4, "model": 2}``), to count what
+        zeroshard's step keeps there: the batch split over the optimizer's
+        ``axis_name`` (``"data"`` unless ``optimizer`` is a ``zs.sharded``
+        transformation), the weights and stage 3's state over it, and stages 1-2's
+        state and stage 2's gradients over every axis but the replica axis
+        (:meth:`zeroshard.sharded.Sharded.for_step`; the one-line drop-in splits its
+        state so too).
       stage: 0 (plain data parallelism), 1, 2 or 3.
       param_dtype: the compute dtype of parameters and gradients.
       master_dtype: the master weights' dtype (``None``: no master).
@@ -143,24 +154,44 @@ def estimate_memory(
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be positive, got {num_devices!r}.")
-    psi, n = param_count(params_or_count), num_devices
+    n_axis, n = device_counts(num_devices, stage, optimizer)
+    psi = param_count(params_or_count)
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
     shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
+    params = psi * p / (n_axis if stage == 3 else 1)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
         if stage:
             placed = _placed(params_or_count, n, param_dtype, master_dtype, optimizer)
-            return placed._replace(params=shard(p, 3), grads=shard(p, 2))
+            return placed._replace(params=params, grads=shard(p, 2))
         # stage 0: plain optax's state, on every device
         dtype = master_dtype if has_master else param_dtype
         state = jax.eval_shape(_inner(optimizer).init, _structs(params_or_count, dtype))
         o = sum(_nbytes(x) for x in jax.tree.leaves(state))
     else:
         o = shard(_optimizer_bytes(optimizer), 1)
-    return MemoryEstimate(shard(p, 3), shard(p, 2), o, shard(m, 1))
+    return MemoryEstimate(params, shard(p, 2), o, shard(m, 1))
+
+
+def device_counts(
+    num_devices: int | Mapping[str, int], stage: int, optimizer: Any = None
+) -> tuple[int, int]:
+    """``(N over the batch's sharding axes, N the state is split over)`` for
+    :func:`estimate_memory`'s ``num_devices`` (a count: both; a mesh shape: as
+    zeroshard's step lays a ``stage`` out on it, for ``optimizer``'s axes).
+
+    Raises:
+      ValueError: for a count below one, or a mesh shape without the axes.
+    """
+    if not isinstance(num_devices, Mapping):
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be positive, got {num_devices!r}.")
+        return num_devices, num_devices
+    tx = optimizer if isinstance(optimizer, ShardedTransformation) else sharded(optax.identity())
+    mesh = jax.sharding.AbstractMesh(tuple(num_devices.values()), tuple(num_devices))
+    check_mesh_axes(mesh, tx.axis_name, tx.config.replica_axis)
+    return mesh_size(mesh, tx.axis_name), mesh_size(mesh, tx.for_step(mesh, stage).axis_name)
 
 
 class StepMemory(NamedTuple):

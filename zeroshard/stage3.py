@@ -208,10 +208,11 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     Returns:
       The same tree with full arrays for the shards. Differentiating through it
       reduce-scatters the cotangents back onto the pieces. In a stage-2 step the
-      leaves are :class:`Held`: the whole weights come with no collective, and the
-      cotangents are reduce-scattered the same way (:mod:`zeroshard.held`). The gather runs in the
-      named scope ``zeroshard/gather``; its transpose, the gradients' reduce-scatter,
-      in ``transpose(jvp(zeroshard/gather))`` (see :mod:`zeroshard.scopes`).
+      leaves are :class:`zeroshard.stage3.Held`: the whole weights come with no
+      collective, and the cotangents are reduce-scattered the same way
+      (:mod:`zeroshard.held`). The gather runs in the named scope
+      ``zeroshard/gather``; its transpose, the gradients' reduce-scatter, in
+      ``transpose(jvp(zeroshard/gather))`` (see :mod:`zeroshard.scopes`).
 
     Raises:
       ValueError: if a piece cannot be gathered in the layout it has here (e.g. a
