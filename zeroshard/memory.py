@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zeroshard.collectives import mesh_size
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharded
-from zeroshard.step import init_train_state, make_train_step
+from zeroshard.step import init_train_state, make_train_step, state_specs
 
 # Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
 MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
@@ -266,10 +267,15 @@ def step_memory(
     """
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     init = lambda p: init_train_state(p, tx, mesh, param_dtype=param_dtype, stage=stage)
-    on_mesh = lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
+    shapes = jax.eval_shape(init, structs)
+    # Laid out as init_train_state lays it (on Auto axes the shapes carry no layout).
+    state_tx = tx.for_step(mesh, stage)
+    n = mesh_size(mesh, state_tx.axis_name)
+    on_mesh = lambda spec, tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
-    state = jax.tree.map(on_mesh, jax.eval_shape(init, structs))
+    specs = state_specs(state_tx, shapes.params, n, stage)
+    state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
     step = make_train_step(loss_fn, tx, mesh, **options)
