@@ -26,17 +26,9 @@ from typing import Any
 
 import jax
 
-from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.collectives import to_bits
 from zeroshard.layout import Layout, PyTree
 from zeroshard.stage3 import Held, Shard, is_shard
-
-
-def gathers_only(loss: Callable[..., Any], params: PyTree, batch: PyTree, *args: Any) -> bool:
-    """Whether the step's ``loss(params, batch, key, model_state)`` reads ``params``
-    only through :func:`zeroshard.gather` (traced once more, on the batch's first
-    rows: nothing runs)."""
-    return reads_only_gathered(loss, params, batch, *args)
 
 
 def pieces_of(layout: Layout, params: PyTree, axis_name: str, dtype: Any = None) -> PyTree:

@@ -39,7 +39,7 @@ from zeroshard.collectives import mesh_size
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.sharded import ShardedTransformation, sharded
-from zeroshard.step import init_train_state, make_train_step, state_specs
+from zeroshard.step import init_train_state, make_train_step
 
 # Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
 MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
@@ -268,17 +268,15 @@ def step_memory(
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     init = lambda p: init_train_state(p, tx, mesh, param_dtype=param_dtype, stage=stage)
     shapes = jax.eval_shape(init, structs)
-    # Laid out as init_train_state lays it (on Auto axes the shapes carry no layout).
-    state_tx = tx.for_step(mesh, stage)
-    n = mesh_size(mesh, state_tx.axis_name)
+    options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
+    step = make_train_step(loss_fn, tx, mesh, **options)
+    # Laid out as the step takes it (on Auto axes the shapes carry no layout).
     on_mesh = lambda spec, tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
-    specs = state_specs(state_tx, shapes.params, n, stage)
+    specs = step.state_specs(shapes.params)
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
-    step = make_train_step(loss_fn, tx, mesh, **options)
     stats = step.lower(state, abstract).compile().memory_analysis()
     return StepMemory(
         stats.argument_size_in_bytes,

@@ -245,13 +245,20 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
             every = held(raw, fulls, [slots[i] for i in group], axis_name, dtype, gathered)
             out.update(zip(group, every, strict=True))
             continue
-        if is_identity(raw, axis_name):  # one device: each piece is the whole leaf
-            every = [p.astype(dtype)[None] for p in raw]
-        else:
-            every = gathered(raw, axis_name, dtype)
+        every = every_piece(raw, axis_name, dtype, gathered)
         for i, x in zip(group, every, strict=True):
             out[i] = slots[i].uncut(x)
     return treedef.unflatten(out.values())
+
+
+def every_piece(
+    pieces: list[jax.Array], axis_name: str, dtype: Any, gathered: Callable[..., list]
+) -> list[jax.Array]:
+    """Every device's piece of each of the 1-D ``pieces`` in ``dtype``, by ``gathered``
+    (row ``d`` from device ``d``); on one device, each piece is the whole leaf."""
+    if is_identity(pieces, axis_name):
+        return [p.astype(dtype)[None] for p in pieces]
+    return gathered(pieces, axis_name, dtype)
 
 
 def is_held(x: Any) -> bool:
@@ -273,10 +280,7 @@ def held(
     pieces' dtype, of this gather's leaves only."""
 
     def gather_pieces(pieces: list[jax.Array]) -> list[jax.Array]:
-        if is_identity(pieces, axis_name):
-            every = [p[None] for p in pieces]
-        else:
-            every = gathered(pieces, axis_name, pieces[0].dtype)
+        every = every_piece(pieces, axis_name, pieces[0].dtype, gathered)
         return [s.uncut(x).astype(dtype) for s, x in zip(slots, every, strict=True)]
 
     @jax.custom_vjp

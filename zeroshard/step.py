@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard import held, step_io
+from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
@@ -202,10 +203,12 @@ class TrainStep:
         if not self.rest:  # (the update runs manual over every axis it reduces over)
             check_other_axes(self.mesh, axes)
         self.route = Route.of(self.state_tx.config, stage, accum_steps=k)
-        if self.rest:  # the micro-batches over the batch axes; the gradients over all
-            loop = Route.of(self.opt.config, stage, accum_steps=k).loop
+        # With other axes, the micro-batches run over the batch axes and the gradients
+        # arrive manual over those axes too (nested; so does the update).
+        self.nested = Nested(self.route.arrival, self.rest) if self.rest else None
+        if self.rest:
             self.route = self.route._replace(
-                loop=loop, arrival=Nested(self.route.arrival, self.rest)
+                loop=Route.of(self.opt.config, stage, accum_steps=k).loop
             )
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
@@ -243,10 +246,8 @@ class TrainStep:
             params = held.pieces_of(
                 plan.layout, params, self.axis_name, self.opt.config.reduce_dtype
             )
-        loop = route.loop
-        out, parts = loop.run(
-            value_and_grad, params, batch, key, state.model_state, plan, route.arrival
-        )
+        loop, arrival = route.loop, self.nested or route.arrival
+        out, parts = loop.run(value_and_grad, params, batch, key, state.model_state, plan, arrival)
         loss, (aux, model_state) = out
         if scale is not None:
             loss = loss / scale.scale
@@ -269,27 +270,26 @@ class TrainStep:
         """The new parameters and optimizer state (:func:`zeroshard.update.updated`) for
         gradient ``parts`` that came by ``route``, manual over the state's other axes
         too (:attr:`rest`), if any."""
-        opt, nested = optimizer_of(self.state_tx), route.arrival
-        if self.rest:  # (the update's own arrival, inside the nested shard_map below)
-            route = route._replace(arrival=nested.arrival)
+        opt = optimizer_of(self.state_tx)
 
         def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
             return updated(opt.inner, opt.config, plan, route, parts, opt_state, params, **extra)
 
-        if not self.rest:
+        if self.nested is None:
             return update(parts, state.opt_state, state.params, extra)
-        specs = keep_axes(self._state_specs(state.params).opt_state, self.rest)
+        specs = keep_axes(self.state_specs(state.params).opt_state, self.rest)
         run = jax.shard_map(
             update,
-            in_specs=(nested.specs(plan), specs, P(), P()),
+            in_specs=(self.nested.specs(plan), specs, P(), P()),
             out_specs=(P(), specs),
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
         )
         return run(parts, state.opt_state, with_layout(state.params, P()), extra)
 
-    def _state_specs(self, params: PyTree) -> TrainState:
-        """The global state's ``PartitionSpec``s (over every axis of the state)."""
+    def state_specs(self, params: PyTree) -> TrainState:
+        """The ``PartitionSpec``s of the global state this step takes for ``params``
+        (over every axis of the state)."""
         num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
         return state_specs(self.state_tx, params, num_shards, self.stage)
 
@@ -302,7 +302,7 @@ class TrainStep:
         rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
         loss = step_io.step_loss(self.loss_fn, self.has_aux, None)
         key = step_io.device_key(key, self.batch_axes)
-        return held.gathers_only(loss, params, rows, key, model_state)
+        return reads_only_gathered(loss, params, rows, key, model_state)
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
@@ -342,7 +342,7 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = keep_axes(self._state_specs(state.params), self.opt.config.batch_axes)
+        specs = keep_axes(self.state_specs(state.params), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:

@@ -114,12 +114,11 @@ class Route(NamedTuple):
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
+        all_gathered = (QuantizedAllGather if weights else AllGather)(config)
         if stage == 3 or held:  # (stage 3's weights are quantized in its gathers)
             arrival = (CanonicalPieces if parts else QuantizedPieces if grads else Pieces)(config)
-            if held:  # (a held gather sends no weights: they leave all-gathered, as in stage 2)
-                departure = (QuantizedAllGather if weights else AllGather)(config)
-                return cls(arrival, departure, loop, gather)
-            return cls(arrival, ToPieces(config), loop, gather)
+            # (a held gather sends no weights: they leave all-gathered, as in stage 2)
+            return cls(arrival, all_gathered if held else ToPieces(config), loop, gather)
         if mean and grads is not None:
             logger.warning(
                 "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, which "
@@ -135,7 +134,7 @@ class Route(NamedTuple):
             )
         else:
             arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
-        return cls(arrival, (QuantizedAllGather if weights else AllGather)(config), loop, gather)
+        return cls(arrival, all_gathered, loop, gather)
 
 
 def updated(
