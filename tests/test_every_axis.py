@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+import zeroshard.flax as zf
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
@@ -30,6 +31,11 @@ EXPLICIT = (AxisType.Explicit, AxisType.Explicit)
 def tp_params(rng):
     f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
     return {"up": f(16, 64), "down": f(64, 16), "b": f(16)}
+
+
+def tp_placed(params, mesh):
+    """``params`` laid out column/row-parallel over "model" (replicated over the rest)."""
+    return {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
 
 
 def tp_loss(params, x, y):
@@ -80,7 +86,7 @@ def test_dropin_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(axis_type,
     expected, _ = jit_loop(optax.adam(1e-2), params, (x, y))
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     with jax.set_mesh(mesh):
-        placed = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
+        placed = tp_placed(params, mesh)
         data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         plain, plain_state = jit_loop(optax.adam(1e-2), placed, data)
         got, state = jit_loop(zs.sharded(optax.adam(1e-2)), placed, data)
@@ -103,7 +109,7 @@ def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):
     mesh = jax.make_mesh((2, 2, 2), ("replica", "data", "model"), axis_types=(AxisType.Auto,) * 3)
     tx = zs.sharded(optax.adam(1e-2), replica_axis="replica")
     with jax.set_mesh(mesh):
-        placed = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
+        placed = tp_placed(params, mesh)
         batch = NamedSharding(mesh, P(("replica", "data")))
         got, state = jit_loop(tx, placed, tuple(jax.device_put(a, batch) for a in (x, y)))
     assert_trees_close(got, expected, 1e-5)
@@ -184,6 +190,42 @@ def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_nnx_optimizer(rng
     )
     kernel = got["blocks"][0]["up"]["kernel"]
     assert kernel.sharding.spec == P("fsdp", "tensor")  # the annotation, kept
+
+
+def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_the_nnx_step(rng):
+    """zeroshard.flax's NNX step on the same model: its sharding calls name the batch
+    axis ("fsdp") and pass PartitionSpecs to reshard, so it cannot run per device; the
+    step runs it on the whole mesh and updates as the drop-in does. The losses of
+    plain optax, 1/8 of the state per device, the kernels kept over "tensor"."""
+    data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))]
+    data *= 3
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=EXPLICIT)
+    plain_losses, plain, plain_state = nnx_losses(lambda: optax.adamw(1e-2), mesh, data)
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        optimizer = zf.nnx_optimizer(model, zs.sharded(optax.adamw(1e-2), axis_name="fsdp"), mesh)
+        step = zf.nnx_train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh)
+        losses = [float(step(model, optimizer, batch)["loss"]) for batch in data]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert_trees_close(got, plain, 1e-5)
+    state = nnx.as_pure(optimizer.opt_state)
+    assert max(per_device_bytes(state).values()) <= 1.10 * adam_bytes(got) / 8
+    assert max(per_device_bytes(state).values()) <= 1.10 * max(
+        per_device_bytes(plain_state).values()
+    )
+    # Stage 1: the weights replicated over the batch axis, split over "tensor" as annotated.
+    assert got["blocks"][0]["up"]["kernel"].sharding.spec == P(None, "tensor")
+
+    # Stage 2 cannot run it so: jax's own error, with what the step can do instead.
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        tx = zs.sharded(optax.adamw(1e-2), axis_name="fsdp")
+        optimizer = zf.nnx_optimizer(model, tx, mesh, stage=2)
+        step = zf.nnx_train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh, stage=2)
+        with pytest.raises(ValueError) as refused:
+            step(model, optimizer, data[0])
+    assert any("nnx.Optimizer(model" in note for note in refused.value.__notes__)
 
 
 def nnx_pair(mesh):
@@ -279,7 +321,7 @@ def test_whole_tensor_optimizers_on_tensor_parallel_leaves(make, rng):
     expected, _ = jit_loop(make(), params, (x, y), steps=3)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
-        placed = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
+        placed = tp_placed(params, mesh)
         data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         got, _ = jit_loop(zs.sharded(make()), placed, data, steps=3)
     assert_trees_close(got, expected, 1e-5)
@@ -309,21 +351,46 @@ def test_the_step_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(
 ):
     """zeroshard's own step on jax.make_mesh((4, 2), ("data", "model")) (the default,
     Explicit axes; refused on jax 0.12 before): the batch over "data", the loss's
-    own tensor parallelism over "model", and 1/8 of the state on every device; the
-    numbers are plain optax's on one device."""
+    own tensor parallelism over "model", the weights kept column/row-parallel, and
+    1/8 of the state on every device; the numbers are plain optax's on one device."""
     params, data = tp_params(rng), tp_batches(rng)
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     tx = zs.sharded(inner)
-    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=stage)
     step = zs.make_train_step(tp_step_loss, tx, mesh, stage=stage, accum_steps=accum_steps)
     with jax.set_mesh(mesh):
         for batch in data:
             state, _ = step(state, batch)
     assert_trees_close(state.params, reference_run(tp_step_loss, inner, params, data), 1e-5)
+    assert_tp_layout(state.params, mesh, params)
     held = per_device_bytes(state.opt_state)
     assert len(held) == 8  # (+ the replicated scalars: count, grad norm, skipped steps)
     inner_state = sum(x.nbytes for x in jax.tree.leaves(zs.to_optax_state(state, tx)[1]))
     assert max(held.values()) <= 1.10 * inner_state / 8 + 64
+
+
+def assert_tp_layout(got, mesh, params):
+    """The step kept the weights' tensor-parallel layout: each device holds half of
+    each kernel (and the whole bias)."""
+    for k, x in got.items():
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, TP_SPECS[k]), x.ndim), k
+    half = (params["up"].nbytes + params["down"].nbytes) // 2
+    assert set(per_device_bytes(got).values()) == {half + params["b"].nbytes}
+
+
+def test_the_step_keeps_tensor_parallel_weights_on_an_auto_mesh(rng):
+    """On a mesh with Auto axes, where the types carry no layout, the step still
+    returns the weights laid out as they came (column/row-parallel over "model")."""
+    params, data = tp_params(rng), tp_batches(rng)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tx, loss = zs.sharded(optax.adam(1e-2)), lambda p, b: tp_loss(p, b["x"], b["y"])
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=2)
+    assert_tp_layout(state.params, mesh, params)
+    step = zs.make_train_step(loss, tx, mesh, stage=2)
+    for batch in data:
+        state, _ = step(state, batch)
+    assert_trees_close(state.params, reference_run(loss, optax.adam(1e-2), params, data), 1e-5)
+    assert_tp_layout(state.params, mesh, params)
 
 
 def test_the_step_with_a_replica_axis_and_tensor_parallelism(rng):

@@ -207,6 +207,31 @@ def keep_axes(specs: PyTree, axes: Collection[str]) -> PyTree:
     return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def own_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
+    """Each leaf's own layout over ``axes`` (a tensor-parallel ``"model"`` axis, say):
+    its ``NamedSharding``'s ``PartitionSpec`` naming only those axes, ``P()`` where it
+    has none (a NumPy array, or a leaf replicated over them). Hashable leaves: a step
+    compiled for one layout is reused for the same."""
+    named = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
+    return jax.tree.map(lambda x: keep_axes(x.sharding.spec, axes) if named(x) else P(), tree)
+
+
+def laid_out(tree: PyTree, specs: PyTree) -> PyTree:
+    """``tree`` laid out as ``specs`` (a tree of ``PartitionSpec`` on the mesh in
+    context) say: resharded on Explicit axes, constrained on Auto ones (the compiler
+    then keeps each device's block only, where the value was whole)."""
+
+    def put(x: Any, spec: P) -> Any:
+        if not any(spec):  # (replicated over them: as it is)
+            return x
+        explicit = AxisType.Explicit in getattr(jax.typeof(x).sharding.mesh, "axis_types", ())
+        return (
+            jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
+        )
+
+    return jax.tree.map(put, tree, specs)
+
+
 def with_layout(tree: PyTree, like: Any) -> PyTree:
     """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
     arrays, or one ``NamedSharding`` for every leaf, or one ``PartitionSpec`` on the mesh

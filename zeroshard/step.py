@@ -1,7 +1,8 @@
 """Step: forward and backward on the local batch, then the one update flow.
 
 ``init_train_state`` lays the state out on the mesh (optimizer state and master
-weights sharded; parameters in the compute dtype, replicated for stages 1 and 2 and
+weights sharded; parameters in the compute dtype, replicated over the batch axes for
+stages 1 and 2 (keeping their own layout over the mesh's other axes) and
 sharded for stage 3); ``make_train_step`` returns a jitted ``shard_map`` step for a
 ZeRO stage, with optional gradient accumulation, that donates the state.
 """
@@ -26,7 +27,16 @@ from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
 from zeroshard.collectives import mesh_size
 from zeroshard.layout import PyTree
-from zeroshard.mesh import StepContext, check_mesh, in_step, keep_axes, run_on_mesh, with_layout
+from zeroshard.mesh import (
+    StepContext,
+    check_mesh,
+    in_step,
+    keep_axes,
+    laid_out,
+    own_layout,
+    run_on_mesh,
+    with_layout,
+)
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
@@ -39,8 +49,10 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: number of steps taken (int32 scalar, replicated).
-      params: the parameters in the compute dtype: full and replicated on every
-        device (stages 1 and 2), or a tree of :class:`zeroshard.Shard` pieces (stage 3).
+      params: the parameters in the compute dtype: full and replicated over the
+        batch axes (stages 1 and 2; over the mesh's other axes, e.g. tensor
+        parallelism's ``"model"``, in their own layout), or a tree of
+        :class:`zeroshard.Shard` pieces (stage 3).
       opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
         per device.
       model_state: non-trainable model state (e.g. ``{"batch_stats": ...}`` of a Linen
@@ -83,7 +95,9 @@ def init_train_state(
     """Lays a training state out on ``mesh``.
 
     The master weights start from ``params`` as given (full precision), and the
-    compute copy is ``params`` cast to ``param_dtype``: replicated for stages 1 and 2,
+    compute copy is ``params`` cast to ``param_dtype``: replicated for stages 1 and 2
+    (over the batch axes; over the mesh's other axes each leaf keeps the layout its
+    array in ``params`` has, e.g. ``P(None, "model")``, and the step keeps it),
     a tree of :class:`zeroshard.Shard` pieces (1/N per device) for stage 3.
 
     Args:
@@ -108,6 +122,7 @@ def init_train_state(
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
+    batch_axes = optimizer_of(tx).config.batch_axes
     tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
     axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
@@ -138,8 +153,12 @@ def init_train_state(
         opt_state = tx.optimizer.init_local(params, master_params)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, copy(model_state))
 
-    # The same out_specs as the step's, so the first step sees the shardings it returns.
-    return run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
+    # The same out_specs as the step's, so the first step sees the shardings it returns;
+    # the parameters keep their own layout over the state's other axes (the step does).
+    state = run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
+    layout = own_layout(params, [a for a in tx.config.axes if a not in batch_axes])
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
+    return state._replace(params=jax.tree.map(put, state.params, layout))
 
 
 def _stage3_parts(layout: Any, params: PyTree, mesh: Any, axis_name: str) -> tuple[list, list]:
@@ -168,7 +187,10 @@ class TrainStep:
 
     Call it as ``state, metrics = train_step(state, batch)``; ``lower(state, batch)``
     gives the ``jax.stages.Lowered`` program (for HLO inspection) and ``jitted`` the
-    underlying ``jax.jit`` function.
+    underlying ``jax.jit`` function, ``jitted(state, batch, key, layout=None)``:
+    ``layout``, static, is the parameters' layout over the mesh's other axes as a
+    tuple of ``PartitionSpec`` (one per leaf) that the step returns them in; the call
+    reads it from ``state.params``, ``None`` returns them replicated.
 
     ``per_device_loss`` (keyword; the NNX step's): where the step has no
     micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
@@ -224,9 +246,10 @@ class TrainStep:
         held = stage == 2 and not self.per_device_loss and self.opt.config.sum_order.any_order
         held = held and not self.rest  # (its pieces are over the batch axes)
         self.held_route = Route.of(self.opt.config, 2, accum_steps=k, held=True) if held else None
-        self.jitted = jax.jit(self._global_step, donate_argnums=(0,) if self.donate else ())
+        donated = (0,) if self.donate else ()
+        self.jitted = jax.jit(self._global_step, static_argnums=3, donate_argnums=donated)
 
-    def _local_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
+    def _local_step(self, state: TrainState, batch: PyTree, key: Key, layout: PyTree) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
         if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
@@ -258,6 +281,7 @@ class TrainStep:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
         params, opt_state = self._update(plan, route, parts, state, extra)
+        params = params if layout is None else laid_out(params, layout)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
@@ -333,7 +357,9 @@ class TrainStep:
         axes = axes if self.stage < 3 else tuple(a for a in axes if a not in self.opt.config.axes)
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
-    def _global_step(self, state: TrainState, batch: PyTree, key: Key) -> Result:
+    def _global_step(
+        self, state: TrainState, batch: PyTree, key: Key, layout: Any = None
+    ) -> Result:
         self.route.loop.check_batch(batch, self.batch_parts)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         if any(is_shard(x) != (self.stage == 3) for x in leaves):
@@ -349,8 +375,10 @@ class TrainStep:
             computed, model_state = self._per_device(state, batch, key)
             batch_specs = (batch_specs, (split(computed), P()))
             batch = (batch, (computed, model_state))
+        if layout is not None:  # (a static tuple of specs, one per leaf)
+            layout = jax.tree.structure(state.params).unflatten(layout)
         step = jax.shard_map(
-            self._local_step,
+            partial(self._local_step, layout=layout),
             mesh=self.mesh,
             in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
@@ -374,15 +402,24 @@ class TrainStep:
             )
         return jax.device_put(batch, rows)
 
+    def _layout(self, state: TrainState) -> tuple[P, ...] | None:
+        """The parameters' own layout over the state's other axes (tensor parallelism
+        over ``"model"``, say), which the step keeps: a static argument of the jitted
+        step (one compilation per layout), ``None`` where there are no such axes."""
+        if not self.rest:
+            return None
+        specs = own_layout(state.params, self.rest)
+        return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        state, metrics = self.jitted(state, self._place(batch), key)
+        state, metrics = self.jitted(state, self._place(batch), key, self._layout(state))
         return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
-        return self.jitted.lower(state, self._place(batch), key)
+        return self.jitted.lower(state, self._place(batch), key, self._layout(state))
 
 
 def make_train_step(
