@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -35,9 +36,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.collectives import mesh_size
+from zeroshard.collectives import axes_of, mesh_size
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
+from zeroshard.mesh import own_layout
 from zeroshard.sharded import ShardedTransformation, sharded
 from zeroshard.step import init_train_state, make_train_step
 
@@ -127,6 +129,7 @@ def estimate_memory(
     param_dtype: Any = jnp.bfloat16,
     master_dtype: Any = jnp.float32,
     optimizer: Any = "adam",
+    param_specs: PyTree | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per device for a ZeRO stage.
 
@@ -149,6 +152,12 @@ def estimate_memory(
         owned leaves and their imbalance included). Pass ``zs.sharded(inner, ...)``
         itself to plan with its options (``stacked`` layers, ``placement``,
         ``master_dtype``; then ``master_dtype`` here is not used).
+      param_specs: with a parameter tree and a mesh shape, each parameter's
+        ``PartitionSpec`` on that mesh (a tree like the parameters; default: the specs
+        of the leaves' own ``NamedSharding``, where they have one): below stage 3
+        the weights are counted as laid out over the axes the batch is not split
+        over (tensor parallelism's ``"model"``: zeroshard's step keeps that layout),
+        and at stage 0 over every axis they name.
 
     Returns:
       A :class:`MemoryEstimate` in bytes (floats: counts may be fractional per device).
@@ -161,7 +170,9 @@ def estimate_memory(
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
     shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
-    params = psi * p / (n_axis if stage == 3 else 1)
+    params = psi * p / n_axis if stage == 3 else psi * p
+    if isinstance(num_devices, Mapping) and not isinstance(params_or_count, (int, float)):
+        params = _laid_out_bytes(params_or_count, p, num_devices, stage, optimizer, param_specs)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
         if stage:
             placed = _placed(params_or_count, n, param_dtype, master_dtype, optimizer)
@@ -173,6 +184,28 @@ def estimate_memory(
     else:
         o = shard(_optimizer_bytes(optimizer), 1)
     return MemoryEstimate(params, shard(p, 2), o, shard(m, 1))
+
+
+def _laid_out_bytes(
+    params: PyTree, itemsize: int, shape: Mapping[str, int], stage: int, tx: Any, specs: Any
+) -> float:
+    """The weights' bytes per device on a mesh of ``shape`` as ``specs`` lay them out
+    (default: the leaves' own layouts): stage 3's pieces over the batch's axes; below,
+    each leaf divided over the axes of its spec the batch is not split over (at stage
+    0, plain data parallelism, over all of them)."""
+    tx = tx if isinstance(tx, ShardedTransformation) else sharded(optax.identity())
+    if stage == 3:
+        return param_count(params) * itemsize / device_counts(shape, 3, tx)[0]
+    specs = own_layout(params, shape) if specs is None else specs
+    batch = () if stage == 0 else tx.config.batch_axes
+    split = lambda spec: math.prod(
+        shape[a] for e in spec if e is not None for a in axes_of(e) if a not in batch
+    )
+    leaves = jax.tree.leaves(params)
+    sizes = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return sum(
+        float(np.prod(x.shape)) * itemsize / split(s) for x, s in zip(leaves, sizes, strict=True)
+    )
 
 
 def device_counts(
@@ -275,6 +308,8 @@ def step_memory(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
     specs = step.state_specs(shapes.params)
+    if step.rest:  # (stages 1-2: the parameters keep their own layout over those axes)
+        specs = specs._replace(params=own_layout(params, step.rest))
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     stats = step.lower(state, abstract).compile().memory_analysis()
