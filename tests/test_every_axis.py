@@ -204,9 +204,15 @@ def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_the_nnx_step(rng)
     with jax.set_mesh(mesh):
         model = Net(rngs=nnx.Rngs(0))
         optimizer = zf.nnx_optimizer(model, zs.sharded(optax.adamw(1e-2), axis_name="fsdp"), mesh)
-        step = zf.nnx_train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), mesh)
-        losses = [float(step(model, optimizer, batch)["loss"]) for batch in data]
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+
+        def loss_fn(model, batch):
+            out = model(batch[0])
+            return jnp.mean((out - batch[1]) ** 2), out
+
+        step = zf.nnx_train_step(loss_fn, mesh, has_aux=True)
+        metrics = [step(model, optimizer, batch) for batch in data]
+    np.testing.assert_allclose([float(m["loss"]) for m in metrics], plain_losses, rtol=1e-6)
+    assert metrics[0]["aux"].shape == (16, 32)  # the global batch's outputs
     got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     assert_trees_close(got, plain, 1e-5)
     state = nnx.as_pure(optimizer.opt_state)
@@ -418,12 +424,12 @@ def test_the_step_with_a_replica_axis_and_tensor_parallelism(rng):
 @pytest.mark.parametrize("shape", [(8, 1), (2, 4), (1, 1)])
 def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, rng, tmp_path):
     """zs.CheckpointManager: a step's state split over all 8 devices of 4 data x 2
-    model, restored on (8, 1), (2, 4) and one device: the logical state exactly, then
-    the same next steps as the uninterrupted run."""
+    model, restored on (8, 1), (2, 4) and one device: the logical state exactly, the
+    weights laid out as like's, then the same next steps as the uninterrupted run."""
     params, data = tp_params(rng), tp_batches(rng)
     tx = zs.sharded(optax.adam(1e-2))
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    state = zs.init_train_state(params, tx, mesh)
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
     step = zs.make_train_step(tp_step_loss, tx, mesh)
     with jax.set_mesh(mesh):
         for batch in data[:2]:
@@ -440,7 +446,9 @@ def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, rng, tmp
     devices = jax.devices()[: shape[0] * shape[1]]
     other = jax.make_mesh(shape, ("data", "model"), devices=devices)
     with zs.CheckpointManager(tmp_path, tx) as manager:
-        restored = manager.restore(other, like=params)
+        restored = manager.restore(other, like=tp_placed(params, other))
+    for k, x in restored.params.items():
+        assert x.sharding.is_equivalent_to(NamedSharding(other, TP_SPECS[k]), x.ndim), k
     got = jax.tree.map(np.asarray, zs.to_optax_state(restored, tx))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(a, b)

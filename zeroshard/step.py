@@ -122,8 +122,7 @@ def init_train_state(
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    batch_axes = optimizer_of(tx).config.batch_axes
-    tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
+    given, tx = tx, tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
     axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
@@ -156,9 +155,22 @@ def init_train_state(
     # The same out_specs as the step's, so the first step sees the shardings it returns;
     # the parameters keep their own layout over the state's other axes (the step does).
     state = run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
-    layout = own_layout(params, [a for a in tx.config.axes if a not in batch_axes])
+    return laid_out_like(state, params, given, mesh, stage)
+
+
+def laid_out_like(
+    state: TrainState, like: PyTree, tx: ShardedTransformation, mesh: jax.sharding.Mesh, stage: int
+) -> TrainState:
+    """``state`` with its weights laid out as the arrays of ``like`` are over the mesh's
+    axes the batch is not split over (tensor parallelism's ``"model"``, say), as
+    :class:`TrainStep` keeps them; as it is at stage 3, and for leaves of ``like``
+    replicated over those axes or without a ``NamedSharding``."""
+    opt = optimizer_of(tx)
+    rest = [a for a in opt.for_step(mesh, stage).config.axes if a not in opt.config.batch_axes]
+    if not rest:
+        return state
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
-    return state._replace(params=jax.tree.map(put, state.params, layout))
+    return state._replace(params=jax.tree.map(put, state.params, own_layout(like, rest)))
 
 
 def _stage3_parts(layout: Any, params: PyTree, mesh: Any, axis_name: str) -> tuple[list, list]:

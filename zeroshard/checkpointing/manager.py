@@ -197,7 +197,9 @@ class CheckpointManager:
         Args:
           mesh: the mesh to lay the state out on; it must have the optimizer's axis.
           like: the parameters (arrays or ``jax.ShapeDtypeStruct``) in their compute
-            dtypes: the tree structure, shapes and dtypes to restore into.
+            dtypes: the tree structure, shapes and dtypes to restore into; at stages
+            1 and 2, the layout of the restored weights over the mesh's axes the
+            batch is not split over (tensor parallelism), where they have one.
           step: the step to restore: ``None`` (default) for the latest, whether it
             verifies or not; ``"latest_valid"`` for the newest step that verifies
             (each corrupted newer step is named in a logged warning); or a step number.

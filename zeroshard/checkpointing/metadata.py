@@ -73,7 +73,7 @@ from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs
-from zeroshard.step import TrainState
+from zeroshard.step import TrainState, laid_out_like
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def restore_item(
         first leaf).
       CheckpointCorruptedError: if a file is unreadable or a leaf's checksum differs.
     """
-    like, model_state = full_structs(like), full_structs(model_state)
+    given, like, model_state = like, full_structs(like), full_structs(model_state)
     check_mesh(optimizer_of(tx).config, mesh, tx.axis_name)
     logical = logical_structs(tx.plan(like, mesh_size(mesh, tx.axis_name)), tx)
     check_matches(saved, where, like, logical, model_state)
@@ -311,7 +311,8 @@ def restore_item(
         loss_scale=scale,
         model_state=restored.get("model_state"),
     )
-    return state, restored.get("extra", {})
+    # The weights as the arrays of like are laid out over the mesh's other axes.
+    return laid_out_like(state, given, tx, mesh, stage), restored.get("extra", {})
 
 
 def verify_item(
