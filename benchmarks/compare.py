@@ -452,7 +452,8 @@ def own_steps(model: Model, inner, mesh, batch, options: dict, suffix: str) -> d
         out[f"zeroshard-{stage}{suffix}"] = Variant(
             lambda s, step=step: step(s, batch)[0],
             lambda s, step=step: step.lower(s, batch),
-            zs.init_train_state(model.params, tx, mesh, stage=stage),
+            # (on a 2-D mesh the weights laid out over "model": the step keeps that)
+            zs.init_train_state(laid_out(model.params, mesh), tx, mesh, stage=stage),
             lambda s: (s.opt_state.inner_state, s.opt_state.master, s.opt_state.owned),
             tx,
             inner,
