@@ -33,6 +33,45 @@ def tp_params(rng):
     return {"up": f(16, 64), "down": f(64, 16), "b": f(16)}
 
 
+def test_clipping_and_skipping_on_a_tensor_parallel_mesh(rng):
+    """Every shard counted once in the global norm: on 4 data x 2 model with the weights
+    column/row-parallel, clip_by_global_norm gives plain optax's numbers through the
+    step and through the drop-in, and the step's grad_norm is the global batch's; a
+    non-finite gradient skips the step, leaving weights and state as they were."""
+    params, data = tp_params(rng), tp_batches(rng)
+    inner = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(inner)
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=2)
+    step = zs.make_train_step(tp_step_loss, tx, mesh, stage=2)
+    with jax.set_mesh(mesh):
+        state, metrics = step(state, data[0])
+        grads = jax.grad(tp_loss)(params, data[0]["x"], data[0]["y"])  # (on one device)
+        np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+        assert float(optax.tree.norm(grads)) > 0.05  # (so the clipping acts)
+        for batch in data[1:]:
+            state, _ = step(state, batch)
+        before = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+        bad = {"x": data[0]["x"].at[0, 0].set(jnp.nan), "y": data[0]["y"]}
+        state, metrics = step(state, bad)
+        after = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+    assert int(metrics["skipped"]) == 1
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    expected = reference_run(tp_step_loss, inner, params, data)
+    assert_trees_close(before[0], expected, 1e-5)
+
+    x, y = data[0]["x"], data[0]["y"]
+    plain, _ = jit_loop(inner, params, (x, y))
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        rows = NamedSharding(auto, P("data"))
+        got, _ = jit_loop(
+            tx, tp_placed(params, auto), (jax.device_put(x, rows), jax.device_put(y, rows))
+        )
+    assert_trees_close(got, plain, 1e-5)
+
+
 def tp_placed(params, mesh):
     """``params`` laid out column/row-parallel over "model" (replicated over the rest)."""
     return {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k])) for k, v in params.items()}
