@@ -305,16 +305,14 @@ def two_steps(tmp_path_factory):
     return directory, tx, snapshot(zs.to_optax_state(state, tx)), like
 
 
-def damage(directory, paths, copy_to):
-    """A copy of ``directory`` with 4 bytes flipped in the middle of each of ``paths``
-    (one path or several)."""
+def damage(directory, path, copy_to):
+    """A copy of ``directory`` with 4 bytes flipped in the middle of ``path``."""
     shutil.copytree(directory, copy_to)
-    for path in [paths] if isinstance(paths, os.PathLike) else paths:
-        target = copy_to / os.path.relpath(path, directory)
-        data = bytearray(target.read_bytes())
-        for k in range(4):
-            data[len(data) // 2 + k] ^= 0xFF
-        target.write_bytes(bytes(data))
+    target = copy_to / os.path.relpath(path, directory)
+    data = bytearray(target.read_bytes())
+    for k in range(4):
+        data[len(data) // 2 + k] ^= 0xFF
+    target.write_bytes(bytes(data))
     return copy_to
 
 
@@ -328,6 +326,21 @@ def value_files(directory, step):
     ocdbt.process_*/d (state/d holds the merged index that points to them). How many,
     and which is largest, varies from run to run under load."""
     return [p for p in data_files(directory, step) if p.parent.parent.name != "state"]
+
+
+def caught_by_checksum(directory, tx, like, tmp_path):
+    """A value file of step 2 whose damage orbax reads without complaint and only
+    zeroshard's checksums catch, tried largest first (which files orbax writes, and
+    how large, varies from run to run under load)."""
+    files = sorted(value_files(directory, 2), key=lambda p: -p.stat().st_size)
+    for i, path in enumerate(files):
+        copy = damage(directory, path, tmp_path / f"probe{i}")
+        try:
+            zs.CheckpointManager(copy, tx).restore(make_mesh(8), like=like)
+        except zs.CheckpointCorruptedError as e:
+            if re.search(r"checksum of (\S+) read from disk", str(e)):
+                return path
+    raise AssertionError(f"no damaged value file was caught by the checksums: {files}")
 
 
 def test_undamaged_step_restores_bit_identically_on_8_4_1(two_steps):
@@ -388,7 +401,7 @@ def test_files_never_read_at_restore_are_the_per_process_copies(two_steps, tmp_p
 
 def test_latest_valid_is_explicit_and_says_what_it_skipped(two_steps, tmp_path, caplog):
     directory, tx, _, like = two_steps
-    copy = damage(directory, value_files(directory, 2), tmp_path / "copy")
+    copy = damage(directory, caught_by_checksum(directory, tx, like, tmp_path), tmp_path / "copy")
     ckpt = zs.CheckpointManager(copy, tx)
     with pytest.raises(zs.CheckpointCorruptedError, match="step 2 of .*corrupted"):
         ckpt.restore(make_mesh(8), like=like)  # the default never falls back
@@ -451,12 +464,12 @@ def inspect_verify(directory, *args):
 
 def test_inspect_verify_checks_a_step_on_one_device_without_training_code(two_steps, tmp_path):
     """A fresh process with one CPU device, no model and no optimizer."""
-    directory, *_ = two_steps
+    directory, tx, _, like = two_steps
     ok = inspect_verify(directory)
     assert ok.returncode == 0, ok.stderr
     assert "checksums: zeroshard-sum32-v1" in ok.stdout
     assert re.search(r"verified step 2: all \d+ leaves match", ok.stdout)
-    copy = damage(directory, value_files(directory, 2), tmp_path / "copy")
+    copy = damage(directory, caught_by_checksum(directory, tx, like, tmp_path), tmp_path / "copy")
     bad = inspect_verify(copy)
     assert bad.returncode == 1
     assert re.search(r"step 2 of .*: the checkpoint is corrupted\. The checksum of", bad.stderr)
