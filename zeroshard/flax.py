@@ -202,19 +202,16 @@ class NNXTrainStep:
         the whole mesh as given, the drop-in's update. Stage 1 without micro-batches
         or loss scaling only; elsewhere ``error``, which the per-device step raised."""
         opt, options = optimizer_of(tx), self._options
+        # (the drop-in's state must be laid out as the optimizer's: over the same axes)
         same = opt.spanning(self.mesh).config.axes == opt.for_step(self.mesh, 1).config.axes
-        if (
-            options["stage"] != 1
-            or options["accum_steps"] != 1
-            or opt.config.loss_scale
-            or not same
-        ):
+        plain = options["stage"] == 1 and options["accum_steps"] == 1
+        if not (plain and opt.config.loss_scale is None and same):
             error.add_note(
                 "zeroshard: the model's own sharding calls do not run per device in the NNX "
-                "step (they name the batch axis, or pass a PartitionSpec to reshard). It can "
-                "run such a model on the whole mesh, updating as the one-line drop-in does, "
-                "at stage 1 without accum_steps or loss scaling, with the state over the "
-                "mesh's axes in their order; or train it with nnx.Optimizer(model, "
+                "step (they name the batch axis, or pass a PartitionSpec to reshard). The "
+                "step runs such a model on the whole mesh instead only at stage 1, without "
+                "accum_steps or loss scaling, and with the optimizer's axis_name first among "
+                "the mesh's axes but replica_axis; or train it with nnx.Optimizer(model, "
                 "zs.sharded(...)) in your own nnx.jit step."
             )
             raise error
