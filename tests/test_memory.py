@@ -232,6 +232,76 @@ def test_plan_command_on_a_mesh_shape():
     assert bad.returncode == 2 and "expected axis=size" in bad.stderr
 
 
+SPECS_FILE = """
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+def init_params():  # (traced with jax.eval_shape: nothing allocated)
+    return {"up": jnp.zeros((8192, 32768)), "down": jnp.zeros((32768, 8192))}
+
+
+def specs():
+    return {"up": P(None, "model"), "down": P("model", None)}
+
+
+def loss_fn(params, batch):
+    return jnp.mean((jnp.tanh(batch["x"] @ params["up"]) @ params["down"] - batch["x"]) ** 2)
+
+
+def make_batch():
+    return {"x": jnp.zeros((16, 8192))}
+
+
+def make_tx():
+    import optax
+    import zeroshard as zs
+    return zs.sharded(optax.adam(1e-3))
+"""
+
+
+PEAK_ARGS = ("--loss", "tpmodel:loss_fn", "--batch", "tpmodel:make_batch")
+
+
+def test_plan_command_with_the_params_specs(tmp_path):
+    """``--param-specs``: the weights counted as laid out over "model" (half of each
+    per device below stage 3, as zs.estimate_memory's param_specs= says), and the
+    compiled peaks of the steps that keep that layout; refused without --mesh."""
+    (tmp_path / "tpmodel.py").write_text(SPECS_FILE)
+    args = ["--params", "tpmodel:init_params", "--param-dtype", "float32"]
+    args += ["--optimizer", "tpmodel:make_tx"]
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "zeroshard", "plan", *args, *a],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    out = run("--mesh", "data=4,model=2", "--param-specs", "tpmodel:specs")
+    assert out.returncode == 0, out.stderr
+    f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    params = {"up": f(8192, 32768), "down": f(32768, 8192)}
+    specs = {"up": P(None, "model"), "down": P("model", None)}
+    plan = functools.partial(zs.estimate_memory, params, {"data": 4, "model": 2})
+    for stage in range(4):
+        est = plan(stage=stage, param_dtype=jnp.float32, param_specs=specs)
+        row = out.stdout.splitlines()[4 + stage].split("|")
+        assert row[2].strip() == f"{est.params / 1e9:.2f} GB"
+        assert row[6].strip() == f"{est.total / 1e9:.2f} GB"
+    assert (
+        plan(stage=1, param_dtype=jnp.float32, param_specs=specs).params == 2**31 / 2
+    )  # (fp32, 2**29 parameters: half per device)
+    peaks = run("--mesh", "data=4,model=2", "--param-specs", "tpmodel:specs", *PEAK_ARGS)
+    assert peaks.returncode == 0, peaks.stderr
+    (stage1,) = [line for line in peaks.stdout.splitlines() if line.startswith("| 1 | ")]
+    # Stage 1 compiled with the weights half per device (2**30 B; replicated: 2**31) and
+    # Adam's two fp32 moments 1/8 each (2**29 B), with the batch and a few scalars.
+    arguments = int(stage1.split("|")[2].replace(",", ""))
+    assert arguments == pytest.approx(2**30 + 2**29, rel=0.001), peaks.stdout
+    bad = run("--devices", "8", "--param-specs", "tpmodel:specs")
+    assert bad.returncode == 2 and "--param-specs goes with --mesh" in bad.stderr
+
+
 def test_plan_command_prints_each_stage_s_compiled_peak(tmp_path):
     """``--loss``/``--batch``: the compiled peak per stage on ``--devices`` simulated
     devices, the same as zs.step_memory's; stage 3's is the smallest."""

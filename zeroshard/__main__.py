@@ -85,11 +85,13 @@ def plan(
     optimizer: str,
     loss: str | None = None,
     batch=None,
+    param_specs: str | None = None,
 ) -> int:
     """Prints model-state bytes per device for ZeRO stages 0-3, and the placement
     when ``params`` and ``optimizer`` name functions (``module:function``); with
     ``loss`` and ``batch``, each stage's compiled peak. ``devices``: a count, or a
-    mesh's shape (axis name -> size)."""
+    mesh's shape (axis name -> size); ``param_specs``: a function returning the
+    parameters' ``PartitionSpec``s on that mesh (their layout, which the step keeps)."""
     import math
 
     import jax
@@ -104,6 +106,7 @@ def plan(
         tx = _load(optimizer)() if ":" in optimizer else optimizer
         loss_fn = None if loss is None else _load(loss)
         batch = None if batch is None else jax.eval_shape(_load(batch))
+        specs = None if param_specs is None else _load(param_specs)()
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
@@ -112,19 +115,21 @@ def plan(
         f"{param_count(tree):,.0f} parameters on {where}, {param_dtype} params and "
         f"grads, {optimizer}, fp32 master where the params are narrower (per device):\n"
     )
-    print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx))
+    print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx, param_specs=specs))
     if not isinstance(tree, float) and hasattr(tx, "init"):
         n = device_counts(devices, 1, tx)[1]  # (stage 1: the devices its state is split over)
         print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, n, tx, param_dtype)}")
     if loss_fn is not None:
-        print(f"\n{peak_table(loss_fn, tree, batch, tx, devices, param_dtype)}")
+        print(f"\n{peak_table(loss_fn, tree, batch, tx, devices, param_dtype, specs)}")
     return 0
 
 
-def peak_table(loss_fn, params, batch, tx, devices: int | dict[str, int], param_dtype: str) -> str:
+def peak_table(
+    loss_fn, params, batch, tx, devices: int | dict[str, int], param_dtype: str, specs=None
+) -> str:
     """Each stage's compiled peak per device (:func:`zeroshard.step_memory`), on
     ``devices`` simulated devices along the optimizer's axis or on a mesh of that shape
-    (Auto axes)."""
+    (Auto axes), the parameters laid out as ``specs`` say (``None``: replicated)."""
     import math
 
     import jax
@@ -136,6 +141,10 @@ def peak_table(loss_fn, params, batch, tx, devices: int | dict[str, int], param_
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
     used = jax.devices()[: math.prod(shape.values())]
     mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=auto, devices=used)
+    if specs is not None:
+        named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+        on = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(spec))
+        params = jax.tree.map(on, params, specs)
     lines = [
         "| stage | arguments | temporaries | peak per device (compiled) |",
         "|---:|---:|---:|---:|",
@@ -145,7 +154,7 @@ def peak_table(loss_fn, params, batch, tx, devices: int | dict[str, int], param_
             m = zs.step_memory(
                 loss_fn, tx, mesh, params, batch, stage=stage, param_dtype=param_dtype
             )
-        except ValueError as e:  # e.g. a loss that does not gather stage 3's pieces
+        except (ValueError, TypeError) as e:  # e.g. a loss that does not gather stage 3's pieces
             lines.append(f"| {stage} | - | - | {str(e).splitlines()[0][:120]} |")
             continue
         lines.append(f"| {stage} | {m.arguments:,} | {m.temporaries:,} | {m.peak:,} |")
@@ -193,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd.add_argument("--batch", help="module:function returning the global batch")
     plan_cmd.add_argument("--param-dtype", default="bfloat16")
     plan_cmd.add_argument(
+        "--param-specs",
+        help="module:function returning the params' PartitionSpecs on the --mesh (their layout)",
+    )
+    plan_cmd.add_argument(
         "--optimizer",
         default="adam",
         help="adam, sgd, momentum, ...; or module:function returning an optax transformation",
@@ -206,10 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "plan":
-        if (args.loss is None) != (args.batch is None) or (args.loss and ":" not in args.params):
-            parser.error("--loss and --batch go together, with --params module:function")
+        functions = ":" in args.params and ":" in args.optimizer
+        if (args.loss is None) != (args.batch is None) or (args.loss and not functions):
+            parser.error(
+                "--loss and --batch go together, with --params and --optimizer module:function"
+            )
+        if args.param_specs and not (args.mesh and ":" in args.params):
+            parser.error("--param-specs goes with --mesh and --params module:function")
         devices = args.mesh or args.devices
-        return plan(args.params, devices, args.param_dtype, args.optimizer, args.loss, args.batch)
+        options = (args.loss, args.batch, args.param_specs)
+        return plan(args.params, devices, args.param_dtype, args.optimizer, *options)
     return inspect(args.directory, args.step, args.json, args.verify)
 
 
