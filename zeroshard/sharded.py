@@ -82,10 +82,17 @@ class Sharded:
         leaf). Stage 3's pieces are gathered inside the loss, where only the batch axes
         are manual, and the fixed-order sums of ``deterministic=`` run over the batch
         axes: there the state stays split over ``axis_name`` only."""
+        return self.over((*self.config.axes, *self.other_axes(mesh, stage)))
+
+    def other_axes(
+        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int
+    ) -> tuple[str, ...]:
+        """The axes of ``mesh`` that zeroshard's step splits the state over besides the
+        batch's (:meth:`for_step`; ``()`` at stage 3 and with ``deterministic=``): over
+        them the parameters keep their own layout."""
         if stage == 3 or not self.config.sum_order.any_order:
-            return self
-        batch = self.config.batch_axes
-        return self.over((*self.config.axes, *(a for a in mesh.axis_names if a not in batch)))
+            return ()
+        return tuple(a for a in mesh.axis_names if a not in self.config.batch_axes)
 
     def over(self, axes: tuple[str, ...]) -> Sharded:
         """This optimizer with its state split over ``axes`` (itself, where they are

@@ -165,8 +165,7 @@ def laid_out_like(
     axes the batch is not split over (tensor parallelism's ``"model"``, say), as
     :class:`TrainStep` keeps them; as it is at stage 3, and for leaves of ``like``
     replicated over those axes or without a ``NamedSharding``."""
-    opt = optimizer_of(tx)
-    rest = [a for a in opt.for_step(mesh, stage).config.axes if a not in opt.config.batch_axes]
+    rest = optimizer_of(tx).other_axes(mesh, stage)
     if not rest:
         return state
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
@@ -233,7 +232,7 @@ class TrainStep:
         # The state's axes: the batch's, and in stages 1-2 the mesh's others (e.g. a
         # tensor-parallel "model" axis), over which the update runs manual too (rest).
         self.state_tx = self.tx.for_step(self.mesh, stage)
-        self.rest = tuple(a for a in self.state_tx.config.axes if a not in axes)
+        self.rest = self.opt.other_axes(self.mesh, stage)
         if not self.rest:  # (the update runs manual over every axis it reduces over)
             check_other_axes(self.mesh, axes)
         self.route = Route.of(self.state_tx.config, stage, accum_steps=k)
