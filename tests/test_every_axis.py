@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
 import zeroshard.flax as zf
+from zeroshard.instruments import collectives
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
@@ -412,6 +413,34 @@ def test_the_step_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(
     assert len(held) == 8  # (+ the replicated scalars: count, grad norm, skipped steps)
     inner_state = sum(x.nbytes for x in jax.tree.leaves(zs.to_optax_state(state, tx)[1]))
     assert max(held.values()) <= 1.10 * inner_state / 8 + 64
+
+
+def test_the_step_reduces_a_tensor_parallel_leaf_within_its_shard(rng):
+    """Megatron's rule: each of the column/row-parallel kernels' state is its model
+    shard's, split over the 4 data devices; zeroshard reduce-scatters their gradients
+    and all-gathers their weights over "data" alone, within the shard. Only the bias,
+    a vector, is reduced over every device and gathered whole."""
+    params, mesh = tp_params(rng), jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(optax.adam(1e-2))
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
+    step = zs.make_train_step(tp_step_loss, tx, mesh)
+    with jax.set_mesh(mesh):
+        hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
+    moved = {}
+    for c in collectives(hlo, mesh=mesh):
+        if "zeroshard/reduce_scatter" in c.op_name or "zeroshard/all_gather" in c.op_name:
+            key = (c.kind, c.axes)
+            moved[key] = moved.get(key, 0) + c.result_bytes
+    kernels = (16 * 64 + 64 * 16) * 4  # bytes
+    assert moved == {
+        ("reduce-scatter", ("data",)): kernels // 8,  # (a device's pieces of its blocks)
+        ("all-gather", ("data",)): kernels // 2,  # (its blocks)
+        ("reduce-scatter", ("data", "model")): 16 * 4 // 8,
+        ("all-gather", ("data", "model")): 16 * 4,
+    }
+    mu = state.opt_state.inner_state[0].mu
+    assert mu["up"].sharding.spec == P("model", "data") == mu["down"].sharding.spec
+    assert mu["up"].addressable_shards[0].data.size == 16 * 64 // 8
 
 
 def assert_tp_layout(got, mesh, params):

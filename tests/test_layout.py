@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroshard.layout import Layout
+from zeroshard.layout import Layout, Split
 from zeroshard.stage3 import piece_blocks, piece_from_owners
 
 
@@ -159,3 +159,39 @@ def test_errors():
     layout = Layout.from_tree({"w": jnp.ones((2, 3))}, 2)
     with pytest.raises(ValueError, match=r"grads leaf \['w'\] has shape \(3, 2\)"):
         layout.check_matches({"w": jnp.ones((3, 2))}, "grads")
+
+
+@pytest.mark.parametrize("dim,data", [(1, 3), (1, 4), (0, 4)])
+def test_a_split_leaf_is_cut_block_by_block(dim, data):
+    """Megatron's rule (a leaf split over "model" in 2 blocks): device (d, m), index
+    2 d + m over the state's axes, holds piece d of block m, cut over the data devices
+    alone, padded within the block; the pieces put back together give the leaf."""
+    x = jnp.arange(6 * 10, dtype=jnp.float32).reshape(6, 10)
+    split = Split(dim, ("model",), 2, ("data",))
+    slot = Layout.from_tree({"w": x}, 2 * data, splits={0: split}).slots[0]
+    blocks = np.split(np.asarray(x), 2, axis=dim)
+    width = -(-blocks[0].size // data)
+    assert slot.piece_shape == (1, width)
+    rows = np.asarray(slot.blocks(x))
+    for index in range(2 * data):
+        d, m = divmod(index, 2)
+        padded = np.pad(blocks[m].ravel(), (0, data * width - blocks[m].size))
+        piece = padded[d * width : (d + 1) * width]
+        np.testing.assert_array_equal(rows[index], piece)
+        np.testing.assert_array_equal(slot.cut(x, index), piece)
+        np.testing.assert_array_equal(slot.own(jnp.asarray(blocks[m]), index), piece)
+        mine = np.arange(width) + d * width < blocks[m].size
+        np.testing.assert_array_equal(slot.padding_mask(index), mine)
+    np.testing.assert_array_equal(slot.uncut(jnp.asarray(rows)), x)
+    assert slot.piece_spec(("data", "model")) == jax.sharding.PartitionSpec("model", "data")
+
+
+def test_only_leaves_cut_evenly_by_blocks_are_split():
+    """A vector, a dimension that the blocks do not divide, or a layer axis: gathered
+    whole for the update (no split)."""
+    split = Split(0, ("model",), 2, ("data",))
+    tree = {"v": jnp.zeros(8), "odd": jnp.zeros((3, 4)), "w": jnp.zeros((4, 4))}
+    layout = Layout.from_tree(tree, 8, splits={0: split, 1: split, 2: split})
+    assert [s.split is not None for s in layout.slots] == [False, False, True]
+    stacked = Layout.from_tree({"w": jnp.zeros((4, 4, 4))}, 8, ["w"], splits={0: split})
+    assert stacked.slots[0].split is None

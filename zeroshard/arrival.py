@@ -41,7 +41,7 @@ from zeroshard.clipping import local_squares
 from zeroshard.collectives import is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
-from zeroshard.mesh import with_layout
+from zeroshard.mesh import each_laid_out
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
 from zeroshard.stage3 import full_structs, to_owners
@@ -125,7 +125,12 @@ class ReduceScatter(Arrival):
             # One device: each piece is the whole leaf, raveled (no concatenation).
             pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
             for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
-                means = self.means([layout.slots[i].blocks(leaves[i]) for i in group])
+                # (a split leaf's: of the device's block, over the batch axes alone)
+                split = layout.slots[group[0]].split
+                slots = [layout.slots[i] for i in group]
+                slots = [s.block_slot for s in slots] if split else slots
+                blocks = [s.blocks(leaves[i]) for s, i in zip(slots, group, strict=True)]
+                means = self.means(blocks, split and split.over)
                 for i, mean in zip(group, means, strict=True):
                     pieces[i] = mean
             owned = lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))
@@ -134,11 +139,11 @@ class ReduceScatter(Arrival):
             )
         return pieces, rows
 
-    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
-        """This device's row of the mean over the axis of each of ``blocks`` (each
-        ``(num_shards, width)``, row ``d`` for device ``d``): one reduce-scatter of
-        them packed."""
-        return summed_parts(blocks, self.config.axis_name, over=len(blocks[0]))
+    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        """This device's row of the mean over the axis (or ``axes``) of each of
+        ``blocks`` (each ``(devices, width)``, row ``d`` for device ``d``): one
+        reduce-scatter of them packed."""
+        return summed_parts(blocks, axes or self.config.axis_name, over=len(blocks[0]))
 
     def nbytes(self, plan: Plan) -> int:
         if plan.layout.num_shards == 1:
@@ -158,9 +163,9 @@ class QuantizedReduceScatter(ReduceScatter):
     (:func:`zeroshard.quantized.all_reduce`). Scopes ``zeroshard/reduce_scatter`` and
     ``zeroshard/replica_mean``."""
 
-    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
-        q, n = self.config.grad_quantizer, len(blocks[0])
-        return [x / n for x in quantized.reduce_scatter(q, blocks, self.config.axis_name)]
+    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        q, n, axes = self.config.grad_quantizer, len(blocks[0]), axes or self.config.axis_name
+        return [x / n for x in quantized.reduce_scatter(q, blocks, axes)]
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         return quantized_replica_mean(self.config, parts)
@@ -253,7 +258,7 @@ class CutMean(Arrival):
         index = jax.lax.axis_index(self.config.axis_name)
         with scope(CUT):
             leaves = [g.astype(self.dtype(g)) for g in layout.treedef.flatten_up_to(grads)]
-            pieces = layout.sliced(lambda s, g: s.cut(g, index), leaves)
+            pieces = layout.sliced(lambda s, g: s.own(g, index), leaves)
             rows = layout.per_owned_bucket(
                 lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))[index]
             )
@@ -306,8 +311,8 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
         another device count; else :meth:`Arrival.dtype`."""
         return jnp.float32 if self.order == canonical.LOW else super().dtype(bucket)
 
-    def means(self, blocks: list[jax.Array]) -> list[jax.Array]:
-        return canonical.summed_rows(blocks, self.config.axis_name, self.order)
+    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        return canonical.summed_rows(blocks, axes or self.config.axis_name, self.order)
 
     def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
         """Each unit of an owned leaf as this device's owned ``row`` holds it, where it
@@ -348,7 +353,9 @@ class Nested:
     manual over the batch axes only. There each leaf's gradient is whole (the loss's
     own layout over ``rest`` undone) and the same on every device of ``rest``; cast to
     vary over them, its copies summed over every device of the state and divided by
-    their count give the mean over the batch axes. The parts come back 1/N of every
+    their count give the mean over the batch axes. A split leaf's
+    (:class:`zeroshard.layout.Split`) stays the device's block, reduced over the batch
+    axes alone. The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
 
     Attributes:
@@ -362,14 +369,15 @@ class Nested:
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         axes = self.arrival.config.axis_name  # (all of them: on one device none is typed)
         run = lambda g: self.arrival.bring(plan, jax.tree.map(lambda x: vary(x, axes), g))
+        specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
         nested = jax.shard_map(
             run,
-            in_specs=P(),
+            in_specs=(specs,),
             out_specs=self.specs(plan),
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
         )
-        return nested(with_layout(grads, P()))
+        return nested(each_laid_out(grads, specs))
 
     def specs(self, plan: Plan) -> tuple[list, tuple]:
         """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over

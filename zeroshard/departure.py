@@ -111,26 +111,34 @@ class AllGather(Departure):
         one = is_identity([p for p in pieces if p is not None], self.config.axis_name)
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
         for group in () if one else layout.groups(self.config.pack_bytes, order):
-            fulls = self.everyone([pieces[i].astype(layout.slots[i].dtype) for i in group])
+            # (a split leaf's: the device's block, from the pieces over the batch axes)
+            split = layout.slots[group[0]].split
+            parts = [pieces[i].astype(layout.slots[i].dtype) for i in group]
+            fulls = self.everyone(parts, split and split.over)
             for i, full in zip(group, fulls, strict=True):
-                leaves[i] = layout.slots[i].uncut(full)
+                slot = layout.slots[i]
+                leaves[i] = (slot.block_slot if split else slot).uncut(full)
         fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])
         for i in (i for i, s in enumerate(layout.slots) if s.owned):
             leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
         return layout.treedef.unflatten(leaves)
 
-    def everyone(self, parts: list[jax.Array]) -> list[jax.Array]:
-        """Every device's ``parts`` (1-D, one dtype), invariant over the axis: one
-        ``(num_shards, width)`` per part, row ``d`` from device ``d``; one all-gather
-        of them packed."""
+    def everyone(self, parts: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        """Every device's ``parts`` (1-D, one dtype), invariant over the axis (or
+        ``axes``): one ``(devices, width)`` per part, row ``d`` from device ``d``; one
+        all-gather of them packed."""
         dtype = parts[0].dtype
         bits = [to_bits(p) for p in parts]
-        every = all_gathered_parts(bits, self.config.axis_name, to="invarying")
+        every = all_gathered_parts(bits, axes or self.config.axis_name, to="invarying")
         return [from_bits(x, dtype) for x in every]
 
     def nbytes(self, plan: Plan) -> int:
-        n = plan.layout.num_shards
-        return sum(n * (b.row_size + b.owned_width) * b.dtype.itemsize for b in plan.layout.buckets)
+        layout, n = plan.layout, plan.layout.num_shards
+        owned = sum(n * b.owned_width * b.dtype.itemsize for b in layout.buckets)
+        # (a split leaf's pieces are gathered over the batch axes alone)
+        gathered = lambda s: n // (s.split.blocks if s.split else 1)
+        sliced = layout.sliced(lambda s: gathered(s) * s.piece_size * s.dtype.itemsize)
+        return owned + sum(x for x in sliced if x is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +149,8 @@ class QuantizedAllGather(AllGather):
     decoded weights; the exact ones stay in the optimizer state's master weights,
     which every bucket keeps. Scope ``zeroshard/all_gather``."""
 
-    def everyone(self, parts: list[jax.Array]) -> list[jax.Array]:
-        axis, dtype = self.config.axis_name, parts[0].dtype
+    def everyone(self, parts: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        axis, dtype = axes or self.config.axis_name, parts[0].dtype
         if is_identity(parts, axis):  # nothing is sent
             return [p[None] for p in parts]
         return quantized.all_gather(

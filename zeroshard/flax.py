@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh
+from zeroshard.mesh import check_mesh, own_layout
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import layer
 from zeroshard.step import TrainState, TrainStep, init_train_state
@@ -264,7 +264,9 @@ class _WholeMeshStep:
     ):
         self.loss_fn, self.opt, self.mesh = loss_fn, optimizer_of(tx), mesh
         self.graphdef, self.wrt, self.has_aux = graphdef, wrt, options["has_aux"]
-        self.jitted = jax.jit(self._step, donate_argnums=(0,) if options["donate"] else ())
+        self.jitted = jax.jit(
+            self._step, static_argnums=2, donate_argnums=(0,) if options["donate"] else ()
+        )
 
     def _loss(self, params: PyTree, batch: PyTree, model_state: PyTree) -> Any:
         model = nnx.merge(self.graphdef, params, model_state)
@@ -272,17 +274,20 @@ class _WholeMeshStep:
         loss, aux = out if self.has_aux else (out, None)
         return loss, (aux, nnx.as_pure(nnx.state(model, nnx.Not(self.wrt))))
 
-    def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+    def _step(self, state: TrainState, batch: PyTree, splits: tuple) -> tuple[TrainState, dict]:
         value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
         (loss, (aux, model_state)), grads = value_and_grad(state.params, batch, state.model_state)
-        params, opt_state = self.opt.apply_global(grads, state.opt_state, state.params)
+        update = self.opt.apply_mean  # (the state kept as zeroshard's step keeps it)
+        params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
         states = (state.opt_state, opt_state)
         metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        return self.jitted(state, jax.device_put(batch, rows))
+        own = own_layout(state.params, self.opt.other_axes(self.mesh, 1))
+        splits = tuple(self.opt.splits(self.mesh, 1, own).items())
+        return self.jitted(state, jax.device_put(batch, rows), splits)
 
 
 def nnx_train_step(

@@ -75,6 +75,37 @@ function ``(path, leaf) -> int`` giving the number of leading layer axes."""
 
 
 @dataclasses.dataclass(frozen=True)
+class Split:
+    """A leaf split over the mesh's axes besides the batch's (tensor parallelism's
+    ``"model"``, say), whose state is kept by Megatron's rule: each of its ``blocks``
+    (the device's block of the leaf, as its layout holds it) is cut over the batch
+    axes alone, so the gradient is reduce-scattered, and the new weights
+    all-gathered, within the block. Device ``index`` over the state's axes (the
+    batch's first) holds piece ``index // blocks`` of block ``index % blocks``.
+
+    Attributes:
+      dim: the leaf's dimension that is split (not a layer axis).
+      axes: the mesh axes it is split over (every axis of the state besides the
+        batch's, in the mesh's order).
+      blocks: the number of blocks (the devices along ``axes``).
+      over: the batch axes each block's pieces are cut over.
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+    blocks: int
+    over: tuple[str, ...]
+
+    def entry(self, names: tuple[str, ...]) -> str | tuple[str, ...]:
+        """``names`` as one entry of a ``PartitionSpec`` (a name alone, if one)."""
+        return names[0] if len(names) == 1 else names
+
+    def leaf_spec(self, ndim: int) -> P:
+        """``PartitionSpec`` of the leaf as its layout holds it (its block per device)."""
+        return P(*(self.entry(self.axes) if k == self.dim else None for k in range(ndim)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Slot:
     """One parameter leaf: its placement and where its pieces live.
 
@@ -99,6 +130,10 @@ class Slot:
       block: for a *blocked* leaf, its placement (a
         :class:`zeroshard.blocks.Blocked`: the axis its update runs on blocks along,
         and how a block goes to and from its piece), else ``None``.
+      split: for a leaf split over the mesh's other axes whose state is kept block
+        by block (a :class:`Split`), else ``None``. Its pieces are the pieces of its
+        blocks (:attr:`block_slot`); where the update runs (manual over every axis of
+        the state) its gradient and weights are the device's block (:meth:`own`).
     """
 
     path: str
@@ -113,6 +148,7 @@ class Slot:
     chunk_offsets: tuple[int, ...] = ()
     chunks: int = 0
     block: Any = None
+    split: Split | None = None
 
     @property
     def placement(self) -> str:
@@ -198,8 +234,30 @@ class Slot:
     @property
     def width(self) -> int:
         """Elements per device of one layer: ``ceil(layer size / num_shards)``, or with
-        ``chunks``, ``chunks / num_shards`` chunks of ``ceil(layer size / chunks)``."""
+        ``chunks``, ``chunks / num_shards`` chunks of ``ceil(layer size / chunks)``; for
+        a split leaf, its block's."""
+        if self.split is not None:
+            return self.block_slot.width
         return self.chunk * (self.chunks // self.num_shards or 1)
+
+    @property
+    def held_shape(self) -> tuple[int, ...]:
+        """The leaf's shape where the update runs: its block's, for a split leaf."""
+        return self.shape if self.split is None else self.block_slot.shape
+
+    @property
+    def block_slot(self) -> Slot:
+        """The geometry of one block of a split leaf, cut over the batch axes."""
+        split = self.split
+        shape = tuple(d // split.blocks if k == split.dim else d for k, d in enumerate(self.shape))
+        return Slot.of(shape, self.dtype, self.num_shards // split.blocks, self.stacked)
+
+    def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
+        """Device ``index``'s 1-D piece of the leaf as the update holds it: the leaf
+        whole, or the device's block of a split leaf."""
+        if self.split is None:
+            return self.cut(held, index)
+        return self.block_slot.cut(held, index // self.split.blocks)
 
     @property
     def chunk(self) -> int:
@@ -230,8 +288,25 @@ class Slot:
         return P() if self.owned else self.piece_spec(axis_name)
 
     def piece_spec(self, axis_name: str) -> P:
-        """``PartitionSpec`` of the global array of every device's piece of the leaf."""
-        return P(*(None,) * (len(self.piece_shape) - 1), axis_name)
+        """``PartitionSpec`` of the global array of every device's piece of the leaf;
+        a split leaf's is ``(..., blocks, pieces of a block)``, over the split's axes and
+        the batch's, so that the state says how it is cut."""
+        split, ndim = self.split, len(self.piece_shape)
+        if split is not None:
+            return P(*(None,) * (ndim - 2), split.entry(split.axes), split.entry(split.over))
+        return P(*(None,) * (ndim - 1), axis_name)
+
+    def leaf_spec(self) -> P:
+        """``PartitionSpec`` of the leaf where the update runs: its block per device
+        for a split leaf, else whole."""
+        return P() if self.split is None else self.split.leaf_spec(len(self.shape))
+
+    def _block(self, leaf: jax.Array, m: jax.Array | int) -> jax.Array:
+        """Block ``m`` of a split leaf."""
+        size = self.shape[self.split.dim] // self.split.blocks
+        return jax.lax.dynamic_slice_in_dim(
+            leaf, m * size, size, self.split.dim, allow_negative_indices=False
+        )
 
     def _padded(self, leaf: jax.Array) -> jax.Array:
         """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
@@ -241,12 +316,16 @@ class Slot:
 
     def padding_mask(self, index: jax.Array | int) -> jax.Array:
         """Which elements of device ``index``'s 1-D piece are the leaf's (not padding)."""
+        if self.split is not None:
+            return self.block_slot.padding_mask(index // self.split.blocks)
         layer = math.prod(self.shape[self.stacked :])
         mine = jnp.arange(self.width) + index * self.width < layer
         return jnp.broadcast_to(mine, (self.layers, self.width)).reshape(-1)
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
+        if self.split is not None:
+            return self.own(self._block(leaf, index % self.split.blocks), index)
         if self.num_shards == 1 and self.piece_size == self.size:
             return jnp.ravel(leaf)
         cols = jax.lax.dynamic_slice_in_dim(
@@ -257,6 +336,10 @@ class Slot:
     def blocks(self, leaf: jax.Array) -> jax.Array:
         """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for
         device ``d`` (what a reduce-scatter scatters)."""
+        if self.split is not None:  # (blocks, pieces of a block, piece) -> (device, piece)
+            m = self.split.blocks
+            rows = jnp.stack([self.block_slot.blocks(self._block(leaf, b)) for b in range(m)])
+            return rows.swapaxes(0, 1).reshape(self.num_shards, -1)
         n, padded = self.num_shards, self._padded(leaf)
         if self.layers == 1:
             return padded.reshape(n, self.width)
@@ -265,12 +348,24 @@ class Slot:
     def uncut(self, pieces: jax.Array) -> jax.Array:
         """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
         device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
+        if self.split is not None:
+            m, block = self.split.blocks, self.block_slot
+            rows = pieces.reshape(self.num_shards // m, m, -1)
+            return jnp.concatenate([block.uncut(rows[:, b]) for b in range(m)], self.split.dim)
         if self.num_shards == 1 and self.piece_size == self.size:  # its piece: the leaf
             return pieces.reshape(self.shape)
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
         return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
+
+
+def _can_split(slot: Slot, split: Split) -> bool:
+    """Whether ``slot``'s state can be kept block by block: it splits a dimension of a
+    layer evenly, and its pieces have a unit axis to hold the blocks (two dimensions
+    besides the layer axes: a vector's state is gathered whole, it is small)."""
+    k, shape = slot.stacked, slot.shape
+    return split.dim >= k and len(shape) - k >= 2 and shape[split.dim] % split.blocks == 0
 
 
 def is_floating(x: Any) -> bool:
@@ -355,6 +450,7 @@ class Layout:
         spread: Collection[int] | None = None,
         blocked: Mapping[int, Any] | None = None,
         chunks: int = 0,
+        splits: Mapping[int, Split] | None = None,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
@@ -374,6 +470,8 @@ class Layout:
             placement of their blocks (see :attr:`Slot.block`).
           chunks: ``0``, or the number of canonical chunks every layer is cut into
             (see :class:`Slot`; a multiple of ``num_shards``).
+          splits: leaves split over the mesh's other axes whose state is kept block by
+            block, by index (see :class:`Split`; not for ``owned`` or ``blocked`` ones).
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -404,7 +502,10 @@ class Layout:
             lay = bool(units) and i in (layered or ())
             slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
             block = (blocked or {}).get(i)
-            slots.append(dataclasses.replace(slot, chunks=chunks, block=block))
+            split = (splits or {}).get(i)
+            split = split if split is not None and _can_split(slot, split) else None
+            split = None if units or block else split
+            slots.append(dataclasses.replace(slot, chunks=chunks, block=block, split=split))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -412,6 +513,11 @@ class Layout:
     def chunks(self) -> int:
         """The canonical chunks every layer is cut into (``0``: none; see :class:`Slot`)."""
         return self.slots[0].chunks
+
+    @property
+    def splits(self) -> dict[int, Split]:
+        """The split leaves (:attr:`Slot.split`), by index."""
+        return {i: s.split for i, s in enumerate(self.slots) if s.split is not None}
 
     @property
     def has_owned(self) -> bool:
@@ -437,12 +543,14 @@ class Layout:
         """The sliced leaves that share one collective: each leaf of at least ``pack_bytes``
         alone, and the smaller leaves of each dtype packed together, in leaf order (or
         in ``order``, a permutation of the leaves), into groups of at most ``pack_bytes``
-        (so no packed copy is larger)."""
+        (so no packed copy is larger). Split leaves (:attr:`Slot.split`) are reduced
+        and gathered within their blocks, so they are packed apart from the others."""
         groups = []
-        for b in self.buckets:
-            members = set(b.slots)
-            ordered = b.slots if order is None else [i for i in order if i in members]
-            sliced = [i for i in ordered if not self.slots[i].owned]
+        kinds = [(b, split) for b in self.buckets for split in (False, True)]
+        for b, split in kinds:
+            members = {i for i in b.slots if (self.slots[i].split is not None) == split}
+            ordered = b.slots if order is None else order
+            sliced = [i for i in ordered if i in members and not self.slots[i].owned]
             nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in sliced}
             run: list[int] = []
             for i in (i for i in sliced if nbytes[i] < pack_bytes):
@@ -486,10 +594,10 @@ class Layout:
                 f"vs params:\n  {self.treedef}"
             )
         for (path, leaf), slot in zip(path_leaves, self.slots, strict=True):
-            if tuple(leaf.shape) != slot.shape:
+            if tuple(leaf.shape) != slot.held_shape:
                 raise ValueError(
                     f"{what} leaf {jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, "
-                    f"but the parameter has shape {slot.shape}."
+                    f"but the parameter has shape {slot.held_shape}."
                 )
 
     # The sliced/owned difference of a per-leaf list, said once.
@@ -510,9 +618,13 @@ class Layout:
     # Full leaves -> this device's pieces and rows.
 
     def pieces(self, tree: PyTree, index: jax.Array | int) -> list[jax.Array | None]:
-        """Device ``index``'s 1-D piece of every sliced leaf of ``tree`` (full leaves);
-        ``None`` for owned leaves."""
-        return self.sliced(lambda s, x: s.cut(x, index), self.treedef.flatten_up_to(tree))
+        """Device ``index``'s 1-D piece of every sliced leaf of ``tree`` (the leaves as
+        the update holds them: see :meth:`Slot.own`); ``None`` for owned leaves."""
+        return self.sliced(lambda s, x: s.own(x, index), self.treedef.flatten_up_to(tree))
+
+    def leaf_specs(self) -> PyTree:
+        """``PartitionSpec`` of every leaf where the update runs (:meth:`Slot.leaf_spec`)."""
+        return self.treedef.unflatten([s.leaf_spec() for s in self.slots])
 
     # Owned leaves: each device's row of the whole leaves it owns, per bucket.
 

@@ -36,20 +36,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.collectives import axes_of, mesh_size
 from zeroshard.layout import Layout, PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import check_mesh, mesh_of, run_on_mesh, with_layout
+from zeroshard.mesh import (
+    check_mesh,
+    each_laid_out,
+    keep_axes,
+    mesh_of,
+    own_layout,
+    run_on_mesh,
+)
 from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of, state_axes
 from zeroshard.stage3 import full_structs, stage_of, to_shards
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
-from zeroshard.step import TrainState, state_specs
+from zeroshard.step import TrainState, laid_out_as, state_specs
 from zeroshard.update import Route, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
@@ -112,8 +118,8 @@ def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
 def _rows(slot: Slot) -> bool:
     """Whether a sliced leaf's piece is a block of its rows (its first dimension
     divides by the device count, and the leaf is not padded)."""
-    n = slot.num_shards
-    return logical_dim(slot.shape, n) == 0 and not slot.stacked and slot.piece_size * n == slot.size
+    n, whole = slot.num_shards, slot.split is None and not slot.stacked
+    return whole and logical_dim(slot.shape, n) == 0 and slot.piece_size * n == slot.size
 
 
 def blocks_to_logical(block: jax.Array, dim: int, axis_name: str) -> jax.Array:
@@ -270,11 +276,14 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       as ``inner.init(params)`` would shape it. Leaves are sharded over the axis along
       their first dimension where it divides by the axis size, else replicated.
     """
-    mesh, tx = mesh_of(state), tx.over(state_axes(state.opt_state))
-    stage = stage_of(state.params)
-    layout = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name)).layout
-    params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole first)
-    params = with_layout(params, NamedSharding(mesh, P())) if stage < 3 else params
+    opt, mesh, stage = optimizer_of(tx), mesh_of(state), stage_of(state.params)
+    tx, rest = tx.over(state_axes(state.opt_state)), opt.other_axes(mesh, stage)
+    # (kept block by block where the state is over those axes: none where nothing is kept)
+    splits = opt.splits(mesh, stage, own_layout(state.params, rest))
+    splits = splits if set(rest) <= set(tx.config.axes) else {}
+    layout = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name), splits).layout
+    params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole, or in blocks)
+    params = each_laid_out(params, layout.leaf_specs(), mesh) if stage < 3 else params
     return _to_optax_converter(tx, mesh, stage, layout)(params, state.opt_state)
 
 
@@ -285,7 +294,7 @@ def _to_optax_converter(
     """The jitted conversion of :func:`to_optax_state`, built once per optimizer, mesh,
     stage and layout (a checkpoint save does not trace it again)."""
     num_shards, axis = layout.num_shards, tx.axis_name
-    plan = tx.plan(layout.full_structs(), num_shards)
+    plan = tx.plan(layout.full_structs(), num_shards, layout.splits)
     departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
@@ -308,7 +317,7 @@ def _to_optax_converter(
         inner = [_state_to_logical(plan, opt_state.owned, k, x, axis) for k, x in enumerate(inner)]
         return layout.treedef.unflatten(master), plan.state_treedef.unflatten(inner)
 
-    specs = state_specs(tx, layout.full_structs(), num_shards, stage)
+    specs = state_specs(tx, layout.full_structs(), num_shards, stage, layout.splits)
     in_specs = (specs.params, specs.opt_state)
     out_specs = _specs(logical_structs(plan, tx), num_shards, axis)
     convert = jax.shard_map(
@@ -330,6 +339,7 @@ def from_optax_state(
     skipped: int | jax.Array = 0,
     loss_scale: LossScaleState | None = None,
     model_state: PyTree = None,
+    param_specs: PyTree = None,
 ) -> TrainState:
     """A sharded training state from plain optax's: the inverse of :func:`to_optax_state`.
 
@@ -347,6 +357,9 @@ def from_optax_state(
       loss_scale: the dynamic loss scale's state to resume from (default: its initial
         state, when ``tx`` scales the loss).
       model_state: non-trainable model state to carry (replicated), or ``None``.
+      param_specs: the weights' layout over ``mesh`` (a ``PartitionSpec`` per leaf, as
+        :func:`zeroshard.init_train_state` takes it): over the axes the batch is not
+        split over, the state keeps it and the weights take it (default: replicated).
 
     Returns:
       A :class:`zeroshard.TrainState` laid out exactly as :func:`zeroshard.make_train_step`
@@ -356,7 +369,12 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    check_mesh(optimizer_of(tx).config, mesh, axis_name)
+    opt = optimizer_of(tx)
+    check_mesh(opt.config, mesh, axis_name)
+    rest = opt.other_axes(mesh, stage)
+    specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
+    own = keep_axes(specs, rest)
+    splits = opt.splits(mesh, stage, own)
     tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
     axis_name = tx.axis_name
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
@@ -365,18 +383,19 @@ def from_optax_state(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
     )
     num_shards = mesh_size(mesh, axis_name)
-    plan = tx.plan(compute_structs, num_shards)
+    plan = tx.plan(compute_structs, num_shards, splits)
     params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
     local = _from_logical_local(tx, plan, stage, jax.tree.leaves(opt_structs))
     in_specs = (*_specs((params_structs, opt_structs), num_shards, axis_name), P(), P(), P(), P())
-    out_specs = state_specs(tx, compute_structs, num_shards, stage)
+    out_specs = state_specs(tx, compute_structs, num_shards, stage, splits)
     if tx.config.loss_scale is not None and loss_scale is None:
         loss_scale = tx.config.loss_scale.init()
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     args = (params, opt_state, *counters, loss_scale, model_state)
-    return run_on_mesh(local, mesh, axis_name, (in_specs, out_specs), *args)
+    state = run_on_mesh(local, mesh, axis_name, (in_specs, out_specs), *args)
+    return laid_out_as(state, own, mesh)
 
 
 def _from_logical_local(

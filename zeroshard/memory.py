@@ -299,17 +299,20 @@ def step_memory(
       True
     """
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    init = lambda p: init_train_state(p, tx, mesh, param_dtype=param_dtype, stage=stage)
-    shapes = jax.eval_shape(init, structs)
     options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
     step = make_train_step(loss_fn, tx, mesh, **options)
+    own = own_layout(params, step.rest)  # (read here: what eval_shape traces has no layout)
+    init = lambda p: init_train_state(
+        p, tx, mesh, param_dtype=param_dtype, stage=stage, param_specs=own
+    )
+    shapes = jax.eval_shape(init, structs)
     # Laid out as the step takes it (on Auto axes the shapes carry no layout).
     on_mesh = lambda spec, tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
-    specs = step.state_specs(shapes.params)
+    specs = step.state_specs(shapes.params, step.splits(own))
     if step.rest:  # (stages 1-2: the parameters keep their own layout over those axes)
-        specs = specs._replace(params=own_layout(params, step.rest))
+        specs = specs._replace(params=own)
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     stats = step.lower(state, abstract).compile().memory_analysis()

@@ -232,6 +232,14 @@ def laid_out(tree: PyTree, specs: PyTree) -> PyTree:
     return jax.tree.map(put, tree, specs)
 
 
+def each_laid_out(tree: PyTree, specs: PyTree, mesh: Any = None) -> PyTree:
+    """``tree`` resharded, on a mesh with Explicit axes, to ``specs`` (a
+    ``PartitionSpec`` per leaf, on ``mesh`` or the mesh in context; see
+    :func:`with_layout`)."""
+    on = (lambda spec: spec) if mesh is None else (lambda spec: NamedSharding(mesh, spec))
+    return jax.tree.map(lambda x, spec: with_layout(x, on(spec)), tree, specs)
+
+
 def with_layout(tree: PyTree, like: Any) -> PyTree:
     """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
     arrays, or one ``NamedSharding`` for every leaf, or one ``PartitionSpec`` on the mesh

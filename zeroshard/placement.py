@@ -653,7 +653,8 @@ def _groups(
             return False
         per_element = all(slot_of(kinds[k]) == i for k in own[i])
         shaped = sum(slot_of(x) == i for x in kinds) == len(own[i])
-        return not (s.owned or s.stacked or s.blocked or i in summed) and per_element and shaped
+        alone = s.owned or s.stacked or s.blocked or s.split or i in summed
+        return not alone and per_element and shaped
 
     groups = []
     classes: dict[Any, list[int]] = {}  # alike leaves, by form and dtype
@@ -692,7 +693,12 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
     leaves = base.full_structs()
     if not costs:
         return Layout.from_tree(
-            leaves, base.num_shards, base_dims(base), blocked=blocked, chunks=base.chunks
+            leaves,
+            base.num_shards,
+            base_dims(base),
+            blocked=blocked,
+            chunks=base.chunks,
+            splits=base.splits,
         )
     # A leaf whose layers meet through sums needs a layer on every device (each device
     # then runs the same sums): its layers are placed first; where some device still
@@ -708,6 +714,7 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
         sums & layered,
         blocked,
         chunks=base.chunks,
+        splits=base.splits,
     )
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,9 +28,9 @@ from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.collectives import axes_of, mesh_size
 from zeroshard.config import ShardConfig
-from zeroshard.layout import Layout, PyTree
+from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import bound_axis_size, find_mesh, with_layout
+from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, with_layout
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
@@ -50,16 +51,42 @@ class Sharded:
     inner: optax.GradientTransformationExtraArgs
     config: ShardConfig
 
-    def plan(self, params: PyTree, num_shards: int) -> Plan:
+    def plan(
+        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
+    ) -> Plan:
         """The (cached) :class:`zeroshard.placement.Plan` for ``params`` (arrays,
-        ``ShapeDtypeStruct`` or stage-3 pieces) over ``num_shards`` devices."""
+        ``ShapeDtypeStruct`` or stage-3 pieces) over ``num_shards`` devices, with the
+        leaves of ``splits`` (:meth:`splits`) kept block by block."""
         chunks, structs = self.config.sum_order.chunks, full_structs(params)
-        layout = Layout.from_tree(structs, num_shards, self.config.stacked, chunks=chunks)
+        stacked = self.config.stacked
+        layout = Layout.from_tree(structs, num_shards, stacked, chunks=chunks, splits=splits)
         return _plan(self, layout)
 
-    def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
+    def splits(
+        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int, specs: PyTree
+    ) -> dict[int, Split]:
+        """The leaves whose state zeroshard's step on ``mesh`` keeps by Megatron's rule
+        (:class:`zeroshard.layout.Split`), by index: those that ``specs`` (the weights'
+        layout, a ``PartitionSpec`` per leaf) split along one dimension over every axis
+        of :meth:`other_axes`, where no collective is quantized. Their gradients are
+        reduce-scattered, and their weights all-gathered, over the batch axes only,
+        within the device's block; the other leaves are gathered whole for the update.
+        (The layout module keeps a split only for a leaf it can cut block by block.)"""
+        rest, config = self.other_axes(mesh, stage), self.config
+        if not rest or config.quantize_grads or config.quantize_weights:
+            return {}
+        blocks, found = mesh_size(mesh, rest), {}
+        for i, spec in enumerate(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+            named = [(k, axes_of(e)) for k, e in enumerate(spec) if e is not None]
+            if len(named) == 1 and named[0][1] == rest:
+                found[i] = Split(named[0][0], named[0][1], blocks, config.axes)
+        return found
+
+    def state_specs(
+        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
+    ) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
-        plan, axis = self.plan(params, num_shards), self.config.axis_name
+        plan, axis = self.plan(params, num_shards, splits), self.config.axis_name
         specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -192,31 +219,52 @@ class Sharded:
         it; each device cuts its part out, updates it, and the new parameters are
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
         over every device (:meth:`spanning`)."""
+        return self.apply_mean(grads, state, params, extra_args)
+
+    def apply_mean(
+        self,
+        grads: PyTree,
+        state: ShardedState,
+        params: PyTree,
+        extra_args: dict,
+        splits: Mapping[int, Split] | None = None,
+    ) -> tuple[PyTree, ShardedState]:
+        """:meth:`apply_global`, for a state whose leaves of ``splits`` are kept block by
+        block (:meth:`splits`; as zeroshard's step keeps them at stage 1)."""
         mesh = find_mesh(self.config, state, any_axes=True)
         opt = self.spanning(mesh)
         route = Route.of(opt.config, 1, mean=True)
         num_shards = mesh_size(mesh, opt.config.axis_name)
-        specs = opt.state_specs(params, num_shards)
+        specs = opt.state_specs(params, num_shards, splits)
+        plan = opt.plan(params, num_shards, splits)
+        leaves = plan.layout.leaf_specs()
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
-        # model's other axes, e.g. tensor parallelism), and the new weights return to
-        # the parameters' own layout afterwards.
+        # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
+        # new weights return to the parameters' own layout afterwards.
         step = jax.shard_map(
-            functools.partial(opt._local_update, route),
+            functools.partial(opt._local_update, route, plan=plan if splits else None),
             mesh=mesh,
-            in_specs=(P(), specs, P(), P()),
-            out_specs=(P(), specs),
+            in_specs=(leaves, specs, leaves, P()),
+            out_specs=(leaves, specs),
             axis_names=set(mesh.axis_names),
             check_vma=num_shards > 1,
         )
-        grads_in, params_in = (with_layout(t, NamedSharding(mesh, P())) for t in (grads, params))
+        grads_in, params_in = (each_laid_out(t, leaves, mesh) for t in (grads, params))
         new, state = step(grads_in, state, params_in, extra_args)
         return with_layout(new, params), state
 
     def _local_update(
-        self, route: Route, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
+        self,
+        route: Route,
+        grads: PyTree,
+        state: ShardedState,
+        params: PyTree,
+        extra_args: dict,
+        plan: Plan | None = None,
     ) -> tuple[PyTree, ShardedState]:
-        """The update flow inside ``shard_map``, for gradients arriving by ``route``."""
-        plan = self.checked_plan(state, params)
+        """The update flow inside ``shard_map``, for gradients arriving by ``route``
+        (by ``plan``, or the plan of the arguments, checked)."""
+        plan = plan or self.checked_plan(state, params)
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
@@ -320,13 +368,17 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         opt = self.optimizer.over(axes)
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
 
-    def plan(self, params: PyTree, num_shards: int) -> Plan:
+    def plan(
+        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
+    ) -> Plan:
         """See :meth:`Sharded.plan`."""
-        return self.optimizer.plan(params, num_shards)
+        return self.optimizer.plan(params, num_shards, splits)
 
-    def state_specs(self, params: PyTree, num_shards: int) -> ShardedState:
+    def state_specs(
+        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
+    ) -> ShardedState:
         """See :meth:`Sharded.state_specs`."""
-        return self.optimizer.state_specs(params, num_shards)
+        return self.optimizer.state_specs(params, num_shards, splits)
 
 
 def state_axes(opt_state: ShardedState) -> tuple[str, ...]:
@@ -335,8 +387,11 @@ def state_axes(opt_state: ShardedState) -> tuple[str, ...]:
     drop-in's, every axis of its mesh but the replica axis (:meth:`Sharded.spanning`);
     ``()`` where the layout says none (every axis of one device)."""
     specs = [getattr(x.sharding, "spec", ()) for x in jax.tree.leaves(opt_state)]
-    split = [axes_of(spec[-1]) for spec in specs if spec and spec[-1] is not None]
-    return max(split, key=len, default=())  # (a sliced piece's last dimension)
+    # (a sliced piece's last dimension; a split leaf's, then its blocks')
+    blocks = lambda spec: axes_of(spec[-2]) if len(spec) > 1 and spec[-2] is not None else ()
+    last = lambda spec: (*axes_of(spec[-1]), *blocks(spec))
+    split = [last(spec) for spec in specs if spec and spec[-1] is not None]
+    return max(split, key=len, default=())
 
 
 def optimizer_of(tx: Any) -> Sharded:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -26,16 +26,16 @@ from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_other_axes, check_stage
 from zeroshard.collectives import mesh_size
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, Split
 from zeroshard.mesh import (
     StepContext,
     check_mesh,
+    each_laid_out,
     in_step,
     keep_axes,
     laid_out,
     own_layout,
     run_on_mesh,
-    with_layout,
 )
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
@@ -73,13 +73,19 @@ Result = tuple[TrainState, dict]
 
 
 def state_specs(
-    tx: ShardedTransformation, params: PyTree, num_shards: int, stage: int
+    tx: ShardedTransformation,
+    params: PyTree,
+    num_shards: int,
+    stage: int,
+    splits: Mapping[int, Split] | None = None,
 ) -> TrainState:
-    """``PartitionSpec``s of a :class:`TrainState` for ``params`` (full or ``Shard``)."""
+    """``PartitionSpec``s of a :class:`TrainState` for ``params`` (full or ``Shard``),
+    with the leaves of ``splits`` kept block by block (:meth:`zeroshard.Sharded.splits`;
+    their weights laid out in blocks, the others whole, at stages 1 and 2)."""
     structs = full_structs(params)
-    layout = tx.plan(structs, num_shards).layout
-    param_specs = P() if stage < 3 else shard_specs(layout, tx.axis_name)
-    return TrainState(P(), param_specs, tx.state_specs(structs, num_shards), P())
+    layout = tx.plan(structs, num_shards, splits).layout
+    param_specs = layout.leaf_specs() if stage < 3 else shard_specs(layout, tx.axis_name)
+    return TrainState(P(), param_specs, tx.state_specs(structs, num_shards, splits), P())
 
 
 def init_train_state(
@@ -91,6 +97,7 @@ def init_train_state(
     param_dtype: Any = None,
     stage: int = 1,
     model_state: PyTree = None,
+    param_specs: PyTree = None,
 ) -> TrainState:
     """Lays a training state out on ``mesh``.
 
@@ -112,6 +119,10 @@ def init_train_state(
         collection of a Linen model: ``{"batch_stats": variables["batch_stats"]}``),
         replicated; the step passes it to the loss function (see
         :func:`make_train_step`).
+      param_specs: the parameters' layout over ``mesh``, a ``PartitionSpec`` per leaf
+        (default: their arrays' ``NamedSharding``, ``P()`` for others); over the axes
+        the batch is not split over, the state keeps it (see
+        :meth:`zeroshard.Sharded.splits`).
 
     Returns:
       A :class:`TrainState` at step 0.
@@ -126,10 +137,13 @@ def init_train_state(
     axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
-    specs = state_specs(tx, structs, num_shards, stage)
+    rest = optimizer_of(given).other_axes(mesh, stage)
+    own = own_layout(params, rest) if param_specs is None else keep_axes(param_specs, rest)
+    splits = optimizer_of(given).splits(mesh, stage, own)
+    specs = state_specs(tx, structs, num_shards, stage, splits)
+    plan = tx.plan(structs, num_shards, splits)
     copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
     if stage == 3:  # (never the whole model on every device: see _stage3_parts)
-        plan = tx.plan(structs, num_shards)
         parts, part_specs = _stage3_parts(plan.layout, params, mesh, axis_name)
 
         def local_parts(parts: list, model_state: PyTree) -> TrainState:
@@ -148,28 +162,28 @@ def init_train_state(
         )
 
     def local_init(master_params: PyTree, model_state: PyTree) -> TrainState:
+        # (a split leaf's master values: the device's block)
+        index, layout = jax.lax.axis_index(axis_name), plan.layout
+        pieces = layout.pieces(master_params, index)
+        opt_state = tx.optimizer.init_parts(plan, pieces, owned_wholes(plan, master_params))
         params = jax.tree.map(cast, master_params)
-        opt_state = tx.optimizer.init_local(params, master_params)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, copy(model_state))
 
     # The same out_specs as the step's, so the first step sees the shardings it returns;
     # the parameters keep their own layout over the state's other axes (the step does).
-    state = run_on_mesh(local_init, mesh, axis_name, ((P(), P()), specs), params, model_state)
-    return laid_out_like(state, params, given, mesh, stage)
+    in_specs = (specs.params, P())
+    state = run_on_mesh(local_init, mesh, axis_name, (in_specs, specs), params, model_state)
+    return laid_out_as(state, own, mesh)
 
 
-def laid_out_like(
-    state: TrainState, like: PyTree, tx: ShardedTransformation, mesh: jax.sharding.Mesh, stage: int
-) -> TrainState:
-    """``state`` with its weights laid out as the arrays of ``like`` are over the mesh's
-    axes the batch is not split over (tensor parallelism's ``"model"``, say), as
-    :class:`TrainStep` keeps them; as it is at stage 3, and for leaves of ``like``
-    replicated over those axes or without a ``NamedSharding``."""
-    rest = optimizer_of(tx).other_axes(mesh, stage)
-    if not rest:
-        return state
+def laid_out_as(state: TrainState, specs: PyTree, mesh: jax.sharding.Mesh) -> TrainState:
+    """``state`` with its weights laid out as ``specs`` say (a ``PartitionSpec`` per
+    leaf, over the mesh's axes the batch is not split over: tensor parallelism's
+    ``"model"``, say, as :class:`TrainStep` keeps them; ``P()`` leaves as they are)."""
+    if not any(any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        return state  # (none: as at stage 3, whose weights are pieces)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
-    return state._replace(params=jax.tree.map(put, state.params, own_layout(like, rest)))
+    return state._replace(params=jax.tree.map(put, state.params, specs))
 
 
 def _stage3_parts(layout: Any, params: PyTree, mesh: Any, axis_name: str) -> tuple[list, list]:
@@ -264,7 +278,8 @@ class TrainStep:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
         if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
-            plan = self.state_tx.plan(state.params, mesh_size(self.mesh, self.state_tx.axis_name))
+            num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
+            plan = self.state_tx.plan(state.params, num_shards, self.splits(layout))
         else:
             plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
@@ -312,21 +327,29 @@ class TrainStep:
 
         if self.nested is None:
             return update(parts, state.opt_state, state.params, extra)
-        specs = keep_axes(self.state_specs(state.params).opt_state, self.rest)
+        splits = plan.layout.splits
+        specs = keep_axes(self.state_specs(state.params, splits).opt_state, self.rest)
+        leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
         run = jax.shard_map(
             update,
-            in_specs=(self.nested.specs(plan), specs, P(), P()),
-            out_specs=(P(), specs),
+            in_specs=(self.nested.specs(plan), specs, leaves, P()),
+            out_specs=(leaves, specs),
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
         )
-        return run(parts, state.opt_state, with_layout(state.params, P()), extra)
+        return run(parts, state.opt_state, each_laid_out(state.params, leaves), extra)
 
-    def state_specs(self, params: PyTree) -> TrainState:
+    def state_specs(self, params: PyTree, splits: Mapping[int, Split] | None = None) -> TrainState:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
-        (over every axis of the state)."""
+        (over every axis of the state), with the leaves of ``splits`` kept block by
+        block (:meth:`splits`)."""
         num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
-        return state_specs(self.state_tx, params, num_shards, self.stage)
+        return state_specs(self.state_tx, params, num_shards, self.stage, splits)
+
+    def splits(self, layout: PyTree) -> dict[int, Split]:
+        """The leaves whose state this step keeps block by block, for the parameters'
+        ``layout`` over the mesh's other axes (:meth:`zeroshard.Sharded.splits`)."""
+        return {} if layout is None else self.opt.splits(self.mesh, self.stage, layout)
 
     def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
         """Whether this stage-2 step hands its loss :class:`zeroshard.stage3.Held` leaves
@@ -379,7 +402,8 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = keep_axes(self.state_specs(state.params), self.opt.config.batch_axes)
+        specs = self.state_specs(state.params, self.splits(layout))
+        specs = keep_axes(specs, self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:

@@ -70,10 +70,10 @@ from zeroshard.logical import (
     to_optax_state,
 )
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import check_mesh, mesh_of
+from zeroshard.mesh import check_mesh, mesh_of, own_layout
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs
-from zeroshard.step import TrainState, laid_out_like
+from zeroshard.step import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -310,9 +310,9 @@ def restore_item(
         skipped=saved.get("skipped_steps", 0),
         loss_scale=scale,
         model_state=restored.get("model_state"),
+        param_specs=own_layout(given, optimizer_of(tx).other_axes(mesh, stage)),
     )
-    # The weights as the arrays of like are laid out over the mesh's other axes.
-    return laid_out_like(state, given, tx, mesh, stage), restored.get("extra", {})
+    return state, restored.get("extra", {})
 
 
 def verify_item(
