@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
 import zeroshard.flax as zf
-from zeroshard.instruments import collectives
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
+from zeroshard.instruments import collectives
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
 # replicated bias.
