@@ -443,6 +443,25 @@ def test_the_step_reduces_a_tensor_parallel_leaf_within_its_shard(rng):
     assert mu["up"].addressable_shards[0].data.size == 16 * 64 // 8
 
 
+def test_a_state_made_for_another_layout_is_refused(rng):
+    """The state says how it is cut: made for replicated weights (each leaf whole) and
+    then stepped with the kernels laid out over "model" (block by block), or the
+    other way round, the step and to_optax_state refuse it at trace time, naming the
+    leaf, and the state is not donated."""
+    params, mesh = tp_params(rng), jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(optax.adam(1e-2))
+    step = zs.make_train_step(tp_step_loss, tx, mesh)
+    whole = zs.init_train_state(params, tx, mesh)
+    blocks = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
+    for state, params_now in [(whole, tp_placed(params, mesh)), (blocks, whole.params)]:
+        moved = state._replace(params=params_now)
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match="laid out otherwise"):
+            step(moved, tp_batches(rng)[0])
+        with pytest.raises(ValueError, match="laid out otherwise"):
+            zs.to_optax_state(moved, tx)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(moved))
+
+
 def assert_tp_layout(got, mesh, params):
     """The step kept the weights' tensor-parallel layout: each device holds half of
     each kernel (and the whole bias)."""

@@ -281,7 +281,9 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     # (kept block by block where the state is over those axes: none where nothing is kept)
     splits = opt.splits(mesh, stage, own_layout(state.params, rest))
     splits = splits if set(rest) <= set(tx.config.axes) else {}
-    layout = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name), splits).layout
+    plan = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name), splits)
+    tx.optimizer.check_blocks(plan, state.opt_state)
+    layout = plan.layout
     params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = each_laid_out(params, layout.leaf_specs(), mesh) if stage < 3 else params
     return _to_optax_converter(tx, mesh, stage, layout)(params, state.opt_state)

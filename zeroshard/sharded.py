@@ -34,6 +34,7 @@ from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, with_layou
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
+from zeroshard.state_kinds import SlicedState
 from zeroshard.update import Route, updated
 
 logger = logging.getLogger(__name__)
@@ -267,6 +268,35 @@ class Sharded:
         plan = plan or self.checked_plan(state, params)
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
+
+    def check_blocks(self, plan: Plan, state: ShardedState) -> None:
+        """Refuses a global ``state`` whose pieces are cut otherwise than ``plan`` cuts
+        them: block by block for a leaf it splits (:class:`zeroshard.layout.Split`,
+        held ``(..., blocks, pieces of a block)``), whole for one it does not. That is
+        a state made for the weights laid out otherwise than they are now.
+
+        Raises:
+          ValueError: naming the first such leaf and how to make the state again.
+        """
+        slots = plan.layout.slots
+        kept = jax.tree.leaves(plan.master_tree(list(range(len(slots)))))
+        pairs = list(zip(kept, jax.tree.leaves(state.master), strict=True))
+        inner = plan.state_treedef.flatten_up_to(state.inner_state)
+        for kind, x in zip(plan.state_kinds, inner, strict=True):
+            pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
+        for i, x in pairs:
+            s = slots[i]
+            if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
+                continue  # (a group's buffer, or pieces without a unit axis for blocks)
+            if x.shape[-2] != (s.split.blocks if s.split else 1):
+                how = "block by block" if s.split else "whole"
+                raise ValueError(
+                    f"zs.sharded: the optimizer state of {s.path} (shape {x.shape}) was made "
+                    f"for the weights laid out otherwise than they are now: this layout "
+                    f"keeps it {how} over the mesh's other axes. Make the state from the "
+                    "weights as they are laid out (zs.init_train_state, or "
+                    "zs.from_optax_state(..., param_specs=)), or lay them out as before."
+                )
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""

@@ -246,6 +246,7 @@ class TrainStep:
         # The state's axes: the batch's, and in stages 1-2 the mesh's others (e.g. a
         # tensor-parallel "model" axis), over which the update runs manual too (rest).
         self.state_tx = self.tx.for_step(self.mesh, stage)
+        self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
         self.rest = self.opt.other_axes(self.mesh, stage)
         if not self.rest:  # (the update runs manual over every axis it reduces over)
             check_other_axes(self.mesh, axes)
@@ -278,8 +279,7 @@ class TrainStep:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
         if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
-            num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
-            plan = self.state_tx.plan(state.params, num_shards, self.splits(layout))
+            plan = self.state_tx.plan(state.params, self.num_shards, self.splits(layout))
         else:
             plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
@@ -343,8 +343,7 @@ class TrainStep:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
         (over every axis of the state), with the leaves of ``splits`` kept block by
         block (:meth:`splits`)."""
-        num_shards = mesh_size(self.mesh, self.state_tx.axis_name)
-        return state_specs(self.state_tx, params, num_shards, self.stage, splits)
+        return state_specs(self.state_tx, params, self.num_shards, self.stage, splits)
 
     def splits(self, layout: PyTree) -> dict[int, Split]:
         """The leaves whose state this step keeps block by block, for the parameters'
@@ -402,8 +401,11 @@ class TrainStep:
                 f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        specs = self.state_specs(state.params, self.splits(layout))
-        specs = keep_axes(specs, self.opt.config.batch_axes)
+        splits = self.splits(layout)
+        if self.rest:  # (a state cut for the weights' layout: a split leaf's by blocks)
+            plan = self.state_tx.plan(state.params, self.num_shards, splits)
+            optimizer_of(self.state_tx).check_blocks(plan, state.opt_state)
+        specs = keep_axes(self.state_specs(state.params, splits), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:
