@@ -87,13 +87,16 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if stored[k] else x for k, x in enumerate(leaves)]
+    kept = [plan.store.encode(x) if k in plan.coded else x for k, x in enumerate(kept)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
 def stored_state(plan: Plan, kept: PyTree, stored: dict) -> PyTree:
     """The inner state of ``branch``: the kept tree with its owned leaves filled in from
-    ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows)."""
+    ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows) and its coded
+    leaves decoded (:mod:`zeroshard.lowbit`)."""
     leaves = plan.state_treedef.flatten_up_to(kept)
+    leaves = [plan.store.decode(x) if k in plan.coded else x for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(
         stored[("state", k)] if kind.stored else x
         for k, (kind, x) in enumerate(zip(plan.state_kinds, leaves, strict=True))

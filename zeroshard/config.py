@@ -32,6 +32,7 @@ from zeroshard.canonical import FixedOrder
 from zeroshard.collectives import axes_of
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
+from zeroshard.lowbit import LowBit, lowbit
 from zeroshard.quantized import Quantizer, quantizer
 from zeroshard.sums import PSUM, Psum
 
@@ -72,6 +73,9 @@ class ShardConfig:
       deterministic: ``None``, or the number of canonical parts (a power of two):
         every sum runs in an order fixed by it, so a step gives the same bits on any
         device count that divides it (:mod:`zeroshard.canonical`).
+      state_bits: ``8``, ``4`` or ``None``: the bits the inner optimizer's
+        per-element state of matrices is stored in between steps
+        (:mod:`zeroshard.lowbit`).
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -99,9 +103,11 @@ class ShardConfig:
     quantize_weights: str | None = None
     quantize_block: int = 256
     deterministic: int | None = None
+    state_bits: int | None = None
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_name, self.replica_axis)
+        lowbit(self.state_bits)  # (checks it)
         _check_quantized(self)
         _check_deterministic(self)
         if not isinstance(self.pack_bytes, int) or self.pack_bytes < 0:
@@ -134,6 +140,12 @@ class ShardConfig:
             return None
         narrower = jnp.finfo(dtype).bits < jnp.finfo(master).bits
         return master if self.quantize_weights is not None or narrower else None
+
+    @functools.cached_property
+    def state_store(self) -> LowBit | None:
+        """How coded state leaves are stored (:class:`zeroshard.lowbit.LowBit`), or
+        ``None``: as the inner optimizer keeps them. Chosen here, once."""
+        return lowbit(self.state_bits)
 
     @property
     def grad_quantizer(self) -> Quantizer | None:

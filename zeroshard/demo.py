@@ -45,6 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="of the model's initial weights")
+    parser.add_argument(
+        "--state-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="store Adam's moments in 8 or 4 bits (zs.sharded(..., state_bits=))",
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="default: a temporary dir")
     parser.add_argument("--plot", default="zeroshard_demo.png", help="'' for no plot")
     return parser.parse_args(argv)
@@ -79,14 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
     # across devices (the replicated baseline runs the same optimizer).
     schedule = optax.cosine_decay_schedule(args.lr, args.steps, 0.1)
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    tx = zs.sharded(inner, axis_name="data")
+    tx = zs.sharded(inner, axis_name="data", state_bits=args.state_bits)
     mesh = jax.make_mesh((n,), ("data",))
     size = sum(x.size for x in jax.tree.leaves(params))
     print(
         f"zeroshard demo: {size:,}-parameter transformer LM ({args.layers} layers, d_model "
         f"{args.d_model}) on {len(text):,} characters of text, {n} simulated CPU devices,\n"
         f"global batch {args.batch} x {args.context} tokens, bf16 compute, fp32 master, "
-        "AdamW + global-norm clipping."
+        "AdamW + global-norm clipping"
+        + (f", Adam's moments in {args.state_bits} bits." if args.state_bits else ".")
     )
 
     directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="zeroshard_demo_")
@@ -172,7 +181,8 @@ class TransformerLM(nnx.Module):
 def transformer(args: argparse.Namespace, vocab_size: int):
     """The model: ``(graphdef, params, loss_fn)``, the parameters as a dict of fp32
     arrays and ``loss_fn(params, batch)`` the model's next-token cross-entropy."""
-    graphdef, params = nnx.split(TransformerLM(args, vocab_size, nnx.Rngs(0)), nnx.Param)
+    model = TransformerLM(args, vocab_size, nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_fn(p: dict, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, nnx.State(p))

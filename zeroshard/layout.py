@@ -134,6 +134,9 @@ class Slot:
         by block (a :class:`Split`), else ``None``. Its pieces are the pieces of its
         blocks (:attr:`block_slot`); where the update runs (manual over every axis of
         the state) its gradient and weights are the device's block (:meth:`own`).
+      align: ``0``, or the elements a piece's width is a multiple of (of each layer:
+        the block of the leaf's coded state, :mod:`zeroshard.lowbit`), so that the
+        blocks of every device's piece follow the leaf's global index.
     """
 
     path: str
@@ -149,6 +152,7 @@ class Slot:
     chunks: int = 0
     block: Any = None
     split: Split | None = None
+    align: int = 0
 
     @property
     def placement(self) -> str:
@@ -250,7 +254,8 @@ class Slot:
         """The geometry of one block of a split leaf, cut over the batch axes."""
         split = self.split
         shape = tuple(d // split.blocks if k == split.dim else d for k, d in enumerate(self.shape))
-        return Slot.of(shape, self.dtype, self.num_shards // split.blocks, self.stacked)
+        n = self.num_shards // split.blocks
+        return Slot.of(shape, self.dtype, n, self.stacked, 0, self.align)
 
     def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the leaf as the update holds it: the leaf
@@ -261,8 +266,10 @@ class Slot:
 
     @property
     def chunk(self) -> int:
-        """Elements of one canonical chunk of a layer (with ``chunks``; else the width)."""
-        return -(-math.prod(self.shape[self.stacked :]) // (self.chunks or self.num_shards))
+        """Elements of one canonical chunk of a layer (with ``chunks``; else the width),
+        a multiple of :attr:`align`."""
+        chunk = -(-math.prod(self.shape[self.stacked :]) // (self.chunks or self.num_shards))
+        return -(-chunk // self.align) * self.align if self.align else chunk
 
     @property
     def piece_size(self) -> int:
@@ -277,10 +284,17 @@ class Slot:
 
     @classmethod
     def of(
-        cls, shape: tuple[int, ...], dtype: Any, num_shards: int, stacked: int = 0, chunks: int = 0
+        cls,
+        shape: tuple[int, ...],
+        dtype: Any,
+        num_shards: int,
+        stacked: int = 0,
+        chunks: int = 0,
+        align: int = 0,
     ) -> Slot:
         """The geometry of a sliced (or stacked) leaf alone, outside any layout."""
-        return cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked, chunks=chunks)
+        slot = cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked, chunks=chunks)
+        return dataclasses.replace(slot, align=align)
 
     def spec(self, axis_name: str) -> P:
         """``PartitionSpec`` of the leaf's global array of pieces (``P()``: owned leaves
@@ -358,6 +372,16 @@ class Slot:
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
         return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
+
+
+def _codes(slot: Slot, block: int) -> bool:
+    """Whether ``slot``'s per-element state is coded in blocks of ``block``: a sliced
+    matrix (two dimensions besides its layer axes) with at least a block per layer
+    (of its blocks per layer, for a split leaf)."""
+    if not block or slot.owned or slot.blocked or len(slot.shape) - slot.stacked < 2:
+        return False
+    layer = math.prod(slot.shape[slot.stacked :]) // (slot.split.blocks if slot.split else 1)
+    return layer >= block
 
 
 def _can_split(slot: Slot, split: Split) -> bool:
@@ -451,6 +475,7 @@ class Layout:
         blocked: Mapping[int, Any] | None = None,
         chunks: int = 0,
         splits: Mapping[int, Split] | None = None,
+        align: int = 0,
     ) -> Layout:
         """Lays out ``tree`` over ``num_shards`` devices.
 
@@ -472,6 +497,9 @@ class Layout:
             (see :class:`Slot`; a multiple of ``num_shards``).
           splits: leaves split over the mesh's other axes whose state is kept block by
             block, by index (see :class:`Split`; not for ``owned`` or ``blocked`` ones).
+          align: ``0``, or the block of coded state: the pieces of each sliced leaf
+            with two dimensions besides its layer axes and at least ``align`` elements
+            per layer are a multiple of it wide (:attr:`Slot.align`).
 
         Raises:
           ValueError: if the tree has no leaves, or a stacked leaf has no axis
@@ -505,7 +533,8 @@ class Layout:
             split = (splits or {}).get(i)
             split = split if split is not None and _can_split(slot, split) else None
             split = None if units or block else split
-            slots.append(dataclasses.replace(slot, chunks=chunks, block=block, split=split))
+            slot = dataclasses.replace(slot, chunks=chunks, block=block, split=split)
+            slots.append(dataclasses.replace(slot, align=align if _codes(slot, align) else 0))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
@@ -513,6 +542,11 @@ class Layout:
     def chunks(self) -> int:
         """The canonical chunks every layer is cut into (``0``: none; see :class:`Slot`)."""
         return self.slots[0].chunks
+
+    @property
+    def align(self) -> int:
+        """The block of coded state the pieces are aligned to (``0``: none)."""
+        return max(s.align for s in self.slots)
 
     @property
     def splits(self) -> dict[int, Split]:

@@ -182,7 +182,8 @@ def _state_to_logical(plan: Plan, rows: tuple, k: int, x: Any, axis_name: str) -
     """This device's block of the logical value of inner state leaf ``k`` (``x``: what
     the state's tree holds of it; ``rows``: the owners' storage rows)."""
     match plan.state_kinds[k]:
-        case SlicedState(leaf):
+        case SlicedState(leaf):  # (a coded leaf decoded: the logical form is plain optax's)
+            x = plan.store.decode(x) if k in plan.coded else x
             return to_logical(plan.layout.slots[leaf], x, axis_name)
         case BlockedState(dim):
             return blocks_to_logical(x, dim, axis_name)
@@ -442,6 +443,7 @@ def _from_logical_local(
             match plan.state_kinds[k]:
                 case SlicedState(leaf):
                     kept[k] = from_logical(layout.slots[leaf], x, axis)
+                    kept[k] = plan.store.encode(kept[k]) if k in plan.coded else kept[k]
                 case BlockedState(dim):
                     kept[k] = blocks_from_logical(x, shape, dim, axis)
                 case OwnedState():

@@ -52,6 +52,7 @@ from zeroshard.analysis import (
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
 from zeroshard.collectives import vary
 from zeroshard.layout import Layout, PyTree
+from zeroshard.lowbit import LowBit
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
 from zeroshard.sums import PSUM, Psum, run_with_sums
@@ -135,6 +136,10 @@ class Plan:
         present; else the hidden leaves are zero-element arrays.
       updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
         traces cached).
+      store: how coded state leaves are stored (:class:`zeroshard.lowbit.LowBit`),
+        or ``None``.
+      coded: the leaves of the inner state kept as :class:`zeroshard.lowbit.Codes`:
+        floating per-element state of the sliced leaves aligned to the store's blocks.
     """
 
     layout: Layout
@@ -152,6 +157,8 @@ class Plan:
     order: Psum = PSUM
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    store: LowBit | None = None
+    coded: frozenset[int] = frozenset()
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -587,6 +594,13 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
     # in a fixed order of sums.
     if config.group_alike and layout.num_shards > 1 and config.sum_order.any_order:
         groups, state_groups = _groups(layout, analysis, kinds, config.pack_bytes)
+    store = config.state_store
+    floating = lambda k: jnp.issubdtype(views[0][k].dtype, jnp.floating)
+    coded = [
+        k
+        for k, x in enumerate(kinds)
+        if store and isinstance(x, SlicedState) and layout.slots[x.leaf].align and floating(k)
+    ]
     plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
@@ -594,6 +608,8 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
         state_groups=state_groups,
         state_dtypes=tuple(x.dtype for x in views[0]),
         state_kinds=tuple(kinds),
+        store=store,
+        coded=frozenset(coded),
     )
     return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
 
@@ -653,7 +669,7 @@ def _groups(
             return False
         per_element = all(slot_of(kinds[k]) == i for k in own[i])
         shaped = sum(slot_of(x) == i for x in kinds) == len(own[i])
-        alone = s.owned or s.stacked or s.blocked or s.split or i in summed
+        alone = s.owned or s.stacked or s.blocked or s.split or s.align or i in summed
         return not alone and per_element and shaped
 
     groups = []
@@ -699,6 +715,7 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
             blocked=blocked,
             chunks=base.chunks,
             splits=base.splits,
+            align=base.align,
         )
     # A leaf whose layers meet through sums needs a layer on every device (each device
     # then runs the same sums): its layers are placed first; where some device still
@@ -715,6 +732,7 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
         blocked,
         chunks=base.chunks,
         splits=base.splits,
+        align=base.align,
     )
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards

@@ -57,13 +57,22 @@ class Shard:
       stacked: the number of leading layer axes the piece still holds (static).
       chunks: ``0``, or the canonical chunks each layer is cut into (static; see
         :class:`zeroshard.layout.Slot`).
+      align: ``0``, or the elements its piece's width is a multiple of (static; see
+        :attr:`zeroshard.layout.Slot.align`).
     """
 
     def __init__(
-        self, piece: Any, shape: tuple[int, ...], dtype: Any, stacked: int = 0, chunks: int = 0
+        self,
+        piece: Any,
+        shape: tuple[int, ...],
+        dtype: Any,
+        stacked: int = 0,
+        chunks: int = 0,
+        align: int = 0,
     ):
         self.piece, self.dtype = piece, np.dtype(dtype)
         self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
+        self.align = int(align)
 
     @property
     def _dropped(self) -> int:
@@ -88,7 +97,7 @@ class Shard:
             or vmapped in a way the layout does not support).
         """
         dropped = self._dropped
-        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks)
+        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks, self.align)
         if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
             how = (
                 f"laid out with {self._stacked} stacked layer axes"
@@ -105,7 +114,7 @@ class Shard:
         return slot
 
     def tree_flatten(self):
-        return (self.piece,), (self._shape, self.dtype, self._stacked, self.chunks)
+        return (self.piece,), (self._shape, self.dtype, self._stacked, self.chunks, self.align)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -144,8 +153,9 @@ class Held(Shard):
         dtype: Any,
         stacked: int = 0,
         chunks: int = 0,
+        align: int = 0,
     ):
-        super().__init__(piece, shape, dtype, stacked, chunks)
+        super().__init__(piece, shape, dtype, stacked, chunks, align)
         self.full = full
 
     def tree_flatten(self):
@@ -180,7 +190,7 @@ def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     owners gather them for the update) -> :class:`Shard` pieces, in the parameters'
     dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(s.piece_shape), s.shape, s.dtype, s.stacked, s.chunks)
+        Shard(p.astype(s.dtype).reshape(s.piece_shape), *geometry(s))
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
@@ -188,8 +198,14 @@ def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
     """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's spec."""
     return layout.treedef.unflatten(
-        Shard(s.piece_spec(axis_name), s.shape, s.dtype, s.stacked, s.chunks) for s in layout.slots
+        Shard(s.piece_spec(axis_name), *geometry(s)) for s in layout.slots
     )
+
+
+def geometry(slot: Slot | Shard) -> tuple:
+    """What a :class:`Shard` keeps of ``slot`` (or of another ``Shard``), after its
+    piece: shape, dtype, stacked layer axes, canonical chunks and alignment."""
+    return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align
 
 
 def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:

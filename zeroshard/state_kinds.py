@@ -23,6 +23,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.lowbit import Codes
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicatedState:
@@ -53,7 +55,10 @@ class SlicedState(ReplicatedState):
     leaf: int
 
     def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
-        return None if k in plan.hidden_state else plan.layout.slots[self.leaf].spec(axis_name)
+        if k in plan.hidden_state:
+            return None
+        spec = plan.layout.slots[self.leaf].spec(axis_name)
+        return Codes(spec, spec, plan.store.bits) if k in plan.coded else spec
 
 
 @dataclasses.dataclass(frozen=True)

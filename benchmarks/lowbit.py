@@ -1,0 +1,187 @@
+"""Low-bit optimizer state (``zs.sharded(..., state_bits=8 | 4)``): bytes and convergence.
+
+Bytes: compare.py's scan-stacked transformer (``--width``, ``--layers``, vocabulary
+512), Adam, on ``--devices`` simulated devices: the optimizer state on a device
+(``zs.estimate_memory``, which counts what ``zs.init_train_state`` lays out: the codes
+and the block scales) against float32 state.
+
+Convergence: the demo's language model (``python -m zeroshard.demo``: 2 layers,
+d_model 128, bf16 compute, fp32 master weights) and compare.py's scan-stacked
+transformer (``--width``, ``--layers``) trained on the demo's text, with the demo's
+optimizer (global-norm clipping 1.0, AdamW, cosine decay from 3e-3, weight decay
+0.01), ``--steps`` steps of a 32 x 64-token global batch (the same batches for every
+run), for each ``--seeds`` (the initial weights): float32, 8-bit and 4-bit state.
+Prints the final loss (mean of the last 10 steps) per run and its mean over the seeds,
+and plots the mean curves (``--plot``)::
+
+    .venv/bin/python benchmarks/lowbit.py --steps 300 --seeds 0 1 2 \\
+        --plot docs/images/lowbit.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--width", type=int, default=256, help="the stacked transformer's")
+    parser.add_argument("--layers", type=int, default=4, help="the stacked transformer's")
+    parser.add_argument("--plot", default="", help="a PNG of the loss curves ('' for none)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(f"jax {jax.__version__}, {jax.device_count()} devices")
+    print_bytes(args)
+    curves = {}
+    for name, build in (("demo LM", demo_model), ("stacked GPT", stacked_model)):
+        for bits in (None, 8, 4):
+            for seed in args.seeds:
+                start = time.perf_counter()
+                curves[name, bits, seed] = train(args, build(args, seed), bits)
+                took, run = time.perf_counter() - start, f"{name}, {bits or 32}-bit state"
+                final = final_loss(curves[name, bits, seed])
+                print(f"{run}, seed {seed}: final loss {final:.4f} ({took:.0f} s)", flush=True)
+    print_losses(args, curves)
+    if args.plot:
+        plot(args, curves)
+        print(f"Wrote {args.plot}")
+
+
+def print_bytes(args: argparse.Namespace) -> None:
+    import numpy as np
+    import optax
+    from compare import stacked_model as compare_stacked
+
+    import zeroshard as zs
+
+    spec = SimpleNamespace(layers=args.layers, vocab=512, batch=32, seq=64)
+    params = compare_stacked(spec, args.width, np.random.default_rng(0)).params
+    size = sum(x.size for x in jax_leaves(params))
+    print(
+        f"\nAdam state per device, compare.py's stacked transformer ({size:,} parameters), "
+        f"N = {args.devices}:\n"
+    )
+    print("| state | bytes per device | vs float32 |\n|---|---:|---:|")
+    held = {}
+    for bits in (None, 8, 4):
+        tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], state_bits=bits)
+        held[bits] = zs.estimate_memory(params, args.devices, optimizer=tx).optimizer_state
+        print(f"| {bits or 32} bits | {held[bits]:,.0f} | {held[bits] / held[None]:.3f}x |")
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def demo_model(args: argparse.Namespace, seed: int) -> SimpleNamespace:
+    """The demo's model, loss and batches, its weights from ``seed``."""
+    from zeroshard import demo
+
+    demo_args = demo.parse_args(["--seed", str(seed), "--steps", str(args.steps)])
+    _, vocab, tokens = demo.corpus()
+    _, params, loss_fn = demo.transformer(demo_args, len(vocab))
+    batch_at = demo.batches(tokens, demo_args.batch, demo_args.context)
+    return SimpleNamespace(params=params, loss=loss_fn, batch_at=batch_at, stacked=None)
+
+
+def stacked_model(args: argparse.Namespace, seed: int) -> SimpleNamespace:
+    """compare.py's scan-stacked transformer on the demo's text, its weights from
+    ``seed``."""
+    import numpy as np
+    from compare import stacked_model as compare_stacked
+
+    from zeroshard import demo
+
+    _, vocab, tokens = demo.corpus()
+    spec = SimpleNamespace(layers=args.layers, vocab=len(vocab), batch=32, seq=64)
+    model = compare_stacked(spec, args.width, np.random.default_rng(seed))
+    text = demo.batches(tokens, 32, 64)
+
+    def batch_at(step: int) -> dict:
+        t = text(step)["tokens"]
+        return {"tokens": t[:, :-1], "targets": t[:, 1:]}
+
+    return SimpleNamespace(
+        params=model.params, loss=model.make_loss(1), batch_at=batch_at, stacked=["blocks"]
+    )
+
+
+def train(args: argparse.Namespace, model: SimpleNamespace, bits: int | None) -> list[float]:
+    """The losses of ``args.steps`` steps of ``model`` with ``bits``-bit state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeroshard as zs
+
+    schedule = optax.cosine_decay_schedule(3e-3, args.steps, 0.1)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    tx = zs.sharded(inner, stacked=model.stacked, state_bits=bits)
+    mesh = jax.make_mesh((args.devices,), ("data",))
+    dtype = jnp.bfloat16 if model.stacked is None else None  # (the demo's bf16 compute)
+    state = zs.init_train_state(model.params, tx, mesh, param_dtype=dtype)
+    step = zs.make_train_step(model.loss, tx, mesh)
+    losses = []
+    for i in range(args.steps):
+        state, metrics = step(state, model.batch_at(i))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def final_loss(losses: list[float]) -> float:
+    """The mean of the last 10 steps' losses."""
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
+def print_losses(args: argparse.Namespace, curves: dict) -> None:
+    print("\n| model | state | final loss per seed | mean | vs float32 |\n|---|---|---|---:|---:|")
+    for name in dict.fromkeys(k[0] for k in curves):
+        mean = {}
+        for bits in (None, 8, 4):
+            finals = [final_loss(curves[name, bits, s]) for s in args.seeds]
+            mean[bits] = sum(finals) / len(finals)
+            shown = ", ".join(f"{f:.4f}" for f in finals)
+            change = f"{mean[bits] / mean[None] - 1:+.2%}"
+            print(f"| {name} | {bits or 32} bits | {shown} | {mean[bits]:.4f} | {change} |")
+
+
+def plot(args: argparse.Namespace, curves: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(dict.fromkeys(k[0] for k in curves))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4))
+    for ax, name in zip(axes, names, strict=True):
+        for bits in (None, 8, 4):
+            mean = np.mean([curves[name, bits, s] for s in args.seeds], axis=0)
+            ax.plot(mean, label=f"{bits or 32}-bit state", linewidth=1)
+        ax.set(title=f"{name}: mean of {len(args.seeds)} seeds", xlabel="step", ylabel="loss")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

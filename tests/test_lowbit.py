@@ -1,0 +1,317 @@
+"""state_bits=8 | 4: the inner optimizer's per-element state of matrices in 8 or 4 bits.
+
+The codes are checked against a NumPy implementation of the documented grids (written
+here, apart from zeroshard's), plain optax on one device on the global batch applied
+to the decoded state, and themselves across device counts and stages.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_mesh
+
+import zeroshard as zs
+from zeroshard.instruments import state_bytes_per_device
+from zeroshard.lowbit import Codes, lowbit
+
+GRIDS = {8: (256, (127, 8.0), (255, 16.0)), 4: (128, (7, 1.5), (15, 2.0))}
+
+
+def np_encode(x: np.ndarray, bits: int):
+    """The documented code of ``x`` (1-D, a multiple of the block): codes (one per
+    element, unpacked), scales, and each element's position on its grid (to tell
+    the elements that lie on a rounding boundary)."""
+    block, (ls, rs), (lu, ru) = GRIDS[bits]
+    blocks = x.astype(np.float32).reshape(-1, block)
+    roots = (blocks >= 0).all(axis=1, keepdims=True)
+    values = np.where(roots, np.sqrt(np.maximum(blocks, 0)), blocks)
+    top = np.abs(values).max(axis=1, keepdims=True)
+    ratio = np.abs(values) / np.where(top > 0, top, 1)
+    with np.errstate(divide="ignore"):
+        position = np.where(roots, lu + ru * np.log2(ratio), ls + rs * np.log2(ratio))
+    levels = np.where(roots, lu, ls)
+    m = np.where(ratio > 0, np.clip(np.round(position), 0, levels), 0).astype(np.uint8)
+    sign = np.where((blocks < 0) & ~roots & (m > 0), 1 << (bits - 1), 0).astype(np.uint8)
+    scales = np.where(roots, -top, top)[:, 0]
+    return (m | sign).reshape(-1), scales, position.reshape(-1)
+
+
+def off_boundary(position: np.ndarray, margin: float) -> np.ndarray:
+    """Where a position on the grid is farther than ``margin`` from a rounding
+    boundary (a half step), or is a zero (no position)."""
+    with np.errstate(invalid="ignore"):
+        gap = np.abs(np.abs(position - np.floor(position)) - 0.5)
+    return ~np.isfinite(position) | (gap > margin)
+
+
+def np_decode(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    block, (ls, rs), (lu, ru) = GRIDS[bits]
+    code = codes.reshape(-1, block).astype(np.float32)
+    s = scales[:, None]
+    m = code % (1 << (bits - 1))
+    signed = np.where(m > 0, np.exp2((m - ls) / rs), 0) * s
+    signed = np.where(code >= (1 << (bits - 1)), -signed, signed)
+    roots = np.where(code > 0, np.exp2((code - lu) / ru), 0) * -s
+    return np.where(s < 0, roots * roots, signed).reshape(-1).astype(np.float32)
+
+
+def unpacked(codes: Codes) -> np.ndarray:
+    """One code per element, in the leaf's order (4 bits: the low nibble first)."""
+    c = np.asarray(codes.codes).reshape(-1)
+    return c if codes.bits == 8 else np.stack([c & 0xF, c >> 4], axis=-1).reshape(-1)
+
+
+def mixed_values(rng, blocks: int, block: int) -> np.ndarray:
+    """Signed blocks, non-negative blocks spanning many binades (a second moment),
+    and an all-zero block."""
+    signed = rng.normal(size=(blocks, block)) * np.exp2(rng.uniform(-20, 5, size=(blocks, 1)))
+    second = np.exp2(rng.uniform(-40, 0, size=(blocks, block)))
+    x = np.concatenate([signed, second, np.zeros((1, block))])
+    return x.reshape(-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_codes_are_the_documented_grids(bits, rng):
+    """zeroshard's codes equal the NumPy reference's, but for elements that lie on a
+    rounding boundary (within 1e-3 of a half step, where float32 log2 may round either
+    way); decoding gives the reference's values, and coding the decoded values again
+    gives the same codes (what a checkpoint restore relies on)."""
+    store = lowbit(bits)
+    x = mixed_values(rng, 6, store.block)
+    coded = store.encode(jnp.asarray(x))
+    codes, scales, position = np_encode(x, bits)
+    clear = off_boundary(position, 1e-3)
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(unpacked(coded)[clear], codes[clear])
+    np.testing.assert_array_equal(np.asarray(coded.scales), scales)
+    decoded = np.asarray(store.decode(coded))
+    # (exp2, the scale's product and the square: a few float32 roundings, 16 eps)
+    eps = np.finfo(np.float32).eps
+    np.testing.assert_allclose(decoded, np_decode(unpacked(coded), scales, bits), rtol=16 * eps)
+    again = store.encode(jnp.asarray(decoded))
+    np.testing.assert_array_equal(np.asarray(again.codes), np.asarray(coded.codes))
+    np.testing.assert_array_equal(np.asarray(again.scales), np.asarray(coded.scales))
+    # The rounding error: at most half a grid step, relative (of the square root, for
+    # a non-negative block), where a value is not flushed to zero.
+    block, (_, rs), (_, ru) = GRIDS[bits]
+    kept = decoded != 0
+    signed = np.repeat(np.asarray(coded.scales) > 0, block)
+    d, v = decoded[kept], x[kept]
+    err = np.abs(d - v) / np.abs(v)
+    root_err = np.abs(np.sqrt(np.abs(d)) - np.sqrt(np.abs(v))) / np.sqrt(np.abs(v))
+    assert err[signed[kept]].max() <= 2 ** (1 / (2 * rs)) - 1 + 1e-6
+    assert root_err[~signed[kept]].max() <= 2 ** (1 / (2 * ru)) - 1 + 1e-6
+
+
+def model(rng) -> dict:
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+    return {"w1": f(128, 136), "b1": jnp.zeros(136), "w2": f(136, 8), "b2": jnp.zeros(8)}
+
+
+def loss_fn(p, batch, stage=1):
+    p = zs.gather(p) if stage == 3 else p
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+
+
+def data(seed: int, steps: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    return [{"x": f(32, 128), "y": f(32, 8)} for _ in range(steps)]
+
+
+def coded_leaves(state) -> dict:
+    """The logical prefix of every coded leaf's codes and scales (the pieces, laid end
+    to end, are the raveled leaf, padded at its end)."""
+    out = {}
+    leaves = jax.tree_util.tree_flatten_with_path(state.opt_state.inner_state, is_leaf=zs_codes)
+    for path, x in leaves[0]:
+        if zs_codes(x):
+            out[jax.tree_util.keystr(path)] = (unpacked(x), np.asarray(x.scales).reshape(-1))
+    return out
+
+
+def zs_codes(x) -> bool:
+    return isinstance(x, Codes)
+
+
+def run(bits, n, steps, stage=1, accum=1, deterministic=16, seed=0, **options):
+    params, mesh = model(np.random.default_rng(seed)), make_mesh(n)
+    tx = zs.sharded(optax.adam(1e-2), state_bits=bits, deterministic=deterministic, **options)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    step = zs.make_train_step(
+        lambda p, b: loss_fn(p, b, stage), tx, mesh, stage=stage, accum_steps=accum
+    )
+    for batch in data(seed, steps):
+        state, _ = step(state, batch)
+    return state, tx
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_codes_are_the_same_on_1_2_4_and_8_devices(bits):
+    """With deterministic=, 10 steps on 1, 2, 4 and 8 devices store the same codes and
+    scales (np.array_equal): blocks follow each leaf's global index."""
+    runs = [coded_leaves(run(bits, n, 10)[0]) for n in (1, 2, 4, 8)]
+    assert set(runs[0]) == {"[0].mu['w1']", "[0].mu['w2']", "[0].nu['w1']", "[0].nu['w2']"}
+    sizes = {"w1": 128 * 136, "w2": 136 * 8}
+    for got in runs[1:]:
+        for k, (codes, scales) in got.items():
+            size = sizes[k[-4:-2]]
+            block = GRIDS[bits][0]
+            np.testing.assert_array_equal(codes[:size], runs[0][k][0][:size])
+            np.testing.assert_array_equal(
+                scales[: -(-size // block)], runs[0][k][1][: -(-size // block)]
+            )
+
+
+@pytest.mark.parametrize(
+    "bits,stage,accum", [(8, 1, 1), (4, 1, 1), (8, 1, 2), (8, 2, 2), (4, 3, 1), (8, 3, 2)]
+)
+def test_one_step_is_plain_optax_on_the_decoded_state(bits, stage, accum):
+    """After 5 steps on 8 devices, at every stage, with and without accumulation: one
+    more step gives the weights of plain optax on one device, on the global batch, from
+    the decoded state (to_optax_state), and stores the NumPy reference's codes of plain
+    optax's new state (but on rounding boundaries)."""
+    state, tx = run(bits, 8, 5, stage=stage, accum=accum, deterministic=None)
+    params, opt_state = jax.device_get(zs.to_optax_state(state, tx))  # (on one device)
+    batch = data(1, 1)[0]
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, expected_state = optax.adam(1e-2).update(grads, opt_state, params)
+    expected = optax.apply_updates(params, updates)
+    loss = lambda p, b: loss_fn(p, b, stage)
+    step = zs.make_train_step(loss, tx, make_mesh(8), stage=stage, accum_steps=accum)
+    state, _ = step(state, batch)
+    new = zs.to_optax_state(state, tx)[0] if stage == 3 else state.params
+    for k in expected:
+        np.testing.assert_allclose(new[k], expected[k], rtol=2e-5, atol=1e-7)
+    got = coded_leaves(state)
+    for name in ("mu", "nu"):
+        for leaf in ("w1", "w2"):
+            x = np.asarray(getattr(expected_state[0], name)[leaf]).reshape(-1)
+            block = GRIDS[bits][0]
+            x = np.pad(x, (0, -len(x) % block))
+            codes, scales, position = np_encode(x, bits)
+            clear = off_boundary(position, 1e-2)
+            mine, my_scales = got[f"[0].{name}['{leaf}']"]
+            assert clear.mean() > 0.95
+            np.testing.assert_array_equal(mine[: len(x)][clear], codes[clear])
+            np.testing.assert_allclose(my_scales[: len(scales)], scales, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 0.27), (4, 0.15)])
+def test_the_state_bytes_per_device(bits, limit):
+    """Adam at N = 8 on a scan-stacked transformer's shapes (4 layers of width 256,
+    a 4096-token embedding): the state on a device is at most 0.27x (8 bits) or 0.15x
+    (4 bits) of the float32 sharded state, scales included; zs.estimate_memory says
+    the same bytes."""
+    d, layers = 256, 4
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    params = {
+        "embed": s(4096, d),
+        "blocks": {
+            "qkv": s(layers, d, 3 * d),
+            "out": s(layers, d, d),
+            "up": s(layers, d, 4 * d),
+            "down": s(layers, 4 * d, d),
+            "ln": s(layers, d),
+        },
+        "ln_f": s(d),
+    }
+    mesh = make_mesh(8)
+    held = {}
+    for b in (None, bits):
+        tx = zs.sharded(optax.adam(1e-3), state_bits=b, stacked=["blocks"])
+        state = jax.eval_shape(functools.partial(zs.init_train_state, tx=tx, mesh=mesh), params)
+        specs = zs.make_train_step(loss_fn, tx, mesh).state_specs(params)
+        placed = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=jax.NamedSharding(mesh, spec)
+            ),
+            state.opt_state.inner_state,
+            specs.opt_state.inner_state,
+        )
+        held[b] = state_bytes_per_device(placed)
+        # (the planner counts the codes and scales as they are laid out)
+        assert zs.estimate_memory(params, 8, optimizer=tx).optimizer_state == held[b]
+    assert held[bits] <= limit * held[None]
+
+
+def test_a_checkpoint_restores_the_codes_on_another_device_count(tmp_path):
+    """Saved on 8 devices as plain optax's decoded float32 state, restored on 4: the
+    same codes, and the next steps are the uninterrupted run's."""
+    state, tx = run(8, 8, 4)
+    with zs.CheckpointManager(tmp_path, tx) as manager:
+        manager.save(state)
+        manager.wait_until_finished()
+    with zs.CheckpointManager(tmp_path, tx) as manager:
+        restored = manager.restore(make_mesh(4), like=model(np.random.default_rng(0)))
+    saved = coded_leaves(state)
+    for k, (codes, _) in coded_leaves(restored).items():
+        n = min(len(codes), len(saved[k][0]))
+        np.testing.assert_array_equal(codes[: n // 2], saved[k][0][: n // 2])
+    more = data(7, 2)
+    for s, n in ((state, 8), (restored, 4)):
+        step = zs.make_train_step(loss_fn, tx, make_mesh(n))
+        for batch in more:
+            s, _ = step(s, batch)
+        if n == 8:
+            expected = s.params
+    for k in expected:
+        np.testing.assert_array_equal(s.params[k], expected[k])
+
+
+def test_the_dropin_is_plain_optax_on_the_decoded_state(rng):
+    """The one-line drop-in (tx.update in your own jax.jit, state over every device)
+    keeps coded state too: after 4 steps, one more equals plain optax on one device
+    from the decoded state."""
+    params, batches = model(rng), data(3, 5)
+    mesh = make_mesh(8)
+    tx = zs.sharded(optax.adam(1e-2), state_bits=8)
+
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    with jax.set_mesh(mesh):
+        p, s = params, tx.init(params)
+        for b in batches[:4]:
+            p, s = step(p, s, b)
+        assert isinstance(s.inner_state[0].mu["w1"], Codes)
+        logical = zs.to_optax_state(zs.TrainState(jnp.int32(4), p, s, None), tx)
+        p_new, _ = step(p, s, batches[4])
+    params, opt_state = jax.device_get(logical)
+    grads = jax.grad(loss_fn)(params, batches[4])
+    updates, _ = optax.adam(1e-2).update(grads, opt_state, params)
+    expected = optax.apply_updates(params, updates)
+    for k in expected:
+        np.testing.assert_allclose(p_new[k], expected[k], rtol=2e-5, atol=1e-7)
+
+
+def test_quantized_collectives_with_coded_state():
+    """int8 gradients and weights with 8-bit state: the mean loss of the last 10 of 30
+    steps on fresh batches is within 1% of the same run's with float32 state (the
+    bound the 8-bit state keeps)."""
+    losses = {}
+    for bits in (None, 8):
+        tx = zs.sharded(
+            optax.adam(3e-3), state_bits=bits, quantize_grads="int8", quantize_weights="int8"
+        )
+        mesh = make_mesh(8)
+        state = zs.init_train_state(model(np.random.default_rng(0)), tx, mesh)
+        step = zs.make_train_step(loss_fn, tx, mesh)
+        seen = []
+        for batch in data(5, 30):
+            state, metrics = step(state, batch)
+            seen.append(float(metrics["loss"]))
+        losses[bits] = np.mean(seen[-10:])
+    assert abs(losses[8] - losses[None]) <= 0.01 * losses[None]
+
+
+def test_bad_state_bits_are_refused():
+    with pytest.raises(ValueError, match="state_bits must be 8, 4 or None"):
+        zs.sharded(optax.adam(1e-3), state_bits=16)
