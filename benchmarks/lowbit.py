@@ -11,8 +11,10 @@ transformer (``--width``, ``--layers``) trained on the demo's text, with the dem
 optimizer (global-norm clipping 1.0, AdamW, cosine decay from 3e-3, weight decay
 0.01), ``--steps`` steps of a 32 x 64-token global batch (the same batches for every
 run), for each ``--seeds`` (the initial weights): float32, 8-bit and 4-bit state.
-Prints the final loss (mean of the last 10 steps) per run and its mean over the seeds,
-and plots the mean curves (``--plot``)::
+``--data markov`` trains on text drawn afresh every step instead (an order-1 Markov
+chain over the text's characters, as ``benchmarks/quantized.py --data markov``), where
+the loss measures learning, not memorising. Prints the final loss (mean of the last 10
+steps) per run and its mean over the seeds, and plots the mean curves (``--plot``)::
 
     .venv/bin/python benchmarks/lowbit.py --steps 300 --seeds 0 1 2 \\
         --plot docs/images/lowbit.png
@@ -34,6 +36,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--width", type=int, default=256, help="the stacked transformer's")
     parser.add_argument("--layers", type=int, default=4, help="the stacked transformer's")
+    parser.add_argument(
+        "--data",
+        choices=["corpus", "markov"],
+        default="corpus",
+        help="the demo's 5 kB text (memorised), or text drawn afresh every step (an "
+        "order-1 Markov chain over its characters, benchmarks/quantized.py's)",
+    )
     parser.add_argument("--plot", default="", help="a PNG of the loss curves ('' for none)")
     return parser.parse_args()
 
@@ -46,7 +55,7 @@ def main() -> None:
     if jax.config.jax_platforms == "cpu":
         jax.config.update("jax_num_cpu_devices", args.devices)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    print(f"jax {jax.__version__}, {jax.device_count()} devices")
+    print(f"jax {jax.__version__}, {jax.device_count()} devices, data: {args.data}")
     print_bytes(args)
     curves = {}
     for name, build in (("demo LM", demo_model), ("stacked GPT", stacked_model)):
@@ -96,10 +105,20 @@ def demo_model(args: argparse.Namespace, seed: int) -> SimpleNamespace:
     from zeroshard import demo
 
     demo_args = demo.parse_args(["--seed", str(seed), "--steps", str(args.steps)])
+    _, params, loss_fn = demo.transformer(demo_args, len(demo.corpus()[1]))
+    return SimpleNamespace(params=params, loss=loss_fn, batch_at=text(args), stacked=None)
+
+
+def text(args: argparse.Namespace):
+    """``batch_at(step)``: 32 x 65 tokens of the demo's text, or of the Markov chain."""
+    from quantized import markov_batches
+
+    from zeroshard import demo
+
     _, vocab, tokens = demo.corpus()
-    _, params, loss_fn = demo.transformer(demo_args, len(vocab))
-    batch_at = demo.batches(tokens, demo_args.batch, demo_args.context)
-    return SimpleNamespace(params=params, loss=loss_fn, batch_at=batch_at, stacked=None)
+    if args.data == "markov":
+        return markov_batches(len(vocab), 32, 64)
+    return demo.batches(tokens, 32, 64)
 
 
 def stacked_model(args: argparse.Namespace, seed: int) -> SimpleNamespace:
@@ -110,13 +129,12 @@ def stacked_model(args: argparse.Namespace, seed: int) -> SimpleNamespace:
 
     from zeroshard import demo
 
-    _, vocab, tokens = demo.corpus()
-    spec = SimpleNamespace(layers=args.layers, vocab=len(vocab), batch=32, seq=64)
+    spec = SimpleNamespace(layers=args.layers, vocab=len(demo.corpus()[1]), batch=32, seq=64)
     model = compare_stacked(spec, args.width, np.random.default_rng(seed))
-    text = demo.batches(tokens, 32, 64)
+    tokens_at = text(args)
 
     def batch_at(step: int) -> dict:
-        t = text(step)["tokens"]
+        t = tokens_at(step)["tokens"]
         return {"tokens": t[:, :-1], "targets": t[:, 1:]}
 
     return SimpleNamespace(
@@ -176,7 +194,8 @@ def plot(args: argparse.Namespace, curves: dict) -> None:
         for bits in (None, 8, 4):
             mean = np.mean([curves[name, bits, s] for s in args.seeds], axis=0)
             ax.plot(mean, label=f"{bits or 32}-bit state", linewidth=1)
-        ax.set(title=f"{name}: mean of {len(args.seeds)} seeds", xlabel="step", ylabel="loss")
+        title = f"{name} on {'fresh Markov text' if args.data == 'markov' else 'its 5 kB text'}"
+        ax.set(title=f"{title}, mean of {len(args.seeds)} seeds", xlabel="step", ylabel="loss")
         ax.set_yscale("log")
         ax.legend()
     fig.tight_layout()

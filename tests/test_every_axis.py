@@ -443,6 +443,23 @@ def test_the_step_reduces_a_tensor_parallel_leaf_within_its_shard(rng):
     assert mu["up"].addressable_shards[0].data.size == 16 * 64 // 8
 
 
+def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng):
+    """With int8 gradients the kernels' codes (an all_to_all per collective) go over
+    "data" alone too: 4 devices' rows of a device's pieces of its blocks, one byte
+    each; only the bias's small codes and scales span "model"."""
+    params, mesh = tp_params(rng), jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(optax.adam(1e-2), quantize_grads="int8")
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
+    step = zs.make_train_step(tp_step_loss, tx, mesh)
+    with jax.set_mesh(mesh):
+        hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
+    reduced = [c for c in collectives(hlo, mesh=mesh) if "zeroshard/reduce_scatter" in c.op_name]
+    codes = [c for c in reduced if c.dtype in ("s8", "u8")]
+    assert {c.axes for c in codes if c.result_bytes >= 64} == {("data",)}
+    assert sum(c.result_bytes for c in codes if c.axes == ("data",)) == 4 * (16 * 64 * 2 // 8)
+    assert state.opt_state.inner_state[0].mu["up"].sharding.spec == P("model", "data")
+
+
 def test_a_state_made_for_another_layout_is_refused(rng):
     """The state says how it is cut: made for replicated weights (each leaf whole) and
     then stepped with the kernels laid out over "model" (block by block), or the

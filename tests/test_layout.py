@@ -139,8 +139,8 @@ def test_groups_pack_small_leaves_per_dtype_up_to_the_limit():
     assert named(layout.groups(0)) == [[n] for n in ("['a']", "['b']", "['d']", "['c']", "['e']")]
     assert named(layout.groups(1 << 20)) == [["['a']", "['b']", "['d']"], ["['c']", "['e']"]]
     for limit in (1000, 0):
-        widths = [[layout.slots[i].piece_size for i in g] for g in layout.groups(limit)]
-        assert layout.collective_widths(limit) == widths  # (no owned leaves)
+        widths = [(4, [layout.slots[i].piece_size for i in g]) for g in layout.groups(limit)]
+        assert layout.collective_widths(limit) == widths  # (no owned leaves, none split)
 
 
 def test_layout_is_static_and_hashable(rng):

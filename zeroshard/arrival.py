@@ -175,7 +175,7 @@ class QuantizedReduceScatter(ReduceScatter):
         if layout.num_shards == 1:
             return 0
         widths = layout.collective_widths(self.config.pack_bytes, plan.leaf_order)
-        return layout.num_shards * sum(map(self.config.grad_quantizer.nbytes, widths))
+        return sum(n * self.config.grad_quantizer.nbytes(w) for n, w in widths)
 
 
 @dataclasses.dataclass(frozen=True)

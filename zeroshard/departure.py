@@ -160,7 +160,7 @@ class QuantizedAllGather(AllGather):
     def nbytes(self, plan: Plan) -> int:
         layout = plan.layout
         widths = layout.collective_widths(self.config.pack_bytes, plan.leaf_order)
-        return layout.num_shards * sum(map(self.config.weight_quantizer.nbytes, widths))
+        return sum(n * self.config.weight_quantizer.nbytes(w) for n, w in widths)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -598,11 +598,15 @@ class Layout:
 
     def collective_widths(
         self, pack_bytes: int, order: Sequence[int] | None = None
-    ) -> list[list[int]]:
+    ) -> list[tuple[int, list[int]]]:
         """Per collective of a step (each group of :meth:`groups`, then each bucket's
-        owned rows), the widths of the parts it moves per device."""
-        widths = [[self.slots[i].piece_size for i in g] for g in self.groups(pack_bytes, order)]
-        return widths + [[b.owned_width] for b in self.buckets if b.owned_width]
+        owned rows), the devices it runs over (a split leaf's group: the batch axes'
+        alone) and the widths of the parts it moves per device."""
+        n, groups = self.num_shards, self.groups(pack_bytes, order)
+        devices = lambda s: n // s.split.blocks if s.split else n
+        sizes = lambda g: [self.slots[i].piece_size for i in g]
+        widths = [(devices(self.slots[g[0]]), sizes(g)) for g in groups]
+        return widths + [(n, [b.owned_width]) for b in self.buckets if b.owned_width]
 
     def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one

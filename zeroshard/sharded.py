@@ -77,12 +77,12 @@ class Sharded:
         """The leaves whose state zeroshard's step on ``mesh`` keeps by Megatron's rule
         (:class:`zeroshard.layout.Split`), by index: those that ``specs`` (the weights'
         layout, a ``PartitionSpec`` per leaf) split along one dimension over every axis
-        of :meth:`other_axes`, where no collective is quantized. Their gradients are
+        of :meth:`other_axes`. Their gradients are
         reduce-scattered, and their weights all-gathered, over the batch axes only,
         within the device's block; the other leaves are gathered whole for the update.
         (The layout module keeps a split only for a leaf it can cut block by block.)"""
         rest, config = self.other_axes(mesh, stage), self.config
-        if not rest or config.quantize_grads or config.quantize_weights:
+        if not rest:
             return {}
         blocks, found = mesh_size(mesh, rest), {}
         for i, spec in enumerate(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
