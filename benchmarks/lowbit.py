@@ -23,7 +23,9 @@ steps) per run and its mean over the seeds, and plots the mean curves (``--plot`
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import sys
 import time
 from types import SimpleNamespace
@@ -43,6 +45,8 @@ def parse_args() -> argparse.Namespace:
         help="the demo's 5 kB text (memorised), or text drawn afresh every step (an "
         "order-1 Markov chain over its characters, benchmarks/quantized.py's)",
     )
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--bits", type=int, nargs="+", choices=(32, 8, 4), default=[32, 8, 4])
     parser.add_argument("--plot", default="", help="a PNG of the loss curves ('' for none)")
     return parser.parse_args()
 
@@ -57,15 +61,22 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     print(f"jax {jax.__version__}, {jax.device_count()} devices, data: {args.data}")
     print_bytes(args)
-    curves = {}
-    for name, build in (("demo LM", demo_model), ("stacked GPT", stacked_model)):
-        for bits in (None, 8, 4):
+    # (each run's losses are kept in a file as it ends: a later call adds to them)
+    path = pathlib.Path(__file__).parent / "results" / f"lowbit_{args.data}_{args.steps}.json"
+    curves = json.loads(path.read_text()) if path.exists() else {}
+    for name in args.models:
+        for bits in args.bits:
             for seed in args.seeds:
                 start = time.perf_counter()
-                curves[name, bits, seed] = train(args, build(args, seed), bits)
-                took, run = time.perf_counter() - start, f"{name}, {bits or 32}-bit state"
-                final = final_loss(curves[name, bits, seed])
-                print(f"{run}, seed {seed}: final loss {final:.4f} ({took:.0f} s)", flush=True)
+                losses = train(args, MODELS[name][1](args, seed), None if bits == 32 else bits)
+                curves[f"{name}|{bits}|{seed}"] = losses
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(json.dumps(curves))
+                run, took = (
+                    f"{MODELS[name][0]}, {bits}-bit state, seed {seed}",
+                    time.perf_counter() - start,
+                )
+                print(f"{run}: final loss {final_loss(losses):.4f} ({took:.0f} s)", flush=True)
     print_losses(args, curves)
     if args.plot:
         plot(args, curves)
@@ -171,14 +182,16 @@ def final_loss(losses: list[float]) -> float:
 
 def print_losses(args: argparse.Namespace, curves: dict) -> None:
     print("\n| model | state | final loss per seed | mean | vs float32 |\n|---|---|---|---:|---:|")
-    for name in dict.fromkeys(k[0] for k in curves):
+    for name in MODELS:
         mean = {}
-        for bits in (None, 8, 4):
-            finals = [final_loss(curves[name, bits, s]) for s in args.seeds]
+        for bits in (32, 8, 4):
+            finals = [final_loss(c) for s in args.seeds if (c := curves.get(f"{name}|{bits}|{s}"))]
+            if len(finals) < len(args.seeds):
+                continue
             mean[bits] = sum(finals) / len(finals)
             shown = ", ".join(f"{f:.4f}" for f in finals)
-            change = f"{mean[bits] / mean[None] - 1:+.2%}"
-            print(f"| {name} | {bits or 32} bits | {shown} | {mean[bits]:.4f} | {change} |")
+            change = f"{mean[bits] / mean[32] - 1:+.2%}" if 32 in mean else "-"
+            print(f"| {MODELS[name][0]} | {bits} bits | {shown} | {mean[bits]:.4f} | {change} |")
 
 
 def plot(args: argparse.Namespace, curves: dict) -> None:
@@ -188,18 +201,21 @@ def plot(args: argparse.Namespace, curves: dict) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    names = list(dict.fromkeys(k[0] for k in curves))
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4))
-    for ax, name in zip(axes, names, strict=True):
-        for bits in (None, 8, 4):
-            mean = np.mean([curves[name, bits, s] for s in args.seeds], axis=0)
-            ax.plot(mean, label=f"{bits or 32}-bit state", linewidth=1)
-        title = f"{name} on {'fresh Markov text' if args.data == 'markov' else 'its 5 kB text'}"
-        ax.set(title=f"{title}, mean of {len(args.seeds)} seeds", xlabel="step", ylabel="loss")
-        ax.set_yscale("log")
+    fig, axes = plt.subplots(1, len(args.models), figsize=(6 * len(args.models), 4))
+    for ax, name in zip(np.atleast_1d(axes), args.models, strict=True):
+        for bits in (32, 8, 4):
+            runs = [curves.get(f"{name}|{bits}|{s}") for s in args.seeds]
+            if all(runs):
+                ax.plot(np.mean(runs, axis=0), label=f"{bits}-bit state", linewidth=1)
+        text = "fresh Markov text" if args.data == "markov" else "its 5 kB text"
+        title = f"{MODELS[name][0]} on {text}, mean of {len(args.seeds)} seeds"
+        ax.set(title=title, xlabel="step", ylabel="loss", yscale="log")
         ax.legend()
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
+
+
+MODELS = {"demo": ("demo LM", demo_model), "gpt": ("stacked GPT", stacked_model)}
 
 
 if __name__ == "__main__":
