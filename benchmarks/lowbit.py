@@ -32,19 +32,15 @@ from types import SimpleNamespace
 
 
 def parse_args() -> argparse.Namespace:
+    from quantized import add_data_argument
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--width", type=int, default=256, help="the stacked transformer's")
     parser.add_argument("--layers", type=int, default=4, help="the stacked transformer's")
-    parser.add_argument(
-        "--data",
-        choices=["corpus", "markov"],
-        default="corpus",
-        help="the demo's 5 kB text (memorised), or text drawn afresh every step (an "
-        "order-1 Markov chain over its characters, benchmarks/quantized.py's)",
-    )
+    add_data_argument(parser)  # (benchmarks/quantized.py's)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--bits", type=int, nargs="+", choices=(32, 8, 4), default=[32, 8, 4])
     parser.add_argument("--plot", default="", help="a PNG of the loss curves ('' for none)")

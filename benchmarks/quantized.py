@@ -42,13 +42,8 @@ ALONE = {  # --alone: each side quantized alone
 }
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=1)
-    parser.add_argument("--tail", type=int, default=20, help="steps the final loss averages")
-    parser.add_argument("--block", type=int, default=256, help="quantize_block")
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data``: what the demo's model trains on (benchmarks/lowbit.py's too)."""
     parser.add_argument(
         "--data",
         choices=["corpus", "markov"],
@@ -56,6 +51,16 @@ def parse_args() -> argparse.Namespace:
         help="the demo's packaged text (5 kB: memorised), or text drawn afresh every step "
         "from a fixed order-1 Markov chain over as many characters (never repeated)",
     )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=1)
+    parser.add_argument("--tail", type=int, default=20, help="steps the final loss averages")
+    parser.add_argument("--block", type=int, default=256, help="quantize_block")
+    add_data_argument(parser)
     parser.add_argument("--alone", action="store_true", help="also each side quantized alone")
     parser.add_argument(
         "--seeds", type=int, default=1, help="data orders; the final loss is their mean"

@@ -127,10 +127,9 @@ class ReduceScatter(Arrival):
             for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
                 # (a split leaf's: of the device's block, over the batch axes alone)
                 split = layout.slots[group[0]].split
-                slots = [layout.slots[i] for i in group]
-                slots = [s.block_slot for s in slots] if split else slots
-                blocks = [s.blocks(leaves[i]) for s, i in zip(slots, group, strict=True)]
-                means = self.means(blocks, split and split.over)
+                means = self.means(
+                    [layout.slots[i].moved.blocks(leaves[i]) for i in group], split and split.over
+                )
                 for i, mean in zip(group, means, strict=True):
                     pieces[i] = mean
             owned = lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))

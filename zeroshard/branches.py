@@ -87,7 +87,7 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if stored[k] else x for k, x in enumerate(leaves)]
-    kept = [plan.store.encode(x) if k in plan.coded else x for k, x in enumerate(kept)]
+    kept = [plan.stored(k, x) for k, x in enumerate(kept)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
@@ -96,7 +96,7 @@ def stored_state(plan: Plan, kept: PyTree, stored: dict) -> PyTree:
     ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows) and its coded
     leaves decoded (:mod:`zeroshard.lowbit`)."""
     leaves = plan.state_treedef.flatten_up_to(kept)
-    leaves = [plan.store.decode(x) if k in plan.coded else x for k, x in enumerate(leaves)]
+    leaves = [plan.read(k, x) for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(
         stored[("state", k)] if kind.stored else x
         for k, (kind, x) in enumerate(zip(plan.state_kinds, leaves, strict=True))

@@ -116,8 +116,7 @@ class AllGather(Departure):
             parts = [pieces[i].astype(layout.slots[i].dtype) for i in group]
             fulls = self.everyone(parts, split and split.over)
             for i, full in zip(group, fulls, strict=True):
-                slot = layout.slots[i]
-                leaves[i] = (slot.block_slot if split else slot).uncut(full)
+                leaves[i] = layout.slots[i].moved.uncut(full)
         fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])
         for i in (i for i, s in enumerate(layout.slots) if s.owned):
             leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
@@ -136,8 +135,7 @@ class AllGather(Departure):
         layout, n = plan.layout, plan.layout.num_shards
         owned = sum(n * b.owned_width * b.dtype.itemsize for b in layout.buckets)
         # (a split leaf's pieces are gathered over the batch axes alone)
-        gathered = lambda s: n // (s.split.blocks if s.split else 1)
-        sliced = layout.sliced(lambda s: gathered(s) * s.piece_size * s.dtype.itemsize)
+        sliced = layout.sliced(lambda s: s.moved.num_shards * s.piece_size * s.dtype.itemsize)
         return owned + sum(x for x in sliced if x is not None)
 
 

@@ -257,6 +257,12 @@ class Slot:
         n = self.num_shards // split.blocks
         return Slot.of(shape, self.dtype, n, self.stacked, 0, self.align)
 
+    @property
+    def moved(self) -> Slot:
+        """The geometry the step's collectives cut and join: the leaf's, over every
+        device of the state, or a split leaf's block's, over the batch axes alone."""
+        return self if self.split is None else self.block_slot
+
     def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the leaf as the update holds it: the leaf
         whole, or the device's block of a split leaf."""
@@ -293,8 +299,8 @@ class Slot:
         align: int = 0,
     ) -> Slot:
         """The geometry of a sliced (or stacked) leaf alone, outside any layout."""
-        slot = cls("", tuple(shape), np.dtype(dtype), 0, num_shards, stacked, chunks=chunks)
-        return dataclasses.replace(slot, align=align)
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        return cls("", shape, dtype, 0, num_shards, stacked, chunks=chunks, align=align)
 
     def spec(self, axis_name: str) -> P:
         """``PartitionSpec`` of the leaf's global array of pieces (``P()``: owned leaves
@@ -380,8 +386,7 @@ def _codes(slot: Slot, block: int) -> bool:
     (of its blocks per layer, for a split leaf)."""
     if not block or slot.owned or slot.blocked or len(slot.shape) - slot.stacked < 2:
         return False
-    layer = math.prod(slot.shape[slot.stacked :]) // (slot.split.blocks if slot.split else 1)
-    return layer >= block
+    return math.prod(slot.moved.shape[slot.stacked :]) >= block
 
 
 def _can_split(slot: Slot, split: Split) -> bool:
@@ -531,8 +536,7 @@ class Layout:
             slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
             block = (blocked or {}).get(i)
             split = (splits or {}).get(i)
-            split = split if split is not None and _can_split(slot, split) else None
-            split = None if units or block else split
+            split = split if split and not (units or block) and _can_split(slot, split) else None
             slot = dataclasses.replace(slot, chunks=chunks, block=block, split=split)
             slots.append(dataclasses.replace(slot, align=align if _codes(slot, align) else 0))
         buckets = _buckets(slots, dtypes, num_shards)
@@ -602,11 +606,11 @@ class Layout:
         """Per collective of a step (each group of :meth:`groups`, then each bucket's
         owned rows), the devices it runs over (a split leaf's group: the batch axes'
         alone) and the widths of the parts it moves per device."""
-        n, groups = self.num_shards, self.groups(pack_bytes, order)
-        devices = lambda s: n // s.split.blocks if s.split else n
         sizes = lambda g: [self.slots[i].piece_size for i in g]
-        widths = [(devices(self.slots[g[0]]), sizes(g)) for g in groups]
-        return widths + [(n, [b.owned_width]) for b in self.buckets if b.owned_width]
+        widths = [
+            (self.slots[g[0]].moved.num_shards, sizes(g)) for g in self.groups(pack_bytes, order)
+        ]
+        return widths + [(self.num_shards, [b.owned_width]) for b in self.buckets if b.owned_width]
 
     def full_structs(self, dtypes: Sequence[Any] | None = None, pieces: bool = False) -> PyTree:
         """A tree of ``ShapeDtypeStruct`` full leaves, or with ``pieces`` of one

@@ -162,11 +162,6 @@ class LowBit:
         """Bytes of the codes and scales of ``elements`` (a multiple of the block)."""
         return elements * self.bits / 8 + elements / self.block * 4
 
-    def shapes(self, piece: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of the codes and scales of a piece of shape ``piece``."""
-        *lead, width = piece
-        return (*lead, width * self.bits // 8), (*lead, width // self.block)
-
 
 def lowbit(bits: int | None) -> LowBit | None:
     """The store of ``state_bits=bits`` (``None``: the state stays as the inner

@@ -160,6 +160,16 @@ class Plan:
     store: LowBit | None = None
     coded: frozenset[int] = frozenset()
 
+    def stored(self, k: int, x: Any) -> Any:
+        """Inner state leaf ``k`` as the state stores it: coded where it is
+        :attr:`coded`, else ``x``."""
+        return self.store.encode(x) if k in self.coded else x
+
+    def read(self, k: int, x: Any) -> Any:
+        """Inner state leaf ``k`` as the inner optimizer reads it, from what the state
+        stores (the inverse of :meth:`stored`)."""
+        return self.store.decode(x) if k in self.coded else x
+
     @property
     def inner_dtypes(self) -> list[Any]:
         """Dtype the inner optimizer works in, per bucket."""

@@ -145,17 +145,9 @@ class Held(Shard):
         piece holds).
     """
 
-    def __init__(
-        self,
-        piece: Any,
-        full: Any,
-        shape: tuple[int, ...],
-        dtype: Any,
-        stacked: int = 0,
-        chunks: int = 0,
-        align: int = 0,
-    ):
-        super().__init__(piece, shape, dtype, stacked, chunks, align)
+    def __init__(self, piece: Any, full: Any, *geometry: Any):
+        """``geometry``: a :class:`Shard`'s static data after its piece (:func:`geometry`)."""
+        super().__init__(piece, *geometry)
         self.full = full
 
     def tree_flatten(self):
