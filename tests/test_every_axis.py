@@ -120,24 +120,70 @@ def adam_bytes(params):
 def test_dropin_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(axis_type, rng):
     """4 data x 2 model, column/row-parallel weights, Adam: 1/8 of the state on every
     device (plain optax under GSPMD keeps 1/2: its state follows the weights' specs),
-    the weights keep their "model" layout, and the numbers are plain optax's."""
+    the weights keep their "model" layout, and the numbers are plain optax's, the
+    state's too (zs.to_optax_state, whether the kernels' state is held in blocks, on
+    Explicit axes, or whole, on Auto ones)."""
     params = tp_params(rng)
     x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
-    expected, _ = jit_loop(optax.adam(1e-2), params, (x, y))
+    expected, expected_state = jit_loop(optax.adam(1e-2), params, (x, y))
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    tx = zs.sharded(optax.adam(1e-2))
     with jax.set_mesh(mesh):
         placed = tp_placed(params, mesh)
         data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         plain, plain_state = jit_loop(optax.adam(1e-2), placed, data)
-        got, state = jit_loop(zs.sharded(optax.adam(1e-2)), placed, data)
+        got, state = jit_loop(tx, placed, data)
     assert_trees_close(plain, expected, 1e-5)
     assert_trees_close(got, expected, 1e-5)
+    step = jax.device_put(jnp.asarray(6, jnp.int32), NamedSharding(mesh, P()))
+    logical = zs.to_optax_state(zs.TrainState(step, got, state), tx)[1]
+    assert_trees_close(logical[0].mu, expected_state[0].mu, 1e-5)
+    assert_trees_close(logical[0].nu, expected_state[0].nu, 1e-5)
+    if axis_type == AxisType.Explicit:  # (held block by block)
+        assert state.inner_state[0].mu["up"].sharding.spec == P("model", "data")
     for name, value in got.items():  # the parameters' own layout, kept
         assert value.sharding.is_equivalent_to(NamedSharding(mesh, TP_SPECS[name]), value.ndim)
     held = per_device_bytes(state)
     assert len(held) == 8
     assert max(held.values()) <= 1.10 * adam_bytes(params) / 8
     assert max(per_device_bytes(plain_state).values()) >= adam_bytes(params) / 2
+
+
+def test_the_dropin_cuts_a_tensor_parallel_gradient_within_its_shard(rng):
+    """Megatron's rule in the user's own jitted step, on jax's default (Explicit) mesh,
+    where the weights' types show their layout: the kernels' state is held block by
+    block, their mean gradient is cut within the block (no collective), and their
+    new weights are all-gathered over "data" alone; only the bias spans "model". On
+    Auto axes a traced weight shows no layout, and the kernels are gathered whole."""
+    params = tp_params(rng)
+    x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
+    tx = zs.sharded(optax.adam(1e-2))
+
+    def step(params, opt_state, x, y):
+        grads = jax.grad(tp_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    moved = {}
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+        with jax.set_mesh(mesh):
+            placed = tp_placed(params, mesh)
+            data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+            hlo = jax.jit(step).lower(placed, tx.init(placed), *data).compile().as_text()
+        ours = [c for c in collectives(hlo, mesh=mesh) if "zeroshard/" in c.op_name]
+        moved[axis_type] = {}
+        for c in ours:
+            key = (c.kind, c.axes)
+            moved[axis_type][key] = moved[axis_type].get(key, 0) + c.result_bytes
+    kernels = (16 * 64 + 64 * 16) * 4  # bytes
+    assert moved[AxisType.Explicit] == {
+        ("all-gather", ("data",)): kernels // 2,  # (a device's blocks)
+        ("all-gather", ("data", "model")): 16 * 4,  # (the bias, whole)
+        ("all-reduce", ("data", "model")): 4,  # (the gradient's global norm)
+    }
+    gathered = moved[AxisType.Auto][("all-gather", ("data", "model"))]
+    assert gathered == kernels + 16 * 4  # (every weight whole)
 
 
 def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):
@@ -463,8 +509,10 @@ def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng
 def test_a_state_made_for_another_layout_is_refused(rng):
     """The state says how it is cut: made for replicated weights (each leaf whole) and
     then stepped with the kernels laid out over "model" (block by block), or the
-    other way round, the step and to_optax_state refuse it at trace time, naming the
-    leaf, and the state is not donated."""
+    other way round, the step refuses it at trace time, naming the leaf, and the
+    state is not donated. zs.to_optax_state reads a state held whole as it is (the
+    drop-in's on Auto axes is), and refuses one held in blocks for weights that are
+    not."""
     params, mesh = tp_params(rng), jax.make_mesh((4, 2), ("data", "model"))
     tx = zs.sharded(optax.adam(1e-2))
     step = zs.make_train_step(tp_step_loss, tx, mesh)
@@ -474,9 +522,12 @@ def test_a_state_made_for_another_layout_is_refused(rng):
         moved = state._replace(params=params_now)
         with jax.set_mesh(mesh), pytest.raises(ValueError, match="laid out otherwise"):
             step(moved, tp_batches(rng)[0])
-        with pytest.raises(ValueError, match="laid out otherwise"):
-            zs.to_optax_state(moved, tx)
         assert not any(x.is_deleted() for x in jax.tree.leaves(moved))
+    with pytest.raises(ValueError, match="laid out otherwise"):
+        zs.to_optax_state(blocks._replace(params=whole.params), tx)
+    read = zs.to_optax_state(whole._replace(params=tp_placed(params, mesh)), tx)
+    for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(zs.to_optax_state(whole, tx))):
+        np.testing.assert_array_equal(a, b)
 
 
 def assert_tp_layout(got, mesh, params):

@@ -278,10 +278,14 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     """
     opt, mesh, stage = optimizer_of(tx), mesh_of(state), stage_of(state.params)
     tx, rest = tx.over(state_axes(state.opt_state)), opt.other_axes(mesh, stage)
-    # (kept block by block where the state is over those axes: none where nothing is kept)
+    # (kept block by block where the state is over those axes: none where nothing is kept,
+    # nor where the state holds them whole, as the drop-in does on Auto axes)
     splits = opt.splits(mesh, stage, own_layout(state.params, rest))
     splits = splits if set(rest) <= set(tx.config.axes) else {}
-    plan = tx.plan(full_structs(state.params), mesh_size(mesh, tx.axis_name), splits)
+    structs, num_shards = full_structs(state.params), mesh_size(mesh, tx.axis_name)
+    plan = tx.plan(structs, num_shards, splits)
+    if set(splits) & set(tx.optimizer.cut_otherwise(plan, state.opt_state)):
+        plan = tx.plan(structs, num_shards, {})
     tx.optimizer.check_blocks(plan, state.opt_state)
     layout = plan.layout
     params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole, or in blocks)

@@ -216,6 +216,15 @@ def own_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
     return jax.tree.map(lambda x: keep_axes(x.sharding.spec, axes) if named(x) else P(), tree)
 
 
+def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
+    """Each leaf's layout over ``axes`` as its type says (``jax.typeof``: the same
+    eagerly and under ``jax.jit``), which it does over Explicit mesh axes only: a
+    ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where the type says
+    none."""
+    spec = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
+    return jax.tree.map(lambda x: keep_axes(spec(x), axes), tree)
+
+
 def laid_out(tree: PyTree, specs: PyTree) -> PyTree:
     """``tree`` laid out as ``specs`` (a tree of ``PartitionSpec`` on the mesh in
     context) say: resharded on Explicit axes, constrained on Auto ones (the compiler

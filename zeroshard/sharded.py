@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
@@ -31,7 +30,7 @@ from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.lowbit import is_codes
-from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, with_layout
+from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
@@ -143,7 +142,17 @@ class Sharded:
         if bound_axis_size(self.config.axis_name) is not None:
             return self.init_local(params)
         mesh = find_mesh(self.config, params, any_axes=True)
-        return self.spanning(mesh).init_global(params, mesh)
+        return self.spanning(mesh).init_global(params, mesh, splits=self.typed_splits(mesh, params))
+
+    def typed_splits(
+        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, params: PyTree
+    ) -> dict[int, Split]:
+        """The one-line drop-in's :meth:`splits` on ``mesh``: those its parameters'
+        types show (Explicit axes, jax's default), alike when ``tx.init`` and
+        ``tx.update`` are traced. A split leaf's mean gradient is cut within its block,
+        and its new weights all-gathered over the batch axes only. On Auto axes a
+        traced array carries no layout: every leaf is gathered whole."""
+        return self.splits(mesh, 1, typed_layout(params, self.other_axes(mesh, 1)))
 
     def init_local(self, params: PyTree, master_params: PyTree | None = None) -> ShardedState:
         """This device's state, inside ``shard_map`` over the sharding axis.
@@ -177,19 +186,31 @@ class Sharded:
         params: PyTree,
         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
         master_params: PyTree | None = None,
+        splits: Mapping[int, Split] | None = None,
     ) -> ShardedState:
-        """The global state (arrays sharded over the axis of ``mesh``); ``params`` (and
-        ``master_params``) must be replicated or not yet placed."""
-        axis = self.config.axis_name
+        """The global state (arrays sharded over the axis of ``mesh``), its leaves of
+        ``splits`` kept block by block (:meth:`splits`; their arrays laid out in
+        blocks or not placed, the others replicated or not placed)."""
+        axis, num_shards = self.config.axis_name, mesh_size(mesh, self.config.axis_name)
+        plan = self.plan(params, num_shards, splits)
+        leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
+
+        def init(params: PyTree, master_params: PyTree) -> ShardedState:
+            source = params if master_params is None else master_params
+            plan.layout.check_matches(source, "master_params")
+            pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
+            return self.init_parts(plan, pieces, owned_wholes(plan, source))
+
+        specs = leaves, P() if master_params is None else leaves
         init = jax.shard_map(
-            self.init_local,
+            init,
             mesh=mesh,
-            in_specs=(P(), P()),
-            out_specs=self.state_specs(params, mesh_size(mesh, axis)),
+            in_specs=specs,
+            out_specs=self.state_specs(params, num_shards, splits),
             axis_names=set(mesh.axis_names),
         )
-        whole = lambda tree: with_layout(tree, NamedSharding(mesh, P()))
-        return jax.jit(init)(whole(params), whole(master_params))
+        laid = lambda tree: each_laid_out(tree, leaves, mesh)
+        return jax.jit(init)(laid(params), None if master_params is None else laid(master_params))
 
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
@@ -239,8 +260,10 @@ class Sharded:
         splits: Mapping[int, Split] | None = None,
     ) -> tuple[PyTree, ShardedState]:
         """:meth:`apply_global`, for a state whose leaves of ``splits`` are kept block by
-        block (:meth:`splits`; as zeroshard's step keeps them at stage 1)."""
+        block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
+        drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
+        splits = self.typed_splits(mesh, params) if splits is None else splits
         opt = self.spanning(mesh)
         route = Route.of(opt.config, 1, mean=True)
         num_shards = mesh_size(mesh, opt.config.axis_name)
@@ -286,7 +309,21 @@ class Sharded:
         Raises:
           ValueError: naming the first such leaf and how to make the state again.
         """
-        slots = plan.layout.slots
+        for i, shape in self.cut_otherwise(plan, state).items():
+            s = plan.layout.slots[i]
+            how = "block by block" if s.split else "whole"
+            raise ValueError(
+                f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
+                f"for the weights laid out otherwise than they are now: this layout "
+                f"keeps it {how} over the mesh's other axes. Make the state from the "
+                "weights as they are laid out (zs.init_train_state, or "
+                "zs.from_optax_state(..., param_specs=)), or lay them out as before."
+            )
+
+    def cut_otherwise(self, plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]:
+        """The leaves (by index) whose state ``state`` holds cut otherwise than ``plan``
+        cuts it (see :meth:`check_blocks`), with the shape of one of their arrays."""
+        slots, found = plan.layout.slots, {}
         kept = jax.tree.leaves(plan.master_tree(list(range(len(slots)))))
         pairs = list(zip(kept, jax.tree.leaves(state.master), strict=True))
         inner = plan.state_treedef.flatten_up_to(state.inner_state)
@@ -298,14 +335,8 @@ class Sharded:
             if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
                 continue  # (a group's buffer, or pieces without a unit axis for blocks)
             if x.shape[-2] != (s.split.blocks if s.split else 1):
-                how = "block by block" if s.split else "whole"
-                raise ValueError(
-                    f"zs.sharded: the optimizer state of {s.path} (shape {x.shape}) was made "
-                    f"for the weights laid out otherwise than they are now: this layout "
-                    f"keeps it {how} over the mesh's other axes. Make the state from the "
-                    "weights as they are laid out (zs.init_train_state, or "
-                    "zs.from_optax_state(..., param_specs=)), or lay them out as before."
-                )
+                found.setdefault(i, x.shape)
+        return found
 
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
