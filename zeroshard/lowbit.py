@@ -15,8 +15,8 @@ their state exact (float32), on every mesh alike.
 
 **The code of an element** is a magnitude on a logarithmic grid, relative to its
 block's largest: ``2 ** (-(L - m) / R)`` for ``m`` in ``1..L`` and zero for ``m =
-0`` (values below the grid's smallest flush to zero). A block with a negative
-element is coded with a sign bit (Adam's first moment). A block of non-negative
+0``. A block with a negative element is coded with a sign bit (Adam's first
+moment). A block of non-negative
 values is coded by the square roots of its values, on a grid of twice as many
 magnitudes (the second moment spans many binades: its square root spans half as
 many, and the update reads it through a square root), which the scale's sign
@@ -29,10 +29,19 @@ bits          block        signed (sign + magnitude)     non-negative (its squar
 4             128          L = 7, R = 1.5: 2**-4         L = 15, R = 2: 2**-7
 ============  ===========  ============================  ===============================
 
-Rounding is to the nearest grid point in log space (relative error at most
-``2 ** (1 / (2 R)) - 1``: 4.4% and 2.2% at 8 bits), deterministic, so every device
-computes the same codes from the same values. Decoding and encoding again gives
-the same codes (a checkpoint holds the decoded state, and restores the codes).
+**Rounding is stochastic and unbiased**: a value between two grid points is coded
+as the upper with the probability that makes its decoded value right on average
+(for a square root, its square: the second moment itself), so a moment that moves
+by less than a grid step per step (Adam's second moment moves by 0.1%) moves on
+average, where rounding to the nearest would hold it still or bias every element
+alike. A positive square root is never coded as zero (below the grid it is coded
+as its smallest point: Adam divides by it). The random number is a
+hash of the value's bits, its place in its block and its block's largest value
+(:func:`uniform`): every device computes the same codes from the same values, so
+with ``deterministic=`` the codes are the same on every device count; without it
+the float32 state differs in its last bits between device counts, and an element
+whose bits differ may round to the other neighbour. Decoding and encoding again
+gives the same codes (a checkpoint holds the decoded state, and restores the codes).
 """
 
 from __future__ import annotations
@@ -76,6 +85,9 @@ def is_codes(x: Any) -> bool:
     return isinstance(x, Codes)
 
 
+_SNAP = 2.0**-20  # (rounding odds this near 0 or 1 are taken as 0 or 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grid:
     """A logarithmic grid of ``L`` magnitudes, ``R`` per binade, and zero."""
@@ -83,16 +95,23 @@ class Grid:
     levels: int
     per_binade: float
 
-    def encode(self, ratio: jax.Array) -> jax.Array:
-        """The magnitude code of each ``ratio`` in ``[0, 1]``."""
+    def encode(self, ratio: jax.Array, u: jax.Array, power: int = 1) -> jax.Array:
+        """The magnitude code of each ``ratio`` in ``[0, 1]``, rounded up or down at
+        random (``u``, uniform in ``[0, 1)``) so that its decoded value raised to
+        ``power`` equals ``ratio ** power`` in expectation."""
         safe = jnp.where(ratio > 0, ratio, 1.0)
-        m = jnp.round(self.levels + self.per_binade * jnp.log2(safe))
-        return jnp.where(ratio > 0, jnp.clip(m, 0, self.levels), 0).astype(jnp.uint8)
+        below = jnp.floor(self.levels + self.per_binade * jnp.log2(safe))
+        below = jnp.where(ratio > 0, jnp.clip(below, 0, self.levels), 0)
+        low, high = self.decode(below) ** power, self.decode(below + 1) ** power
+        p = (ratio**power - low) / (high - low)
+        # (a value on the grid, as decoding gives, is coded as it was: exactly)
+        p = jnp.where(p < _SNAP, 0.0, jnp.where(p > 1 - _SNAP, 1.0, p))
+        return (below + (u < p)).astype(jnp.uint8)
 
     def decode(self, m: jax.Array) -> jax.Array:
         """The magnitude of each code ``m``."""
-        value = jnp.exp2((m.astype(jnp.float32) - self.levels) / self.per_binade)
-        return jnp.where(m > 0, value, 0.0)
+        m = m.astype(jnp.float32)
+        return jnp.where(m > 0, jnp.exp2((m - self.levels) / self.per_binade), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +148,12 @@ class LowBit:
         values = jnp.where(roots, jnp.sqrt(jnp.maximum(blocks, 0.0)), blocks)
         top = jnp.max(jnp.abs(values), axis=-1, keepdims=True)
         ratio = jnp.abs(values) / jnp.where(top > 0, top, 1.0)
-        m = self.signed.encode(ratio)  # (a value flushed to zero has no sign)
+        u = uniform(blocks, top)
+        m = self.signed.encode(ratio, u)  # (a value flushed to zero has no sign)
         sign = jnp.where((blocks < 0) & (m > 0), 1 << self.sign_bit, 0).astype(jnp.uint8)
-        code = jnp.where(roots, self.unsigned.encode(ratio), m | sign)
+        # (a positive square root is never coded as zero: Adam divides by it)
+        root = jnp.maximum(self.unsigned.encode(ratio, u, power=2), (ratio > 0).astype(jnp.uint8))
+        code = jnp.where(roots, root, m | sign)
         scales = jnp.where(roots, -top, top)[..., 0]
         return Codes(self._packed(code.reshape(x.shape)), scales, self.bits)
 
@@ -161,6 +183,22 @@ class LowBit:
     def nbytes(self, elements: int) -> float:
         """Bytes of the codes and scales of ``elements`` (a multiple of the block)."""
         return elements * self.bits / 8 + elements / self.block * 4
+
+
+def uniform(blocks: jax.Array, top: jax.Array) -> jax.Array:
+    """A number in ``[0, 1)`` per element of ``blocks`` (float32, the last axis a
+    block) that looks random but is a function of the element's bits, its place in
+    its block and the block's largest magnitude ``top`` only: the same on every
+    device count, where the values are (each block is the same elements there),
+    and new whenever the value changes. A 32-bit integer hash of the three (Chris
+    Wellons' ``lowbias32`` mixer), its top 24 bits."""
+    bits = jax.lax.bitcast_convert_type(blocks, jnp.uint32)
+    lane = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, blocks.ndim - 1)
+    h = bits ^ (lane * jnp.uint32(0x9E3779B9)) ^ jax.lax.bitcast_convert_type(top, jnp.uint32)
+    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * 2.0**-24
 
 
 def lowbit(bits: int | None) -> LowBit | None:
