@@ -526,7 +526,8 @@ def test_a_state_made_for_another_layout_is_refused(rng):
     with pytest.raises(ValueError, match="laid out otherwise"):
         zs.to_optax_state(blocks._replace(params=whole.params), tx)
     read = zs.to_optax_state(whole._replace(params=tp_placed(params, mesh)), tx)
-    for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(zs.to_optax_state(whole, tx))):
+    expected = jax.tree.leaves(zs.to_optax_state(whole, tx))
+    for a, b in zip(jax.tree.leaves(read), expected, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
