@@ -16,11 +16,11 @@ their state exact (float32), on every mesh alike.
 **The code of an element** is a magnitude on a logarithmic grid, relative to its
 block's largest: ``2 ** (-(L - m) / R)`` for ``m`` in ``1..L`` and zero for ``m =
 0``. A block with a negative element is coded with a sign bit (Adam's first
-moment). A block of non-negative
-values is coded by the square roots of its values, on a grid of twice as many
-magnitudes (the second moment spans many binades: its square root spans half as
-many, and the update reads it through a square root), which the scale's sign
-records (negative: the square roots were coded). The grids, per bits and kind:
+moment). A block of non-negative values is coded by the square roots of its
+values, on a grid of twice as many magnitudes (the second moment spans many
+binades: its square root spans half as many, and the update reads it through a
+square root), which the scale's sign records (negative: the square roots were
+coded). The grids, per bits and kind:
 
 ============  ===========  ============================  ===============================
 bits          block        signed (sign + magnitude)     non-negative (its square root)
@@ -35,8 +35,8 @@ as the upper with the probability that makes its decoded value right on average
 by less than a grid step per step (Adam's second moment moves by 0.1%) moves on
 average, where rounding to the nearest would hold it still or bias every element
 alike. A positive square root is never coded as zero (below the grid it is coded
-as its smallest point: Adam divides by it). The random number is a
-hash of the value's bits, its place in its block and its block's largest value
+as its smallest point: Adam divides by it). The random number is a hash of the
+value's bits, its place in its block and its block's largest value
 (:func:`uniform`): every device computes the same codes from the same values, so
 with ``deterministic=`` the codes are the same on every device count; without it
 the float32 state differs in its last bits between device counts, and an element

@@ -154,16 +154,23 @@ class Sharded:
         traced array carries no layout: every leaf is gathered whole."""
         return self.splits(mesh, 1, typed_layout(params, self.other_axes(mesh, 1)))
 
-    def init_local(self, params: PyTree, master_params: PyTree | None = None) -> ShardedState:
+    def init_local(
+        self,
+        params: PyTree,
+        master_params: PyTree | None = None,
+        plan: Plan | None = None,
+    ) -> ShardedState:
         """This device's state, inside ``shard_map`` over the sharding axis.
 
         Args:
-          params: the full parameters in their compute dtype.
+          params: the full parameters in their compute dtype (a leaf the plan splits:
+            this device's block of it).
           master_params: optional full-precision values to start the master weights
             from (default: ``params``).
+          plan: the plan of the global parameters (default: ``params``'s).
         """
         axis = self.config.axis_name
-        plan = self.plan(params, jax.lax.axis_size(axis))
+        plan = plan or self.plan(params, jax.lax.axis_size(axis))
         source = params if master_params is None else master_params
         plan.layout.check_matches(source, "master_params")
         pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
@@ -191,22 +198,14 @@ class Sharded:
         """The global state (arrays sharded over the axis of ``mesh``), its leaves of
         ``splits`` kept block by block (:meth:`splits`; their arrays laid out in
         blocks or not placed, the others replicated or not placed)."""
-        axis, num_shards = self.config.axis_name, mesh_size(mesh, self.config.axis_name)
-        plan = self.plan(params, num_shards, splits)
+        plan = self.plan(params, mesh_size(mesh, self.config.axis_name), splits)
         leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
-
-        def init(params: PyTree, master_params: PyTree) -> ShardedState:
-            source = params if master_params is None else master_params
-            plan.layout.check_matches(source, "master_params")
-            pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
-            return self.init_parts(plan, pieces, owned_wholes(plan, source))
-
         specs = leaves, P() if master_params is None else leaves
         init = jax.shard_map(
-            init,
+            functools.partial(self.init_local, plan=plan),
             mesh=mesh,
             in_specs=specs,
-            out_specs=self.state_specs(params, num_shards, splits),
+            out_specs=self.state_specs(params, plan.layout.num_shards, splits),
             axis_names=set(mesh.axis_names),
         )
         laid = lambda tree: each_laid_out(tree, leaves, mesh)
@@ -309,7 +308,7 @@ class Sharded:
         Raises:
           ValueError: naming the first such leaf and how to make the state again.
         """
-        for i, shape in self.cut_otherwise(plan, state).items():
+        for i, shape in list(self.cut_otherwise(plan, state).items())[:1]:
             s = plan.layout.slots[i]
             how = "block by block" if s.split else "whole"
             raise ValueError(
