@@ -51,7 +51,13 @@ from zeroshard.mesh import (
     run_on_mesh,
 )
 from zeroshard.placement import Key, Plan
-from zeroshard.sharded import ShardedTransformation, optimizer_of, state_axes
+from zeroshard.sharded import (
+    ShardedTransformation,
+    check_blocks,
+    cut_otherwise,
+    optimizer_of,
+    state_axes,
+)
 from zeroshard.stage3 import full_structs, stage_of, to_shards
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
@@ -284,9 +290,9 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     splits = splits if set(rest) <= set(tx.config.axes) else {}
     structs, num_shards = full_structs(state.params), mesh_size(mesh, tx.axis_name)
     plan = tx.plan(structs, num_shards, splits)
-    if set(splits) & set(tx.optimizer.cut_otherwise(plan, state.opt_state)):
+    if set(splits) & set(cut_otherwise(plan, state.opt_state)):
         plan = tx.plan(structs, num_shards, {})
-    tx.optimizer.check_blocks(plan, state.opt_state)
+    check_blocks(plan, state.opt_state)
     layout = plan.layout
     params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = each_laid_out(params, layout.leaf_specs(), mesh) if stage < 3 else params

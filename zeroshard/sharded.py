@@ -299,44 +299,6 @@ class Sharded:
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
-    def check_blocks(self, plan: Plan, state: ShardedState) -> None:
-        """Refuses a global ``state`` whose pieces are cut otherwise than ``plan`` cuts
-        them: block by block for a leaf it splits (:class:`zeroshard.layout.Split`,
-        held ``(..., blocks, pieces of a block)``), whole for one it does not. That is
-        a state made for the weights laid out otherwise than they are now.
-
-        Raises:
-          ValueError: naming the first such leaf and how to make the state again.
-        """
-        for i, shape in list(self.cut_otherwise(plan, state).items())[:1]:
-            s = plan.layout.slots[i]
-            how = "block by block" if s.split else "whole"
-            raise ValueError(
-                f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
-                f"for the weights laid out otherwise than they are now: this layout "
-                f"keeps it {how} over the mesh's other axes. Make the state from the "
-                "weights as they are laid out (zs.init_train_state, or "
-                "zs.from_optax_state(..., param_specs=)), or lay them out as before."
-            )
-
-    def cut_otherwise(self, plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]:
-        """The leaves (by index) whose state ``state`` holds cut otherwise than ``plan``
-        cuts it (see :meth:`check_blocks`), with the shape of one of their arrays."""
-        slots, found = plan.layout.slots, {}
-        kept = jax.tree.leaves(plan.master_tree(list(range(len(slots)))))
-        pairs = list(zip(kept, jax.tree.leaves(state.master), strict=True))
-        inner = plan.state_treedef.flatten_up_to(state.inner_state)
-        for kind, x in zip(plan.state_kinds, inner, strict=True):
-            pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
-        for i, x in pairs:
-            s = slots[i]
-            x = x.scales if is_codes(x) else x  # (split as the pieces)
-            if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
-                continue  # (a group's buffer, or pieces without a unit axis for blocks)
-            if x.shape[-2] != (s.split.blocks if s.split else 1):
-                found.setdefault(i, x.shape)
-        return found
-
     def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
         """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
         if params is None:
@@ -448,6 +410,46 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     ) -> ShardedState:
         """See :meth:`Sharded.state_specs`."""
         return self.optimizer.state_specs(params, num_shards, splits)
+
+
+def check_blocks(plan: Plan, state: ShardedState) -> None:
+    """Refuses a global ``state`` whose pieces are cut otherwise than ``plan`` cuts
+    them: block by block for a leaf it splits (:class:`zeroshard.layout.Split`,
+    held ``(..., blocks, pieces of a block)``), whole for one it does not. That is
+    a state made for the weights laid out otherwise than they are now.
+
+    Raises:
+      ValueError: naming the first such leaf and how to make the state again.
+    """
+    for i, shape in list(cut_otherwise(plan, state).items())[:1]:
+        s = plan.layout.slots[i]
+        how = "block by block" if s.split else "whole"
+        raise ValueError(
+            f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
+            f"for the weights laid out otherwise than they are now: this layout "
+            f"keeps it {how} over the mesh's other axes. Make the state from the "
+            "weights as they are laid out (zs.init_train_state, or "
+            "zs.from_optax_state(..., param_specs=)), or lay them out as before."
+        )
+
+
+def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]:
+    """The leaves (by index) whose state ``state`` holds cut otherwise than ``plan``
+    cuts it (see :func:`check_blocks`), with the shape of one of their arrays."""
+    slots, found = plan.layout.slots, {}
+    kept = jax.tree.leaves(plan.master_tree(list(range(len(slots)))))
+    pairs = list(zip(kept, jax.tree.leaves(state.master), strict=True))
+    inner = plan.state_treedef.flatten_up_to(state.inner_state)
+    for kind, x in zip(plan.state_kinds, inner, strict=True):
+        pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
+    for i, x in pairs:
+        s = slots[i]
+        x = x.scales if is_codes(x) else x  # (split as the pieces)
+        if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
+            continue  # (a group's buffer, or pieces without a unit axis for blocks)
+        if x.shape[-2] != (s.split.blocks if s.split else 1):
+            found.setdefault(i, x.shape)
+    return found
 
 
 def state_axes(opt_state: ShardedState) -> tuple[str, ...]:

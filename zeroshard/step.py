@@ -39,7 +39,7 @@ from zeroshard.mesh import (
 )
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
-from zeroshard.sharded import ShardedState, ShardedTransformation, optimizer_of
+from zeroshard.sharded import ShardedState, ShardedTransformation, check_blocks, optimizer_of
 from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
 from zeroshard.update import Route, updated
 
@@ -404,7 +404,7 @@ class TrainStep:
         splits = self.splits(layout)
         if self.rest:  # (a state cut for the weights' layout: a split leaf's by blocks)
             plan = self.state_tx.plan(state.params, self.num_shards, splits)
-            optimizer_of(self.state_tx).check_blocks(plan, state.opt_state)
+            check_blocks(plan, state.opt_state)
         specs = keep_axes(self.state_specs(state.params, splits), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
