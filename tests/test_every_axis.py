@@ -154,7 +154,8 @@ def test_the_dropin_cuts_a_tensor_parallel_gradient_within_its_shard(rng):
     where the weights' types show their layout: the kernels' state is held block by
     block, their mean gradient is cut within the block (no collective), and their
     new weights are all-gathered over "data" alone; only the bias spans "model". On
-    Auto axes a traced weight shows no layout, and the kernels are gathered whole."""
+    Auto axes a traced weight shows no layout, and the kernels are gathered whole; a
+    state made there (held whole) is refused on Explicit axes, at trace time."""
     params = tp_params(rng)
     x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
     tx = zs.sharded(optax.adam(1e-2))
@@ -184,6 +185,17 @@ def test_the_dropin_cuts_a_tensor_parallel_gradient_within_its_shard(rng):
     }
     gathered = moved[AxisType.Auto][("all-gather", ("data", "model"))]
     assert gathered == kernels + 16 * 4  # (every weight whole)
+
+    # A state made on Auto axes (held whole) is refused on Explicit ones, at trace time.
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        whole = tx.init(tp_placed(params, auto))
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=EXPLICIT)
+    with jax.set_mesh(explicit):
+        placed = tp_placed(params, explicit)
+        data = tuple(jax.device_put(a, NamedSharding(explicit, P("data"))) for a in (x, y))
+        with pytest.raises(ValueError, match="laid out otherwise.*tx.init"):
+            jax.jit(step)(placed, whole, *data)
 
 
 def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):

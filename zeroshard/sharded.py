@@ -268,6 +268,7 @@ class Sharded:
         num_shards = mesh_size(mesh, opt.config.axis_name)
         specs = opt.state_specs(params, num_shards, splits)
         plan = opt.plan(params, num_shards, splits)
+        check_blocks(plan, state)
         leaves = plan.layout.leaf_specs()
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
@@ -428,7 +429,7 @@ def check_blocks(plan: Plan, state: ShardedState) -> None:
             f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
             f"for the weights laid out otherwise than they are now: this layout "
             f"keeps it {how} over the mesh's other axes. Make the state from the "
-            "weights as they are laid out (zs.init_train_state, or "
+            "weights as they are laid out (tx.init(params), zs.init_train_state, or "
             "zs.from_optax_state(..., param_specs=)), or lay them out as before."
         )
 
