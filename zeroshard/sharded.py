@@ -422,7 +422,9 @@ def check_blocks(plan: Plan, state: ShardedState) -> None:
     Raises:
       ValueError: naming the first such leaf and how to make the state again.
     """
-    for i, shape in list(cut_otherwise(plan, state).items())[:1]:
+    found = cut_otherwise(plan, state)
+    if found:
+        i, shape = next(iter(found.items()))
         s = plan.layout.slots[i]
         how = "block by block" if s.split else "whole"
         raise ValueError(
