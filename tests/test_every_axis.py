@@ -449,24 +449,34 @@ def tp_batches(rng, steps=4):
 
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
-@pytest.mark.parametrize("stage,accum_steps", [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("stage,accum_steps", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 2)])
 def test_the_step_on_a_tensor_parallel_mesh_splits_the_state_over_all_8(
     inner, stage, accum_steps, rng
 ):
     """zeroshard's own step on jax.make_mesh((4, 2), ("data", "model")) (the default,
     Explicit axes; refused on jax 0.12 before): the batch over "data", the loss's
-    own tensor parallelism over "model", the weights kept column/row-parallel, and
-    1/8 of the state on every device; the numbers are plain optax's on one device."""
+    own tensor parallelism over "model", the weights kept column/row-parallel (at
+    stage 3: their pieces cut within each model shard, gathered into it), and 1/8 of
+    the state on every device; the numbers are plain optax's on one device."""
     params, data = tp_params(rng), tp_batches(rng)
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     tx = zs.sharded(inner)
     state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=stage)
-    step = zs.make_train_step(tp_step_loss, tx, mesh, stage=stage, accum_steps=accum_steps)
+    loss = (lambda p, b: tp_step_loss(zs.gather(p), b)) if stage == 3 else tp_step_loss
+    step = zs.make_train_step(loss, tx, mesh, stage=stage, accum_steps=accum_steps)
     with jax.set_mesh(mesh):
         for batch in data:
             state, _ = step(state, batch)
-    assert_trees_close(state.params, reference_run(tp_step_loss, inner, params, data), 1e-5)
-    assert_tp_layout(state.params, mesh, params)
+    full = state.params if stage < 3 else zs.to_optax_state(state, tx)[0]
+    assert_trees_close(full, reference_run(tp_step_loss, inner, params, data), 1e-5)
+    if stage < 3:
+        assert_tp_layout(state.params, mesh, params)
+    else:  # (a kernel's pieces: its model shard's, cut over "data"; the bias over all 8)
+        pieces = {k: x.piece.sharding.spec for k, x in state.params.items()}
+        kernel = P("model", "data")
+        assert pieces == {"up": kernel, "down": kernel, "b": P(("data", "model"))}
+        weights = sum(x.nbytes for x in params.values())
+        assert set(per_device_bytes(state.params).values()) == {weights // 8}
     held = per_device_bytes(state.opt_state)
     assert len(held) == 8  # (+ the replicated scalars: count, grad norm, skipped steps)
     inner_state = sum(x.nbytes for x in jax.tree.leaves(zs.to_optax_state(state, tx)[1]))
@@ -499,6 +509,74 @@ def test_the_step_reduces_a_tensor_parallel_leaf_within_its_shard(rng):
     mu = state.opt_state.inner_state[0].mu
     assert mu["up"].sharding.spec == P("model", "data") == mu["down"].sharding.spec
     assert mu["up"].addressable_shards[0].data.size == 16 * 64 // 8
+
+
+def test_stage_3_gathers_a_tensor_parallel_leaf_within_its_shard(rng):
+    """Stage 3 on 4 data x 2 model: zs.gather brings each device the kernels' blocks of
+    its model shard, all-gathered over "data" alone, and their gradients are
+    reduce-scattered over "data" alone (the gather's transpose); only the bias, cut over
+    all 8, is gathered over "model" too."""
+    params, mesh = tp_params(rng), jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(optax.adam(1e-2))
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=3)
+    step = zs.make_train_step(lambda p, b: tp_step_loss(zs.gather(p), b), tx, mesh, stage=3)
+    with jax.set_mesh(mesh):
+        hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
+    moved = {}
+    for c in collectives(hlo, mesh=mesh):
+        if "zeroshard/gather" in c.op_name:
+            key = (c.kind, c.axes)
+            moved[key] = moved.get(key, 0) + c.result_bytes
+    kernels = (16 * 64 + 64 * 16) * 4  # bytes
+    assert moved == {
+        ("all-gather", ("data",)): kernels // 2 + 16 * 4,  # (its blocks; the bias)
+        ("reduce-scatter", ("data",)): kernels // 8 + 16 * 4 // 4,  # (its pieces; the bias's)
+        ("all-gather", ("model",)): 16 * 4 // 4,  # (the bias's pieces of one data device)
+    }
+
+
+def stacked_tp_loss(params, batch):
+    """A scan over stacked column/row-parallel layers (residual), then a bias; at
+    stage 3 each layer is gathered inside the scan by zs.layer."""
+    explicit = "model" in jax.sharding.get_abstract_mesh().axis_names
+
+    def block(w, x):
+        if not explicit:  # (the one-device reference)
+            return x + jax.nn.relu(x @ w["up"]) @ w["down"]
+        h = jax.nn.relu(x @ reshard(w["up"], P(None, "model")))
+        return x + jnp.dot(h, reshard(w["down"], P("model", None)), out_sharding=P())
+
+    pieces = isinstance(params["b"], zs.Shard)
+    layer, b = (zs.layer(block), zs.gather(params["b"])) if pieces else (block, params["b"])
+    x, _ = jax.lax.scan(lambda x, w: (layer(w, x), None), batch["x"], params["blocks"])
+    return jnp.mean((x + b - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: optax.adam(1e-2), lambda: optax.contrib.muon(1e-2)], ids=["adam", "muon"]
+)
+def test_stage_3_on_stacked_tensor_parallel_layers(make, rng):
+    """Stage 3, 4 data x 2 model, three stacked column/row-parallel layers scanned over
+    with zs.layer: each kernel's pieces are its model shard's layers cut over "data"
+    (Muon: each layer updated whole by its owner), 1/8 of the state per device, and
+    the numbers are plain optax's on one device."""
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
+    params = {"blocks": {"up": f(3, 16, 64), "down": f(3, 64, 16)}, "b": f(16)}
+    specs = {"blocks": {"up": P(None, None, "model"), "down": P(None, "model", None)}, "b": P()}
+    data = tp_batches(rng, 3)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(make(), stacked=["blocks"])
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    state = zs.init_train_state(placed, tx, mesh, stage=3)
+    step = zs.make_train_step(stacked_tp_loss, tx, mesh, stage=3)
+    with jax.set_mesh(mesh):
+        for batch in data:
+            state, _ = step(state, batch)
+    full, inner_state = zs.to_optax_state(state, tx)
+    assert_trees_close(full, reference_run(stacked_tp_loss, make(), params, data), 1e-5)
+    assert state.params["blocks"]["up"].piece.sharding.spec == P(None, "model", "data")
+    total = sum(x.nbytes for x in jax.tree.leaves(inner_state))
+    assert max(per_device_bytes(state.opt_state).values()) <= 1.10 * total / 8 + 64
 
 
 def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng):
@@ -589,16 +667,19 @@ def test_the_step_with_a_replica_axis_and_tensor_parallelism(rng):
             np.testing.assert_array_equal(by_device[mesh.devices[coords]], by_device[twin])
 
 
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("shape", [(8, 1), (2, 4), (1, 1)])
-def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, rng, tmp_path):
+def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, stage, rng, tmp_path):
     """zs.CheckpointManager: a step's state split over all 8 devices of 4 data x 2
-    model, restored on (8, 1), (2, 4) and one device: the logical state exactly, the
-    weights laid out as like's, then the same next steps as the uninterrupted run."""
+    model (at stage 3 its weights too), restored on (8, 1), (2, 4) and one device: the
+    logical state exactly, the weights laid out as like's (at stage 3 cut within
+    each model shard), then the same next steps as the uninterrupted run."""
     params, data = tp_params(rng), tp_batches(rng)
     tx = zs.sharded(optax.adam(1e-2))
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
-    step = zs.make_train_step(tp_step_loss, tx, mesh)
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=stage)
+    loss = (lambda p, b: tp_step_loss(zs.gather(p), b)) if stage == 3 else tp_step_loss
+    step = zs.make_train_step(loss, tx, mesh, stage=stage)
     with jax.set_mesh(mesh):
         for batch in data[:2]:
             state, _ = step(state, batch)
@@ -609,19 +690,22 @@ def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, rng, tmp
     with jax.set_mesh(mesh):
         for batch in data[2:]:
             state, _ = step(state, batch)
-    expected = jax.tree.map(np.asarray, state.params)
+    expected = jax.tree.map(np.asarray, zs.to_optax_state(state, tx)[0])
 
     devices = jax.devices()[: shape[0] * shape[1]]
     other = jax.make_mesh(shape, ("data", "model"), devices=devices)
     with zs.CheckpointManager(tmp_path, tx) as manager:
-        restored = manager.restore(other, like=tp_placed(params, other))
+        restored = manager.restore(other, like=tp_placed(params, other), stage=stage)
     for k, x in restored.params.items():
-        assert x.sharding.is_equivalent_to(NamedSharding(other, TP_SPECS[k]), x.ndim), k
+        if stage < 3:
+            assert x.sharding.is_equivalent_to(NamedSharding(other, TP_SPECS[k]), x.ndim), k
+        elif k != "b" and shape[1] > 1:
+            assert x.piece.sharding.spec == P("model", "data"), k
     got = jax.tree.map(np.asarray, zs.to_optax_state(restored, tx))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(a, b)
-    step = zs.make_train_step(tp_step_loss, tx, other)
+    step = zs.make_train_step(loss, tx, other, stage=stage)
     with jax.set_mesh(other):
         for batch in data[2:]:
             restored, _ = step(restored, batch)
-    assert_trees_close(restored.params, expected, 1e-5)
+    assert_trees_close(zs.to_optax_state(restored, tx)[0], expected, 1e-5)

@@ -63,8 +63,8 @@ def test_compiled_arguments_match_the_planner(stage, param_dtype, width, rng):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_planner_on_a_mesh_shape_matches_the_compiled_arguments(stage, rng):
-    """On a 4 data x 2 model mesh (a mapping of axis sizes): the weights and stage 3's
-    state split over "data", stages 1-2's state over all 8 devices; the compiled
+    """On a 4 data x 2 model mesh (a mapping of axis sizes): the state (and stage 3's
+    weights) split over all 8 devices, the batch over "data"; the compiled
     step's argument bytes are the planner's within 10%. (float32: XLA's CPU compiler
     aborts on a bf16 stage-3 step on a mesh with an Auto "model" axis, "Invalid binary
     instruction opcode copy", on jax 0.10.2 and 0.12.0.1 alike.)"""
@@ -81,8 +81,7 @@ def test_the_planner_on_a_mesh_shape_matches_the_compiled_arguments(stage, rng):
     planned = est.params + est.optimizer_state + est.master
     assert compiled.argument_size_in_bytes - batch_bytes == pytest.approx(planned, rel=0.10)
     one_axis = zs.estimate_memory(params, 8, stage=stage, param_dtype=jnp.float32, optimizer=tx)
-    n = 8 if stage < 3 else 4
-    assert est.optimizer_state == pytest.approx(one_axis.optimizer_state * 8 / n, rel=0.01)
+    assert est.optimizer_state == pytest.approx(one_axis.optimizer_state, rel=0.01)
     with pytest.raises(ValueError, match="no axis 'data'"):
         zs.estimate_memory(params, {"fsdp": 8}, optimizer=tx)
 

@@ -30,6 +30,7 @@ bucket, :meth:`Arrival.norm_and_finite` if its sums differ);
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -38,13 +39,13 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, quantized
 from zeroshard.clipping import local_squares
-from zeroshard.collectives import is_identity, summed_parts, vary
+from zeroshard.collectives import axes_of, is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
-from zeroshard.mesh import each_laid_out
+from zeroshard.mesh import each_laid_out, keep_axes
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.stage3 import full_structs, to_owners
+from zeroshard.stage3 import full_structs, shard_specs, stage_of, to_owners
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
 """This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
@@ -184,7 +185,16 @@ class Pieces(Arrival):
     by their number (scope ``zeroshard/reduce_scatter``); the owned leaves' pieces
     then go to their owners, one ``all_to_all`` per bucket with owned leaves (scope
     ``zeroshard/to_owners``). The owned part of a bucket is what every device holds
-    of the units this device owns: ``(num_shards, owned_chunk)``."""
+    of the units this device owns: ``(num_shards, owned_chunk)``.
+
+    Attributes:
+      summed_over: ``()``, or the axes the gather's transpose sums the gradients over
+        where they are fewer than the state's: the batch axes, in zeroshard's step on
+        a mesh with other axes (tensor parallelism's ``"model"``, say), where the
+        pieces are cut over those too (:func:`zeroshard.gather`).
+    """
+
+    summed_over: tuple[str, ...] = ()
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         return self.to_owners(plan, self.pieces(plan.layout, grads))
@@ -192,11 +202,12 @@ class Pieces(Arrival):
     def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
         """This device's 1-D piece of every leaf's mean gradient, from the gradients of
         the ``Shard`` pieces (what a step accumulates over micro-batches)."""
-        layout.check_matches(full_structs(grads), "gradients")
+        layout.check_matches(full_structs(grads), "gradients", full=True)
+        summed = layout.num_shards
+        if self.summed_over:
+            summed = math.prod(jax.lax.axis_size(a) for a in self.summed_over)
         with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
-            return [
-                g.piece.reshape(-1) / layout.num_shards for g in layout.treedef.flatten_up_to(grads)
-            ]
+            return [g.piece.reshape(-1) / summed for g in layout.treedef.flatten_up_to(grads)]
 
     def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
@@ -354,7 +365,9 @@ class Nested:
     vary over them, its copies summed over every device of the state and divided by
     their count give the mean over the batch axes. A split leaf's
     (:class:`zeroshard.layout.Split`) stays the device's block, reduced over the batch
-    axes alone. The parts come back 1/N of every
+    axes alone. At stage 3 the gradients are the :class:`zeroshard.Shard` pieces',
+    cut over ``rest`` too and summed over the batch axes by their gather's transpose
+    (see :attr:`Pieces.summed_over`). The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
 
     Attributes:
@@ -366,9 +379,15 @@ class Nested:
     rest: tuple[str, ...]
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        axes = self.arrival.config.axis_name  # (all of them: on one device none is typed)
-        run = lambda g: self.arrival.bring(plan, jax.tree.map(lambda x: vary(x, axes), g))
-        specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
+        axes, arrival = self.arrival.config.axis_name, self.arrival  # (all the state's)
+        if stage_of(grads) == 3:  # (the pieces' gradients, summed over the batch axes)
+            specs = keep_axes(shard_specs(plan.layout, axes), self.rest)
+            batch = tuple(a for a in axes_of(axes) if a not in self.rest)
+            arrival = dataclasses.replace(arrival, summed_over=batch)
+        else:
+            specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
+            grads = each_laid_out(grads, specs)
+        run = lambda g: arrival.bring(plan, jax.tree.map(lambda x: vary(x, axes), g))
         nested = jax.shard_map(
             run,
             in_specs=(specs,),
@@ -376,7 +395,16 @@ class Nested:
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
         )
-        return nested(each_laid_out(grads, specs))
+        return nested(grads)
+
+    def pieces(self, layout: Layout, grads: PyTree) -> PyTree:
+        """Stage 3: the pieces' gradients as they come, what a step accumulates over
+        micro-batches (:meth:`to_owners` brings the sum)."""
+        return grads
+
+    def to_owners(self, plan: Plan, grads: PyTree) -> GradParts:
+        """Stage 3: this device's part of the mean of the pieces' gradients ``grads``."""
+        return self.bring(plan, grads)
 
     def specs(self, plan: Plan) -> tuple[list, tuple]:
         """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over

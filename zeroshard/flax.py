@@ -486,6 +486,7 @@ def linen_train_step(
         # The TrainState fields the Flax state has (a plain TrainState: no model_state).
         fields = [f for f in TrainState._fields if hasattr(state, f)]
         new, metrics = step(TrainState(*(getattr(state, f) for f in fields)), batch, key)
+        train_step.jitted = step.jitted  # (the function for this state: see TrainStep)
         return state.replace(**{f: getattr(new, f) for f in fields}), metrics
 
     train_step.jitted = step.jitted

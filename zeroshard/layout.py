@@ -627,8 +627,10 @@ class Layout:
         """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
         return self.full_structs(dtypes, pieces=True)
 
-    def check_matches(self, tree: PyTree, what: str) -> None:
-        """Raises a ``ValueError`` naming the first leaf where ``tree`` differs."""
+    def check_matches(self, tree: PyTree, what: str, full: bool = False) -> None:
+        """Raises a ``ValueError`` naming the first leaf where ``tree`` differs from the
+        leaves as the update holds them (:attr:`Slot.held_shape`), or with ``full``
+        from their full shapes."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
             raise ValueError(
@@ -636,10 +638,11 @@ class Layout:
                 f"vs params:\n  {self.treedef}"
             )
         for (path, leaf), slot in zip(path_leaves, self.slots, strict=True):
-            if tuple(leaf.shape) != slot.held_shape:
+            shape = slot.shape if full else slot.held_shape
+            if tuple(leaf.shape) != shape:
                 raise ValueError(
                     f"{what} leaf {jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, "
-                    f"but the parameter has shape {slot.held_shape}."
+                    f"but the parameter has shape {shape}."
                 )
 
     # The sliced/owned difference of a per-leaf list, said once.

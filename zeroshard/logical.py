@@ -47,7 +47,6 @@ from zeroshard.mesh import (
     each_laid_out,
     keep_axes,
     mesh_of,
-    own_layout,
     run_on_mesh,
 )
 from zeroshard.placement import Key, Plan
@@ -58,7 +57,7 @@ from zeroshard.sharded import (
     optimizer_of,
     state_axes,
 )
-from zeroshard.stage3 import full_structs, stage_of, to_shards
+from zeroshard.stage3 import full_structs, layout_of, stage_of, to_shards
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.step import TrainState, laid_out_as, state_specs
@@ -283,10 +282,11 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     opt, mesh, stage = optimizer_of(tx), mesh_of(state), stage_of(state.params)
-    tx, rest = tx.over(state_axes(state.opt_state)), opt.other_axes(mesh, stage)
+    tx = tx.over(state_axes(state.opt_state, state.params))
+    rest = opt.other_axes(mesh, stage)
     # (kept block by block where the state is over those axes: none where nothing is kept,
     # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = opt.splits(mesh, stage, own_layout(state.params, rest))
+    splits = opt.splits(mesh, stage, layout_of(state.params, rest))
     splits = splits if set(rest) <= set(tx.config.axes) else {}
     structs, num_shards = full_structs(state.params), mesh_size(mesh, tx.axis_name)
     plan = tx.plan(structs, num_shards, splits)

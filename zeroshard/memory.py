@@ -139,10 +139,10 @@ def estimate_memory(
         mapping of axis names to sizes (``{"data": 4, "model": 2}``), to count what
         zeroshard's step keeps there: the batch split over the optimizer's
         ``axis_name`` (``"data"`` unless ``optimizer`` is a ``zs.sharded``
-        transformation), the weights and stage 3's state over it, and stages 1-2's
-        state and stage 2's gradients over every axis but the replica axis
+        transformation), and the state, stage 2's gradients and stage 3's weights
+        over every axis but the replica axis
         (:meth:`zeroshard.sharded.Sharded.for_step`; the one-line drop-in splits its
-        state so too).
+        state so too; with ``deterministic=``, over the batch's axes only).
       stage: 0 (plain data parallelism), 1, 2 or 3.
       param_dtype: the compute dtype of parameters and gradients.
       master_dtype: the master weights' dtype (``None``: no master).
@@ -164,13 +164,13 @@ def estimate_memory(
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
-    n_axis, n = device_counts(num_devices, stage, optimizer)
+    n = device_counts(num_devices, stage, optimizer)[1]
     psi = param_count(params_or_count)
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
     shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
-    params = psi * p / n_axis if stage == 3 else psi * p
+    params = psi * p / n if stage == 3 else psi * p
     if isinstance(num_devices, Mapping) and not isinstance(params_or_count, (int, float)):
         params = _laid_out_bytes(params_or_count, p, num_devices, stage, optimizer, param_specs)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
@@ -190,12 +190,12 @@ def _laid_out_bytes(
     params: PyTree, itemsize: int, shape: Mapping[str, int], stage: int, tx: Any, specs: Any
 ) -> float:
     """The weights' bytes per device on a mesh of ``shape`` as ``specs`` lay them out
-    (default: the leaves' own layouts): stage 3's pieces over the batch's axes; below,
+    (default: the leaves' own layouts): stage 3's pieces over the state's axes; below,
     each leaf divided over the axes of its spec the batch is not split over (at stage
     0, plain data parallelism, over all of them)."""
     tx = tx if isinstance(tx, ShardedTransformation) else sharded(optax.identity())
     if stage == 3:
-        return param_count(params) * itemsize / device_counts(shape, 3, tx)[0]
+        return param_count(params) * itemsize / device_counts(shape, 3, tx)[1]
     specs = own_layout(params, shape) if specs is None else specs
     batch = () if stage == 0 else tx.config.batch_axes
     split = lambda spec: math.prod(
@@ -311,7 +311,7 @@ def step_memory(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
     specs = step.state_specs(shapes.params, step.splits(own))
-    if step.rest:  # (stages 1-2: the parameters keep their own layout over those axes)
+    if step.rest and stage < 3:  # (the parameters keep their own layout over those axes)
         specs = specs._replace(params=own)
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)

@@ -131,10 +131,13 @@ class StepContext(NamedTuple):
       axis_name: the axis :func:`zeroshard.gather` and :func:`zeroshard.layer` gather
         over when not told.
       gather: how they gather (:attr:`zeroshard.update.Route.gather`).
+      rest: the state's axes besides the batch's (tensor parallelism's ``"model"``,
+        say), over which the pieces are cut too (:func:`zeroshard.stage3.gather`).
     """
 
     axis_name: str
     gather: Callable[..., list]
+    rest: tuple[str, ...] = ()
 
 
 _step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("step", default=None)
@@ -250,10 +253,10 @@ def each_laid_out(tree: PyTree, specs: PyTree, mesh: Any = None) -> PyTree:
 
 
 def with_layout(tree: PyTree, like: Any) -> PyTree:
-    """``tree`` resharded, on a mesh with Explicit axes, to ``like``'s layouts (a tree of
+    """``tree`` resharded, over a mesh's Explicit axes, to ``like``'s layouts (a tree of
     arrays, or one ``NamedSharding`` for every leaf, or one ``PartitionSpec`` on the mesh
-    in context); unchanged where the types carry no layout (Auto axes: the compiler
-    places it)."""
+    in context); unchanged where the types carry no layout (over Auto axes the
+    compiler places it)."""
     one = isinstance(like, NamedSharding | P)
 
     def put(x: Any, y: Any = None) -> Any:
@@ -262,8 +265,12 @@ def with_layout(tree: PyTree, like: Any) -> PyTree:
         own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if not isinstance(target, P) and (mesh is None or mesh.empty):
             return x
-        if AxisType.Explicit not in getattr(own, "axis_types", ()):
+        types = zip(getattr(own, "axis_names", ()), getattr(own, "axis_types", ()), strict=True)
+        explicit = [a for a, t in types if t == AxisType.Explicit]
+        if not explicit:
             return x
-        return jax.sharding.reshard(x, target)
+        if isinstance(target, P):
+            return jax.sharding.reshard(x, keep_axes(target, explicit))
+        return jax.sharding.reshard(x, NamedSharding(target.mesh, keep_axes(target.spec, explicit)))
 
     return jax.tree.map(put, tree) if one else jax.tree.map(put, tree, like)

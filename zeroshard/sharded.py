@@ -114,18 +114,18 @@ class Sharded:
         ``axis_name`` and, in stages 1 and 2, over every other axis of ``mesh`` but the
         replica axis too (a tensor-parallel ``"model"`` axis, say: the step's update
         then runs manual over those axes as well, each device updating 1/N of every
-        leaf). Stage 3's pieces are gathered inside the loss, where only the batch axes
-        are manual, and the fixed-order sums of ``deterministic=`` run over the batch
-        axes: there the state stays split over ``axis_name`` only."""
+        leaf; at stage 3 its weights are cut so too, and :func:`zeroshard.gather` runs
+        manual over those axes as well). The fixed-order sums of ``deterministic=`` run
+        over the batch axes: there the state stays split over ``axis_name`` only."""
         return self.over((*self.config.axes, *self.other_axes(mesh, stage)))
 
     def other_axes(
         self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int
     ) -> tuple[str, ...]:
         """The axes of ``mesh`` that zeroshard's step splits the state over besides the
-        batch's (:meth:`for_step`; ``()`` at stage 3 and with ``deterministic=``): over
-        them the parameters keep their own layout."""
-        if stage == 3 or not self.config.sum_order.any_order:
+        batch's (:meth:`for_step`; ``()`` with ``deterministic=``): over them the
+        parameters keep their own layout."""
+        if not self.config.sum_order.any_order:
             return ()
         return tuple(a for a in mesh.axis_names if a not in self.config.batch_axes)
 
@@ -455,12 +455,15 @@ def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]
     return found
 
 
-def state_axes(opt_state: ShardedState) -> tuple[str, ...]:
+def state_axes(opt_state: ShardedState, params: PyTree = None) -> tuple[str, ...]:
     """The mesh axes a global :class:`zeroshard.ShardedState` is split over, as its
-    arrays are laid out: a step's, its optimizer's ``axis_name``; the one-line
-    drop-in's, every axis of its mesh but the replica axis (:meth:`Sharded.spanning`);
-    ``()`` where the layout says none (every axis of one device)."""
-    specs = [getattr(x.sharding, "spec", ()) for x in jax.tree.leaves(opt_state)]
+    arrays (and stage-3 ``params``' pieces, cut as it is, if given) are laid out: a
+    step's, its optimizer's ``axis_name``, and the mesh's other axes where the state
+    spans them; the one-line drop-in's, every axis of its mesh but the replica axis
+    (:meth:`Sharded.spanning`); ``()`` where the layout says none (every axis of one
+    device)."""
+    pieces = params if stage_of(params) == 3 else None
+    specs = [getattr(x.sharding, "spec", ()) for x in jax.tree.leaves((pieces, opt_state))]
     # (a sliced piece's last dimension; a split leaf's, then its blocks')
     blocks = lambda spec: axes_of(spec[-2]) if len(spec) > 1 and spec[-2] is not None else ()
     last = lambda spec: (*axes_of(spec[-1]), *blocks(spec))

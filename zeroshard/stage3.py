@@ -28,17 +28,20 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
-from zeroshard.collectives import all_gathered_parts, from_bits, is_identity
-from zeroshard.layout import Layout, PyTree, Slot
-from zeroshard.mesh import axis_of_step, current_step
+from zeroshard.collectives import all_gathered_parts, axes_of, from_bits, is_identity
+from zeroshard.layout import Layout, PyTree, Slot, Split
+from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
 
@@ -59,6 +62,9 @@ class Shard:
         :class:`zeroshard.layout.Slot`).
       align: ``0``, or the elements its piece's width is a multiple of (static; see
         :attr:`zeroshard.layout.Slot.align`).
+      split: ``None``, or how the leaf is split over the mesh's axes besides the
+        batch's, its piece being one of a block's (static; see
+        :class:`zeroshard.layout.Split`).
     """
 
     def __init__(
@@ -69,10 +75,11 @@ class Shard:
         stacked: int = 0,
         chunks: int = 0,
         align: int = 0,
+        split: Split | None = None,
     ):
         self.piece, self.dtype = piece, np.dtype(dtype)
         self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
-        self.align = int(align)
+        self.align, self._split = int(align), split
 
     @property
     def _dropped(self) -> int:
@@ -88,6 +95,14 @@ class Shard:
     def stacked(self) -> int:
         return self._stacked - max(0, min(self._dropped, self._stacked))
 
+    @property
+    def split(self) -> Split | None:
+        """The leaf's split (see the attributes), its dimension counted in :attr:`shape`."""
+        taken = self._stacked - self.stacked  # (layer axes a scan or an index took off)
+        if self._split is None:
+            return None
+        return dataclasses.replace(self._split, dim=self._split.dim - taken)
+
     def slot(self, num_shards: int) -> Slot:
         """The piece's geometry over ``num_shards`` devices.
 
@@ -98,6 +113,7 @@ class Shard:
         """
         dropped = self._dropped
         slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks, self.align)
+        slot = dataclasses.replace(slot, split=self.split)
         if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
             how = (
                 f"laid out with {self._stacked} stacked layer axes"
@@ -114,7 +130,8 @@ class Shard:
         return slot
 
     def tree_flatten(self):
-        return (self.piece,), (self._shape, self.dtype, self._stacked, self.chunks, self.align)
+        aux = (self._shape, self.dtype, self._stacked, self.chunks, self.align, self._split)
+        return (self.piece,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -194,10 +211,21 @@ def shard_specs(layout: Layout, axis_name: str) -> PyTree:
     )
 
 
+def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
+    """The parameters' own layout over ``axes`` (the mesh's axes besides the batch's),
+    a ``PartitionSpec`` per leaf: their arrays' (:func:`zeroshard.mesh.own_layout`),
+    or for stage-3 pieces how they are cut: a split leaf's by its blocks
+    (:class:`zeroshard.layout.Split`), ``P()`` for the others."""
+    if stage_of(params) < 3:
+        return own_layout(params, axes)
+    spec = lambda x: P() if x.split is None else x.split.leaf_spec(len(x.shape))
+    return jax.tree.map(spec, params, is_leaf=is_shard)
+
+
 def geometry(slot: Slot | Shard) -> tuple:
     """What a :class:`Shard` keeps of ``slot`` (or of another ``Shard``), after its
-    piece: shape, dtype, stacked layer axes, canonical chunks and alignment."""
-    return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align
+    piece: shape, dtype, stacked layer axes, canonical chunks, alignment and split."""
+    return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align, slot.split
 
 
 def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
@@ -240,23 +268,82 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     if is_marking():  # (a loss traced to read its gathers: zeroshard.analysis.reads)
         return treedef.unflatten(x if is_shard(x) else mark(x) for x in leaves)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
-    slots = {i: leaves[i].slot(jax.lax.axis_size(axis_name)) for i in shards}
     out, step = dict(enumerate(leaves)), current_step()
     gathered = exact_gather if step is None else step.gather
-    for dtype, whole in dict.fromkeys((leaves[i].dtype, is_held(leaves[i])) for i in shards):
-        group = [i for i in shards if (leaves[i].dtype, is_held(leaves[i])) == (dtype, whole)]
+    rest = () if step is None else step.rest
+    whole = lambda xs: wholes(xs, axis_name, rest, gathered)
+    if rest and shards:  # (pieces cut over the other axes too: manual over them as well)
+        whole = over_rest(whole, [leaves[i] for i in shards], axis_name, rest)
+    out.update(zip(shards, whole([leaves[i] for i in shards]), strict=True))
+    return treedef.unflatten(out.values())
+
+
+def wholes(
+    shards: list[Shard], axis_name: str, rest: tuple[str, ...], gathered: Callable[..., list]
+) -> list[jax.Array]:
+    """The full parameter of each of ``shards`` (one collective per dtype, by
+    ``gathered``, over ``axis_name``); :class:`Held` ones with no collective
+    (:func:`held`). With ``rest``, manual over those axes too, where the pieces are
+    cut over them as well: a split leaf's pieces give the device's block of it, the
+    others are first gathered over ``rest`` as invariant (a gradient arriving the same
+    on each of those devices is sliced there, not summed), one collective per dtype
+    for each of the two kinds."""
+    n = math.prod(jax.lax.axis_size(a) for a in (*axes_of(axis_name), *rest))
+    slots = [x.slot(n) for x in shards]
+    out: list[Any] = [None] * len(shards)
+    # (the split leaves' pieces vary over rest, the others' gathered there do not: apart)
+    kind = lambda x: (x.dtype, is_held(x), bool(rest) and x.split is None)
+    for key in dict.fromkeys(map(kind, shards)):
+        (dtype, whole, _), group = key, [k for k, x in enumerate(shards) if kind(x) == key]
         # (the pieces as given: float32 in a fixed-order step, so the gradients' sums
         # stay float32)
-        raw = [jnp.ravel(leaves[i].piece) for i in group]
+        raw = [jnp.ravel(shards[k].piece) for k in group]
         if whole:
-            fulls = [leaves[i].full for i in group]
-            every = held(raw, fulls, [slots[i] for i in group], axis_name, dtype, gathered)
-            out.update(zip(group, every, strict=True))
-            continue
-        every = every_piece(raw, axis_name, dtype, gathered)
-        for i, x in zip(group, every, strict=True):
-            out[i] = slots[i].uncut(x)
-    return treedef.unflatten(out.values())
+            fulls = [shards[k].full for k in group]
+            every = held(raw, fulls, [slots[k] for k in group], axis_name, dtype, gathered)
+        else:
+            raw = [within(p, slots[k], rest) for p, k in zip(raw, group, strict=True)]
+            every = every_piece(raw, axis_name, dtype, gathered)
+            every = [uncut(x, slots[k]) for x, k in zip(every, group, strict=True)]
+        for k, x in zip(group, every, strict=True):
+            out[k] = x
+    return out
+
+
+def within(piece: jax.Array, slot: Slot, rest: tuple[str, ...]) -> jax.Array:
+    """What this device gathers over the batch axes of its 1-D ``piece``: the piece
+    of a split leaf's block, or every device's piece along ``rest``, gathered as the
+    same on each (its transpose slices the gradient there instead of summing it)."""
+    if not rest or slot.split is not None:
+        return piece
+    return jax.lax.all_gather(piece, rest, tiled=True, to="invarying")
+
+
+def uncut(pieces: jax.Array, slot: Slot) -> jax.Array:
+    """The full leaf (a split leaf's block) from what :func:`within` gave of every
+    device along the batch axes (``(devices, width)``, row ``d`` from device ``d``)."""
+    if slot.split is not None:
+        return slot.block_slot.uncut(pieces)
+    return slot.uncut(pieces.reshape(slot.num_shards, -1))
+
+
+def over_rest(
+    whole: Callable[[list], list], shards: list[Shard], axis_name: str, rest: tuple[str, ...]
+) -> Callable[[list], list]:
+    """``whole`` run manual over the state's other axes ``rest`` too (in a step manual
+    over the batch axes only): each of ``shards`` comes in as this device's piece,
+    and leaves laid out over ``rest`` as the parameter is, a split leaf by its blocks,
+    another replicated."""
+    entry = rest[0] if len(rest) == 1 else rest
+    split = lambda x: x.split is not None
+    piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - split(x)), entry, *(None,) * split(x))
+    specs = [jax.tree.map(lambda _, x=x: piece(x), x) for x in shards]  # (x's own aux)
+    outs = [P() if x.split is None else x.split.leaf_spec(len(x.shape)) for x in shards]
+    mesh = jax.sharding.get_abstract_mesh()
+    many = math.prod(mesh.shape[a] for a in (*axes_of(axis_name), *rest)) > 1
+    return jax.shard_map(
+        whole, in_specs=(specs,), out_specs=outs, axis_names=set(rest), check_vma=many
+    )
 
 
 def every_piece(
@@ -359,7 +446,10 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     leaves = [x for x in jax.tree.leaves(anchor) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not leaves:
         return tree
-    zero = 0 * jnp.ravel(leaves[0])[0]
+    whole = [x for x in leaves if not any(getattr(jax.typeof(x).sharding, "spec", ()))]
+    if not whole:  # (each laid out over an Explicit axis, where one element cannot be cut)
+        return jax.lax.optimization_barrier((tree, leaves[0]))[0]
+    zero = 0 * jnp.ravel(whole[0])[0]
 
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)

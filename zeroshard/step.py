@@ -40,7 +40,7 @@ from zeroshard.mesh import (
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, check_blocks, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, shard_specs, to_shards
+from zeroshard.stage3 import full_structs, is_shard, layout_of, shard_specs, stage_of, to_shards
 from zeroshard.update import Route, updated
 
 
@@ -180,8 +180,9 @@ def laid_out_as(state: TrainState, specs: PyTree, mesh: jax.sharding.Mesh) -> Tr
     """``state`` with its weights laid out as ``specs`` say (a ``PartitionSpec`` per
     leaf, over the mesh's axes the batch is not split over: tensor parallelism's
     ``"model"``, say, as :class:`TrainStep` keeps them; ``P()`` leaves as they are)."""
-    if not any(any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        return state  # (none: as at stage 3, whose weights are pieces)
+    laid = any(any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+    if not laid or stage_of(state.params) == 3:  # (none; or stage 3's pieces, cut so already)
+        return state
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
     return state._replace(params=jax.tree.map(put, state.params, specs))
 
@@ -215,7 +216,11 @@ class TrainStep:
     underlying ``jax.jit`` function, ``jitted(state, batch, key, layout=None)``:
     ``layout``, static, is the parameters' layout over the mesh's other axes as a
     tuple of ``PartitionSpec`` (one per leaf) that the step returns them in; the call
-    reads it from ``state.params``, ``None`` returns them replicated.
+    reads it from ``state.params``, ``None`` returns them replicated. Where the state
+    spans the mesh's other axes, the step is jitted once per tree structure of the
+    state, returning it laid out as it was made (``out_shardings``: the types of a
+    mesh with Explicit and Auto axes say only the Explicit ones), and ``jitted`` is
+    the function of the state last stepped or lowered.
 
     ``per_device_loss`` (keyword; the NNX step's): where the step has no
     micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
@@ -272,8 +277,8 @@ class TrainStep:
         held = stage == 2 and not self.per_device_loss and self.opt.config.sum_order.any_order
         held = held and not self.rest  # (its pieces are over the batch axes)
         self.held_route = Route.of(self.opt.config, 2, accum_steps=k, held=True) if held else None
-        donated = (0,) if self.donate else ()
-        self.jitted = jax.jit(self._global_step, static_argnums=3, donate_argnums=donated)
+        self._jits: dict[Any, Any] = {}
+        self._last: Any = None
 
     def _local_step(self, state: TrainState, batch: PyTree, key: Key, layout: PyTree) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
@@ -307,7 +312,7 @@ class TrainStep:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
         params, opt_state = self._update(plan, route, parts, state, extra)
-        params = params if layout is None else laid_out(params, layout)
+        params = params if layout is None or self.stage == 3 else laid_out(params, layout)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
@@ -327,17 +332,18 @@ class TrainStep:
 
         if self.nested is None:
             return update(parts, state.opt_state, state.params, extra)
-        splits = plan.layout.splits
-        specs = keep_axes(self.state_specs(state.params, splits).opt_state, self.rest)
-        leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
+        specs = keep_axes(self.state_specs(state.params, plan.layout.splits), self.rest)
+        params = state.params
+        if self.stage < 3:  # (whole, or a split leaf's block; at stage 3, the pieces)
+            params = each_laid_out(params, specs.params)
         run = jax.shard_map(
             update,
-            in_specs=(self.nested.specs(plan), specs, leaves, P()),
-            out_specs=(leaves, specs),
+            in_specs=(self.nested.specs(plan), specs.opt_state, specs.params, P()),
+            out_specs=(specs.params, specs.opt_state),
             axis_names=set(self.rest),
             check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
         )
-        return run(parts, state.opt_state, each_laid_out(state.params, leaves), extra)
+        return run(parts, state.opt_state, params, extra)
 
     def state_specs(self, params: PyTree, splits: Mapping[int, Split] | None = None) -> TrainState:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
@@ -425,7 +431,7 @@ class TrainStep:
             check_vma=self.batch_parts > 1,
         )
         # zs.gather and zs.layer's default axis, and how they gather
-        with in_step(StepContext(self.axis_name, self.route.gather)):
+        with in_step(StepContext(self.axis_name, self.route.gather, self.rest)):
             return step(state, batch, key)
 
     def _place(self, batch: PyTree) -> PyTree:
@@ -445,18 +451,48 @@ class TrainStep:
         step (one compilation per layout), ``None`` where there are no such axes."""
         if not self.rest:
             return None
-        specs = own_layout(state.params, self.rest)
+        specs = layout_of(state.params, self.rest)
         return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
 
+    @property
+    def jitted(self) -> Any:
+        """The ``jax.jit`` function of the step (see the class's description)."""
+        return self._jits.get(self._last) or self._jitted_for(None, None)
+
+    def _jitted_for(self, state: TrainState | None, layout: tuple | None) -> Any:
+        """The jitted step for states shaped as ``state`` with the weights' ``layout``:
+        one for every state where the state spans the batch axes alone, else one per
+        tree structure and layout, returning the state laid out as :meth:`state_specs`
+        and ``layout`` say."""
+        key = None if state is None or not self.rest else (jax.tree.structure(state), layout)
+        if key not in self._jits:
+            options = dict(static_argnums=3, donate_argnums=(0,) if self.donate else ())
+            if key is not None:
+                options["out_shardings"] = (self._shardings(state, layout), None)
+            self._jits[key] = jax.jit(self._global_step, **options)
+        self._last = key
+        return self._jits[key]
+
+    def _shardings(self, state: TrainState, layout: tuple | None) -> TrainState:
+        """The ``NamedSharding`` of each leaf of ``state`` as the step returns it."""
+        params = jax.tree.structure(state.params).unflatten(layout)
+        specs = self.state_specs(state.params, self.splits(params))
+        specs = specs if self.stage == 3 else specs._replace(params=params)
+        named = lambda spec: NamedSharding(self.mesh, spec)
+        return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
+
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        state, metrics = self.jitted(state, self._place(batch), key, self._layout(state))
+        layout = self._layout(state)
+        step = self._jitted_for(state, layout)
+        state, metrics = step(state, self._place(batch), key, layout)
         return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
-        return self.jitted.lower(state, self._place(batch), key, self._layout(state))
+        layout = self._layout(state)
+        return self._jitted_for(state, layout).lower(state, self._place(batch), key, layout)
 
 
 def make_train_step(

@@ -128,7 +128,7 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
     if kind == "zeroshard":
         mesh_of(state)  # a TypeError unless it is laid out on a mesh
         # (stages 1-2 on a mesh with other axes: the state is split over those too)
-        return Parts(state, {}, tx.over(state_axes(state.opt_state)))
+        return Parts(state, {}, tx.over(state_axes(state.opt_state, state.params)))
     if not isinstance(core.opt_state, ShardedState):
         owner = "the TrainState" if kind == "linen" else "the optimizer"
         raise TypeError(
@@ -139,7 +139,8 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
     # (the one-line drop-in's state is split over every axis of its mesh)
     mesh = find_mesh(tx.config, core.opt_state, context=False, any_axes=True)
     step = jax.device_put(jnp.asarray(core.step, jnp.int32), NamedSharding(mesh, P()))
-    return Parts(core._replace(step=step), stored(extra), tx.over(state_axes(core.opt_state)))
+    axes = state_axes(core.opt_state, core.params)
+    return Parts(core._replace(step=step), stored(extra), tx.over(axes))
 
 
 def _is_key(x: Any) -> bool:
