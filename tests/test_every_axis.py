@@ -579,6 +579,36 @@ def test_stage_3_on_stacked_tensor_parallel_layers(make, rng):
     assert max(per_device_bytes(state.opt_state).values()) <= 1.10 * total / 8 + 64
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deterministic_on_a_tensor_parallel_mesh(stage, rng):
+    """deterministic=8 on jax's default (Explicit) N x 2 model mesh, the weights
+    column/row-parallel: the state split over all 2N devices (kernels block by block),
+    and the same bits on 4, 2 and 1 data devices (the model axis fixed: tensor
+    parallelism's own sums are the loss's); SGD gives plain optax's numbers."""
+    params, data = tp_params(rng), tp_batches(rng, 3)
+    loss = (lambda p, b: tp_step_loss(zs.gather(p), b)) if stage == 3 else tp_step_loss
+    inner = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))
+    got = {}
+    for n, tx_inner in [(4, inner), (2, inner), (1, inner), (4, optax.sgd(0.1))]:
+        mesh = jax.make_mesh((n, 2), ("data", "model"), devices=jax.devices()[: 2 * n])
+        tx = zs.sharded(tx_inner, deterministic=8)
+        state = zs.init_train_state(tp_placed(params, mesh), tx, mesh, stage=stage)
+        step = zs.make_train_step(loss, tx, mesh, stage=stage)
+        with jax.set_mesh(mesh):
+            for batch in data:
+                state, _ = step(state, batch)
+        logical = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+        if tx_inner is inner:
+            got[n] = logical
+            total = sum(x.nbytes for x in jax.tree.leaves(logical[1]))
+            assert max(per_device_bytes(state.opt_state).values()) <= 1.10 * total / (2 * n) + 64
+    for n in (2, 1):
+        for a, b in zip(jax.tree.leaves(got[n]), jax.tree.leaves(got[4]), strict=True):
+            np.testing.assert_array_equal(a, b)
+    expected = reference_run(tp_step_loss, optax.sgd(0.1), params, data)
+    assert_trees_close(logical[0], expected, 1e-5)
+
+
 def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng):
     """With int8 gradients the kernels' codes (an all_to_all per collective) go over
     "data" alone too: 4 devices' rows of a device's pieces of its blocks, one byte

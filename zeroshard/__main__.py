@@ -99,7 +99,7 @@ def plan(
     count = math.prod(devices.values()) if isinstance(devices, dict) else devices
     if loss is not None:  # (before JAX starts: the devices to plan for, simulated)
         jax.config.update("jax_num_cpu_devices", count)
-    from zeroshard.memory import device_counts, param_count, placement_table, plan_table
+    from zeroshard.memory import param_count, placement_table, plan_table, state_devices
 
     try:
         tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
@@ -117,7 +117,7 @@ def plan(
     )
     print(plan_table(tree, devices, param_dtype=param_dtype, optimizer=tx, param_specs=specs))
     if not isinstance(tree, float) and hasattr(tx, "init"):
-        n = device_counts(devices, 1, tx)[1]  # (stage 1: the devices its state is split over)
+        n = state_devices(devices, tx)
         print(f"\nplacement (zs.sharded):\n\n{placement_table(tree, n, tx, param_dtype)}")
     if loss_fn is not None:
         print(f"\n{peak_table(loss_fn, tree, batch, tx, devices, param_dtype, specs)}")

@@ -71,6 +71,12 @@ class Arrival:
 
     config: ShardConfig
 
+    def nested(self, rest: tuple[str, ...]) -> Arrival:
+        """This arrival run manual over the state's other axes ``rest`` too, in a step
+        manual over the batch axes (:class:`Nested`): itself, where summing the
+        gradients' copies over ``rest`` and dividing by every device gives the mean."""
+        return self
+
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
         accumulation)."""
@@ -196,6 +202,10 @@ class Pieces(Arrival):
 
     summed_over: tuple[str, ...] = ()
 
+    def nested(self, rest: tuple[str, ...]) -> Arrival:
+        batch = tuple(a for a in axes_of(self.config.axis_name) if a not in rest)
+        return dataclasses.replace(self, summed_over=batch)
+
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         return self.to_owners(plan, self.pieces(plan.layout, grads))
 
@@ -311,9 +321,17 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
     Attributes:
       order: the tree's (:data:`zeroshard.canonical.LOW` for a stage-1 step, whose
         devices bring the sums of their own micro-batches).
+      copies: ``()``, or the state's axes over which the gradients are copies (the
+        mesh's other axes, in a step nested over them): each device sums the rows of
+        its own index there, one copy of each batch device's, so the sum is the
+        fixed-order one over the batch axes alone.
     """
 
     order: str = canonical.HIGH
+    copies: tuple[str, ...] = ()
+
+    def nested(self, rest: tuple[str, ...]) -> Arrival:
+        return dataclasses.replace(self, copies=rest)
 
     def dtype(self, bucket: Any) -> Any:
         """Float32 for a stage-1 step (``LOW``): what travels are the devices' sums of
@@ -322,7 +340,12 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
         return jnp.float32 if self.order == canonical.LOW else super().dtype(bucket)
 
     def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
-        return canonical.summed_rows(blocks, axes or self.config.axis_name, self.order)
+        axes = axes_of(axes or self.config.axis_name)
+        if self.copies and set(self.copies) <= set(axes):  # (rows of devices, copies minor)
+            index, n = jax.lax.axis_index(self.copies), jax.lax.axis_size(self.copies)
+            blocks = [jnp.take(b.reshape(-1, n, b.shape[-1]), index, axis=1) for b in blocks]
+            axes = tuple(a for a in axes if a not in self.copies)
+        return canonical.summed_rows(blocks, axes, self.order)
 
     def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
         """Each unit of an owned leaf as this device's owned ``row`` holds it, where it
@@ -341,7 +364,7 @@ class CanonicalPieces(Canonical, Pieces):
     uses); the owned leaves' pieces then go to their owners."""
 
     def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
-        layout.check_matches(full_structs(grads), "gradients")
+        layout.check_matches(full_structs(grads), "gradients", full=True)
         return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
 
     def dtype(self, bucket: Any) -> Any:
@@ -379,11 +402,9 @@ class Nested:
     rest: tuple[str, ...]
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        axes, arrival = self.arrival.config.axis_name, self.arrival  # (all the state's)
+        axes, arrival = self.arrival.config.axis_name, self.arrival.nested(self.rest)
         if stage_of(grads) == 3:  # (the pieces' gradients, summed over the batch axes)
             specs = keep_axes(shard_specs(plan.layout, axes), self.rest)
-            batch = tuple(a for a in axes_of(axes) if a not in self.rest)
-            arrival = dataclasses.replace(arrival, summed_over=batch)
         else:
             specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
             grads = each_laid_out(grads, specs)

@@ -143,9 +143,10 @@ def leaf_part(x: jax.Array, slot: Slot) -> Part:
     x = x.astype(jnp.float32)
     if not slot.owned:
         local = slot.width // slot.chunk  # chunks per device
+        blocks = 1 if slot.split is None else slot.split.blocks  # (a split leaf's: in order)
 
-        def chunks(every: jax.Array) -> jax.Array:
-            per_layer = every.reshape(-1, slot.layers, local).swapaxes(0, 1)
+        def chunks(every: jax.Array) -> jax.Array:  # (rows: devices, a split leaf's blocks minor)
+            per_layer = every.reshape(-1, blocks, slot.layers, local).transpose(2, 1, 0, 3)
             return tree_sum(tree_sum(per_layer.reshape(slot.layers, -1), 1))
 
         return tree_sum(x.reshape(slot.layers, local, slot.chunk), 2).reshape(-1), chunks

@@ -1,47 +1,15 @@
 """Checks: the validators every step runs at trace time, with the fix in the message.
 
 The stage is one of 1, 2, 3; the batch splits evenly over the devices (and
-micro-batches); this jax can lower the step on the mesh's axis types. (The mesh's own
-checks are in :mod:`zeroshard.mesh`.)
+micro-batches). (The mesh's own checks are in :mod:`zeroshard.mesh`.)
 """
 
 from __future__ import annotations
 
-import math
-from functools import partial
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-
-
-def check_other_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> None:
-    """Refuses, with the fix, a mesh whose other Explicit axes this jax cannot lower a
-    reduce-scatter next to (jax 0.12.0.1 fails to lower it); probed, not assumed."""
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = [a for a, t in types.items() if a not in axes and t.name == "Explicit"]
-    if not explicit:
-        return
-    n = math.prod(mesh.shape[a] for a in axes)
-    scatter = partial(jax.lax.psum_scatter, axis_name=axes, tiled=True)
-    spec = P(axes)
-    probe = jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(axes))
-    try:
-        x = jax.ShapeDtypeStruct((n * n,), jnp.float32, sharding=NamedSharding(mesh, spec))
-        jax.jit(probe).lower(x)
-    except ValueError as e:
-        fixed = ", ".join(
-            f"AxisType.{'Auto' if a in explicit else t.name}" for a, t in types.items()
-        )
-        raise ValueError(
-            f"mesh axes {explicit} are AxisType.Explicit, and jax {jax.__version__} cannot "
-            f"lower a reduce-scatter over {axes} inside shard_map while another axis is "
-            "Explicit. Make the other axes Auto: jax.make_mesh(shape, names, "
-            f"axis_types=({fixed}))."
-        ) from e
 
 
 def check_stage(stage: int) -> None:

@@ -203,7 +203,7 @@ class NNXTrainStep:
         or loss scaling only; elsewhere ``error``, which the per-device step raised."""
         opt, options = optimizer_of(tx), self._options
         # (the drop-in's state must be laid out as the optimizer's: over the same axes)
-        same = opt.spanning(self.mesh).config.axes == opt.for_step(self.mesh, 1).config.axes
+        same = opt.spanning(self.mesh).config.axes == opt.for_step(self.mesh).config.axes
         plain = options["stage"] == 1 and options["accum_steps"] == 1
         if not (plain and opt.config.loss_scale is None and same):
             error.add_note(
@@ -285,8 +285,8 @@ class _WholeMeshStep:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        own = own_layout(state.params, self.opt.other_axes(self.mesh, 1))
-        splits = tuple(self.opt.splits(self.mesh, 1, own).items())
+        own = own_layout(state.params, self.opt.other_axes(self.mesh))
+        splits = tuple(self.opt.splits(self.mesh, own).items())
         return self.jitted(state, jax.device_put(batch, rows), splits)
 
 

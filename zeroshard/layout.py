@@ -255,7 +255,7 @@ class Slot:
         split = self.split
         shape = tuple(d // split.blocks if k == split.dim else d for k, d in enumerate(self.shape))
         n = self.num_shards // split.blocks
-        return Slot.of(shape, self.dtype, n, self.stacked, 0, self.align)
+        return Slot.of(shape, self.dtype, n, self.stacked, self.chunks // split.blocks, self.align)
 
     @property
     def moved(self) -> Slot:
@@ -273,7 +273,10 @@ class Slot:
     @property
     def chunk(self) -> int:
         """Elements of one canonical chunk of a layer (with ``chunks``; else the width),
-        a multiple of :attr:`align`."""
+        a multiple of :attr:`align`; a split leaf's are its blocks' (``chunks`` over
+        the blocks, the blocks in order)."""
+        if self.split is not None:
+            return self.block_slot.chunk
         chunk = -(-math.prod(self.shape[self.stacked :]) // (self.chunks or self.num_shards))
         return -(-chunk // self.align) * self.align if self.align else chunk
 

@@ -283,10 +283,10 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     """
     opt, mesh, stage = optimizer_of(tx), mesh_of(state), stage_of(state.params)
     tx = tx.over(state_axes(state.opt_state, state.params))
-    rest = opt.other_axes(mesh, stage)
+    rest = opt.other_axes(mesh)
     # (kept block by block where the state is over those axes: none where nothing is kept,
     # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = opt.splits(mesh, stage, layout_of(state.params, rest))
+    splits = opt.splits(mesh, layout_of(state.params, rest))
     splits = splits if set(rest) <= set(tx.config.axes) else {}
     structs, num_shards = full_structs(state.params), mesh_size(mesh, tx.axis_name)
     plan = tx.plan(structs, num_shards, splits)
@@ -383,11 +383,11 @@ def from_optax_state(
     """
     opt = optimizer_of(tx)
     check_mesh(opt.config, mesh, axis_name)
-    rest = opt.other_axes(mesh, stage)
+    rest = opt.other_axes(mesh)
     specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
     own = keep_axes(specs, rest)
-    splits = opt.splits(mesh, stage, own)
-    tx = tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
+    splits = opt.splits(mesh, own)
+    tx = tx.for_step(mesh)  # (stages 1-2: over the mesh's other axes too)
     axis_name = tx.axis_name
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)

@@ -164,7 +164,7 @@ def estimate_memory(
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
-    n = device_counts(num_devices, stage, optimizer)[1]
+    n = state_devices(num_devices, optimizer)
     psi = param_count(params_or_count)
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
@@ -195,7 +195,7 @@ def _laid_out_bytes(
     0, plain data parallelism, over all of them)."""
     tx = tx if isinstance(tx, ShardedTransformation) else sharded(optax.identity())
     if stage == 3:
-        return param_count(params) * itemsize / device_counts(shape, 3, tx)[1]
+        return param_count(params) * itemsize / state_devices(shape, tx)
     specs = own_layout(params, shape) if specs is None else specs
     batch = () if stage == 0 else tx.config.batch_axes
     split = lambda spec: math.prod(
@@ -208,12 +208,10 @@ def _laid_out_bytes(
     )
 
 
-def device_counts(
-    num_devices: int | Mapping[str, int], stage: int, optimizer: Any = None
-) -> tuple[int, int]:
-    """``(N over the batch's sharding axes, N the state is split over)`` for
-    :func:`estimate_memory`'s ``num_devices`` (a count: both; a mesh shape: as
-    zeroshard's step lays a ``stage`` out on it, for ``optimizer``'s axes).
+def state_devices(num_devices: int | Mapping[str, int], optimizer: Any = None) -> int:
+    """The devices the state is split over for :func:`estimate_memory`'s
+    ``num_devices`` (a count: itself; a mesh shape: as zeroshard's step lays the state
+    out on it, every axis but the replica axis of ``optimizer``).
 
     Raises:
       ValueError: for a count below one, or a mesh shape without the axes.
@@ -221,11 +219,11 @@ def device_counts(
     if not isinstance(num_devices, Mapping):
         if num_devices < 1:
             raise ValueError(f"num_devices must be positive, got {num_devices!r}.")
-        return num_devices, num_devices
+        return num_devices
     tx = optimizer if isinstance(optimizer, ShardedTransformation) else sharded(optax.identity())
     mesh = jax.sharding.AbstractMesh(tuple(num_devices.values()), tuple(num_devices))
     check_mesh_axes(mesh, tx.axis_name, tx.config.replica_axis)
-    return mesh_size(mesh, tx.axis_name), mesh_size(mesh, tx.for_step(mesh, stage).axis_name)
+    return mesh_size(mesh, tx.for_step(mesh).axis_name)
 
 
 class StepMemory(NamedTuple):

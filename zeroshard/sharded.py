@@ -71,7 +71,7 @@ class Sharded:
         return _plan(self, layout)
 
     def splits(
-        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int, specs: PyTree
+        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, specs: PyTree
     ) -> dict[int, Split]:
         """The leaves whose state zeroshard's step on ``mesh`` keeps by Megatron's rule
         (:class:`zeroshard.layout.Split`), by index: those that ``specs`` (the weights'
@@ -80,7 +80,7 @@ class Sharded:
         reduce-scattered, and their weights all-gathered, over the batch axes only,
         within the device's block; the other leaves are gathered whole for the update.
         (The layout module keeps a split only for a leaf it can cut block by block.)"""
-        rest, config = self.other_axes(mesh, stage), self.config
+        rest, config = self.other_axes(mesh), self.config
         if not rest:
             return {}
         blocks, found = mesh_size(mesh, rest), {}
@@ -109,24 +109,18 @@ class Sharded:
         whatever the parameters' own layout over it (tensor parallelism, FSDP)."""
         return self.over(tuple(a for a in mesh.axis_names if a != self.config.replica_axis))
 
-    def for_step(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int) -> Sharded:
+    def for_step(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Sharded:
         """This optimizer as zeroshard's step on ``mesh`` lays its state out: over its
-        ``axis_name`` and, in stages 1 and 2, over every other axis of ``mesh`` but the
-        replica axis too (a tensor-parallel ``"model"`` axis, say: the step's update
-        then runs manual over those axes as well, each device updating 1/N of every
-        leaf; at stage 3 its weights are cut so too, and :func:`zeroshard.gather` runs
-        manual over those axes as well). The fixed-order sums of ``deterministic=`` run
-        over the batch axes: there the state stays split over ``axis_name`` only."""
-        return self.over((*self.config.axes, *self.other_axes(mesh, stage)))
+        ``axis_name`` and over every other axis of ``mesh`` but the replica axis too (a
+        tensor-parallel ``"model"`` axis, say: the step's update then runs manual over
+        those axes as well, each device updating 1/N of every leaf; at stage 3 its
+        weights are cut so too, and :func:`zeroshard.gather` runs manual over those
+        axes as well)."""
+        return self.over((*self.config.axes, *self.other_axes(mesh)))
 
-    def other_axes(
-        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, stage: int
-    ) -> tuple[str, ...]:
+    def other_axes(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> tuple[str, ...]:
         """The axes of ``mesh`` that zeroshard's step splits the state over besides the
-        batch's (:meth:`for_step`; ``()`` with ``deterministic=``): over them the
-        parameters keep their own layout."""
-        if not self.config.sum_order.any_order:
-            return ()
+        batch's (:meth:`for_step`): over them the parameters keep their own layout."""
         return tuple(a for a in mesh.axis_names if a not in self.config.batch_axes)
 
     def over(self, axes: tuple[str, ...]) -> Sharded:
@@ -152,7 +146,7 @@ class Sharded:
         ``tx.update`` are traced. A split leaf's mean gradient is cut within its block,
         and its new weights all-gathered over the batch axes only. On Auto axes a
         traced array carries no layout: every leaf is gathered whole."""
-        return self.splits(mesh, 1, typed_layout(params, self.other_axes(mesh, 1)))
+        return self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
 
     def init_local(
         self,
@@ -390,9 +384,9 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         """The drop-in's transformation on ``mesh`` (see :meth:`Sharded.spanning`)."""
         return self.over(self.optimizer.spanning(mesh).config.axes)
 
-    def for_step(self, mesh: jax.sharding.Mesh, stage: int) -> ShardedTransformation:
+    def for_step(self, mesh: jax.sharding.Mesh) -> ShardedTransformation:
         """Zeroshard's step's transformation on ``mesh`` (see :meth:`Sharded.for_step`)."""
-        return self.over(self.optimizer.for_step(mesh, stage).config.axes)
+        return self.over(self.optimizer.for_step(mesh).config.axes)
 
     def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
         """This transformation with its state split over ``axes`` (see

@@ -24,7 +24,7 @@ from zeroshard import held, step_io
 from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
-from zeroshard.checks import check_other_axes, check_stage
+from zeroshard.checks import check_stage
 from zeroshard.collectives import mesh_size
 from zeroshard.layout import PyTree, Split
 from zeroshard.mesh import (
@@ -133,13 +133,13 @@ def init_train_state(
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    given, tx = tx, tx.for_step(mesh, stage)  # (stages 1-2: over the mesh's other axes too)
+    given, tx = tx, tx.for_step(mesh)  # (stages 1-2: over the mesh's other axes too)
     axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
-    rest = optimizer_of(given).other_axes(mesh, stage)
+    rest = optimizer_of(given).other_axes(mesh)
     own = own_layout(params, rest) if param_specs is None else keep_axes(param_specs, rest)
-    splits = optimizer_of(given).splits(mesh, stage, own)
+    splits = optimizer_of(given).splits(mesh, own)
     specs = state_specs(tx, structs, num_shards, stage, splits)
     plan = tx.plan(structs, num_shards, splits)
     copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
@@ -250,11 +250,9 @@ class TrainStep:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         # The state's axes: the batch's, and in stages 1-2 the mesh's others (e.g. a
         # tensor-parallel "model" axis), over which the update runs manual too (rest).
-        self.state_tx = self.tx.for_step(self.mesh, stage)
+        self.state_tx = self.tx.for_step(self.mesh)
         self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
-        self.rest = self.opt.other_axes(self.mesh, stage)
-        if not self.rest:  # (the update runs manual over every axis it reduces over)
-            check_other_axes(self.mesh, axes)
+        self.rest = self.opt.other_axes(self.mesh)
         self.route = Route.of(self.state_tx.config, stage, accum_steps=k)
         # With other axes, the micro-batches run over the batch axes and the gradients
         # arrive manual over those axes too (nested; so does the update).
@@ -354,7 +352,7 @@ class TrainStep:
     def splits(self, layout: PyTree) -> dict[int, Split]:
         """The leaves whose state this step keeps block by block, for the parameters'
         ``layout`` over the mesh's other axes (:meth:`zeroshard.Sharded.splits`)."""
-        return {} if layout is None else self.opt.splits(self.mesh, self.stage, layout)
+        return {} if layout is None else self.opt.splits(self.mesh, layout)
 
     def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
         """Whether this stage-2 step hands its loss :class:`zeroshard.stage3.Held` leaves
@@ -426,9 +424,9 @@ class TrainStep:
             in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
             axis_names=set(self.opt.config.batch_axes),
-            # On one device nothing is reduced or gathered: without the varying types,
+            # On one device (of the state) nothing is reduced or gathered: without the types,
             # the gradients are not all-reduced for us and the collectives are left out.
-            check_vma=self.batch_parts > 1,
+            check_vma=self.num_shards > 1,
         )
         # zs.gather and zs.layer's default axis, and how they gather
         with in_step(StepContext(self.axis_name, self.route.gather, self.rest)):

@@ -310,7 +310,7 @@ def restore_item(
         skipped=saved.get("skipped_steps", 0),
         loss_scale=scale,
         model_state=restored.get("model_state"),
-        param_specs=own_layout(given, optimizer_of(tx).other_axes(mesh, stage)),
+        param_specs=own_layout(given, optimizer_of(tx).other_axes(mesh)),
     )
     return state, restored.get("extra", {})
 
