@@ -180,6 +180,15 @@ def test_refused_where_the_bits_cannot_agree():
         step(state, jax.tree.map(lambda x: x[:12], data(0, 1)[0]))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="zs.make_train_step"):
         tx.update(params, tx.init(params), params)
+    # The state spans a mesh's other axes too: its devices must divide the chunks.
+    two_d = jax.make_mesh((2, 4), ("data", "model"))
+    for parts, fix in ((4, "deterministic=8 or a larger"), (8, None)):
+        tx = zs.sharded(optax.sgd(0.1), deterministic=parts)
+        if fix is None:
+            zs.make_train_step(loss_fn, tx, two_d)
+            continue
+        with pytest.raises(ValueError, match=f"split over the 8 devices.*{fix}"):
+            zs.make_train_step(loss_fn, tx, two_d)
 
 
 def test_the_nnx_step_is_bit_identical_on_1_2_8_devices():

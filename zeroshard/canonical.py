@@ -216,6 +216,20 @@ class FixedOrder(Psum):
             "depends on the device count."
         )
 
+    def check_devices(self, num_shards: int, axes: str | tuple[str, ...]) -> None:
+        if self.parts % num_shards:
+            fix = (
+                f"pass deterministic={num_shards} or a larger power of two"
+                if num_shards & (num_shards - 1) == 0
+                else "no power of two is a multiple of it, so use a power-of-two mesh"
+            )
+            raise ValueError(
+                f"deterministic={self.parts} cuts every layer into {self.parts} chunks, a "
+                f"whole number of them per device of the state, which is split over the "
+                f"{num_shards} devices of {axes!r} (the batch's axes and the mesh's others): "
+                f"{fix}."
+            )
+
     def made_whole(self, sums: Any, xs: list, axis: str) -> list:
         """The operands as they are: each partial sum is taken as the leaf's total in
         the fixed order (:meth:`total`)."""

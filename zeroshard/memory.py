@@ -142,7 +142,7 @@ def estimate_memory(
         transformation), and the state, stage 2's gradients and stage 3's weights
         over every axis but the replica axis
         (:meth:`zeroshard.sharded.Sharded.for_step`; the one-line drop-in splits its
-        state so too; with ``deterministic=``, over the batch's axes only).
+        state so too).
       stage: 0 (plain data parallelism), 1, 2 or 3.
       param_dtype: the compute dtype of parameters and gradients.
       master_dtype: the master weights' dtype (``None``: no master).

@@ -264,6 +264,7 @@ class TrainStep:
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
+        self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
         self.per_device_loss = (
             self.per_device_loss
             and type(self.route.loop) is OneBatch

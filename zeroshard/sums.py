@@ -43,9 +43,8 @@ class Psum:
     Attributes:
       chunks: the canonical chunks a leaf's layers are cut into (none: ``0``).
       any_order: whether sums may run in any order, so alike leaves may be updated
-        as one buffer, a whole-tensor update may run on blocks, a step's state may
-        span the mesh's axes the batch is not split over, and a stage-2 step may
-        reduce its gradients layer by layer (:mod:`zeroshard.held`).
+        as one buffer, a whole-tensor update may run on blocks, and a stage-2 step
+        may reduce its gradients layer by layer (:mod:`zeroshard.held`).
       rewrites: whether the inner update is evaluated equation by equation even
         where no sum needs making whole.
     """
@@ -60,6 +59,10 @@ class Psum:
 
     def check_drop_in(self) -> None:
         """Refuses an order the user's own step cannot keep (none here)."""
+
+    def check_devices(self, num_shards: int, axes: str | tuple[str, ...]) -> None:
+        """Refuses a state over ``num_shards`` devices (of ``axes``) that this order's
+        chunks cannot be cut over (none here)."""
 
     def made_whole(self, sums: Any, xs: list, axis: str) -> list:
         """Operands whose partial sums (``sums.summed``) are summed over ``axis``."""
