@@ -386,11 +386,12 @@ class Nested:
     manual over the batch axes only. There each leaf's gradient is whole (the loss's
     own layout over ``rest`` undone) and the same on every device of ``rest``; cast to
     vary over them, its copies summed over every device of the state and divided by
-    their count give the mean over the batch axes. A split leaf's
-    (:class:`zeroshard.layout.Split`) stays the device's block, reduced over the batch
-    axes alone. At stage 3 the gradients are the :class:`zeroshard.Shard` pieces',
-    cut over ``rest`` too and summed over the batch axes by their gather's transpose
-    (see :attr:`Pieces.summed_over`). The parts come back 1/N of every
+    their count give the mean over the batch axes (the fixed-order sums take one copy
+    of each instead). A split leaf's (:class:`zeroshard.layout.Split`) stays the
+    device's block, reduced over the batch axes alone. At stage 3 the gradients are
+    the :class:`zeroshard.Shard` pieces', cut over ``rest`` too and summed over the
+    batch axes by their gather's transpose. How each kind runs so is its own
+    (:meth:`Arrival.nested`). The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
 
     Attributes:

@@ -387,7 +387,7 @@ def from_optax_state(
     specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
     own = keep_axes(specs, rest)
     splits = opt.splits(mesh, own)
-    tx = tx.for_step(mesh)  # (stages 1-2: over the mesh's other axes too)
+    tx = tx.for_step(mesh)  # (over the mesh's other axes too)
     axis_name = tx.axis_name
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)

@@ -132,7 +132,7 @@ class StepContext(NamedTuple):
         over when not told.
       gather: how they gather (:attr:`zeroshard.update.Route.gather`).
       rest: the state's axes besides the batch's (tensor parallelism's ``"model"``,
-        say), over which the pieces are cut too (:func:`zeroshard.stage3.gather`).
+        say), over which the pieces are cut too (:func:`zeroshard.gather`).
     """
 
     axis_name: str

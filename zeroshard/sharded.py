@@ -530,9 +530,9 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         (``optax.apply_if_finite``) is refused with a ``ValueError``.
       **options: the keywords below.
       axis_name: the mesh axis the batch (and the state) is split over, or a tuple of
-        axes (``("data", "fsdp")``): split over all of them. In zeroshard's step,
-        stages 1 and 2 split the state over the mesh's other axes too (a
-        tensor-parallel ``"model"``, say: :meth:`Sharded.for_step`); where
+        axes (``("data", "fsdp")``): split over all of them. zeroshard's step
+        splits the state over the mesh's other axes too (a tensor-parallel
+        ``"model"``, say: :meth:`Sharded.for_step`); where
         ``update`` takes the mean gradient (the one-line drop-in), the state is split
         over every axis of the mesh but ``replica_axis``, and ``axis_name`` need not
         name one of them (:meth:`Sharded.spanning`).

@@ -3,7 +3,8 @@
 ``init_train_state`` lays the state out on the mesh (optimizer state and master
 weights sharded; parameters in the compute dtype, replicated over the batch axes for
 stages 1 and 2 (keeping their own layout over the mesh's other axes) and
-sharded for stage 3); ``make_train_step`` returns a jitted ``shard_map`` step for a
+sharded for stage 3 (over every device, a tensor-parallel weight within its
+blocks)); ``make_train_step`` returns a jitted ``shard_map`` step for a
 ZeRO stage, with optional gradient accumulation, that donates the state.
 """
 
@@ -133,7 +134,7 @@ def init_train_state(
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    given, tx = tx, tx.for_step(mesh)  # (stages 1-2: over the mesh's other axes too)
+    given, tx = tx, tx.for_step(mesh)  # (over the mesh's other axes too)
     axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
@@ -248,8 +249,8 @@ class TrainStep:
         check_stage(stage)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
-        # The state's axes: the batch's, and in stages 1-2 the mesh's others (e.g. a
-        # tensor-parallel "model" axis), over which the update runs manual too (rest).
+        # The state's axes: the batch's, and the mesh's others (e.g. a tensor-parallel
+        # "model" axis), over which the update runs manual too (rest).
         self.state_tx = self.tx.for_step(self.mesh)
         self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
         self.rest = self.opt.other_axes(self.mesh)

@@ -127,7 +127,7 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
     kind, (core, extra, tx) = _split(state, tx)
     if kind == "zeroshard":
         mesh_of(state)  # a TypeError unless it is laid out on a mesh
-        # (stages 1-2 on a mesh with other axes: the state is split over those too)
+        # (on a mesh with other axes the state is split over those too)
         return Parts(state, {}, tx.over(state_axes(state.opt_state, state.params)))
     if not isinstance(core.opt_state, ShardedState):
         owner = "the TrainState" if kind == "linen" else "the optimizer"
