@@ -538,10 +538,10 @@ def test_stage_3_gathers_a_tensor_parallel_leaf_within_its_shard(rng):
 def stacked_tp_loss(params, batch):
     """A scan over stacked column/row-parallel layers (residual), then a bias; at
     stage 3 each layer is gathered inside the scan by zs.layer."""
-    explicit = "model" in jax.sharding.get_abstract_mesh().axis_names
+    on_mesh = "model" in jax.sharding.get_abstract_mesh().axis_names
 
     def block(w, x):
-        if not explicit:  # (the one-device reference)
+        if not on_mesh:  # (the one-device reference)
             return x + jax.nn.relu(x @ w["up"]) @ w["down"]
         h = jax.nn.relu(x @ reshard(w["up"], P(None, "model")))
         return x + jnp.dot(h, reshard(w["down"], P("model", None)), out_sharding=P())
