@@ -407,7 +407,7 @@ def from_optax_state(
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     args = (params, opt_state, *counters, loss_scale, model_state)
     state = run_on_mesh(local, mesh, axis_name, (in_specs, out_specs), *args)
-    return laid_out_as(state, own, mesh)
+    return state if stage == 3 else laid_out_as(state, own, mesh)  # (pieces: cut so already)
 
 
 def _from_logical_local(

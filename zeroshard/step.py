@@ -41,7 +41,7 @@ from zeroshard.mesh import (
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedState, ShardedTransformation, check_blocks, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, layout_of, shard_specs, stage_of, to_shards
+from zeroshard.stage3 import full_structs, is_shard, layout_of, shard_specs, to_shards
 from zeroshard.update import Route, updated
 
 
@@ -181,9 +181,8 @@ def laid_out_as(state: TrainState, specs: PyTree, mesh: jax.sharding.Mesh) -> Tr
     """``state`` with its weights laid out as ``specs`` say (a ``PartitionSpec`` per
     leaf, over the mesh's axes the batch is not split over: tensor parallelism's
     ``"model"``, say, as :class:`TrainStep` keeps them; ``P()`` leaves as they are)."""
-    laid = any(any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
-    if not laid or stage_of(state.params) == 3:  # (none; or stage 3's pieces, cut so already)
-        return state
+    if not any(any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        return state  # (none)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)) if any(spec) else x
     return state._replace(params=jax.tree.map(put, state.params, specs))
 
