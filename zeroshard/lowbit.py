@@ -48,12 +48,12 @@ long); right on average in ``1 / sqrt(v)``, each read is right but the state
 drifts up (steps too short). Right in ``v ** (1/4)``, between the two, they cancel
 where measured (``benchmarks/lowbit.py --fidelity``). A positive square root is
 never coded as zero (below the grid it is coded as its smallest point: Adam
-divides by it). The random number is a hash of the
-value's bits, its place in its block and its block's largest value
-(:func:`uniform`): every device computes the same codes from the same values, so
-with ``deterministic=`` the codes are the same on every device count; without it
-the float32 state differs in its last bits between device counts, and an element
-whose bits differ may round to the other neighbour. Decoding and encoding again
+divides by it). The random number is a hash of the value's bits, its place in its
+block and its block's largest value (:func:`uniform`): every device computes the
+same codes from the same values, so with ``deterministic=`` the codes are the same
+on every device count; without it the float32 state differs between device counts
+(as plain optax's does), and an element whose bits differ may round to the other
+neighbour. Decoding and encoding again
 gives the same codes (a checkpoint holds the decoded state, and restores the codes).
 """
 
