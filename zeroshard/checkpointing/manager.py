@@ -172,7 +172,11 @@ class CheckpointManager:
 
         tx = self._require_tx()
         step = int(state.step)
-        if step in self.all_steps():
+        # (orbax's manager is made here on every process alike: whether the directory
+        # exists yet is a race between processes, one of which creates it, and
+        # managers made with and without `create` wait at different barriers)
+        manager = self._orbax(create=True)
+        if step in manager.all_steps():
             raise ValueError(
                 f"step {step} is already saved in {self.directory}; nothing was overwritten."
             )
@@ -180,7 +184,7 @@ class CheckpointManager:
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(item), METADATA_ITEM: ocp.args.JsonSave(metadata)}
         )
-        return self._orbax(create=True).save(step, args=args, force=force)
+        return manager.save(step, args=args, force=force)
 
     def restore(
         self,
