@@ -21,12 +21,13 @@ steps) per run and its mean over the seeds, and plots the mean curves (``--plot`
 
 Fidelity (``--fidelity``, instead of convergence): float32 Adam trains each model
 (seed 0, the same optimizer and batches); beside it, fed the same gradients at the
-same weights, the same optimizer with 8-bit and 4-bit state (the one-line drop-in)
-updates its own coded state, on one device. Prints, per model and bits, the coded update's error
-``|v - u| / |u|`` and its length along float32's update ``<v, u> / <u, u>`` (above 1:
-longer steps), their mean over steps 20 to the last, and, at steps 10, 100 and the
-last, the share of the float32 state's coded elements below the smallest point of
-their block's grid. Deterministic: no trajectory of its own, so no seed noise.
+same weights, the same optimizer with 8-bit and 4-bit state (the one-line drop-in,
+on one device) updates its own coded state. Prints, per model and bits, the coded
+update's error ``|v - u| / |u|`` and its length along float32's update ``<v, u> /
+<u, u>`` (above 1: longer steps), their mean over steps 20 to the last, and, at steps
+10, 100 and the last, the share of the float32 state's coded elements below the
+smallest point of their block's grid. Deterministic: no trajectory of its own, so no
+seed noise.
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ def print_fidelity(args: argparse.Namespace, name: str, model: SimpleNamespace) 
         return optax.apply_updates(params, u), new, stats
 
     rows, below = {8: [], 4: []}, []
-    # (on one device: the codes are the same on every device count, and XLA's CPU
-    # runtime may order two optimizers' independent collectives differently per device)
+    # (on one device: the codes are the same on every device count, and on 8 simulated
+    # CPU devices two drop-in optimizers in one jit deadlocked in XLA's collectives)
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         params = model.params
         states = {32: inner.init(params)} | {b: tx.init(params) for b, tx in coded.items()}
