@@ -73,7 +73,8 @@ def main() -> None:
             print_fidelity(args, name, MODELS[name][1](args, 0))
         return
     # (each run's losses are kept in a file as it ends: a later call adds to them)
-    path = pathlib.Path(__file__).parent / "results" / f"lowbit_{args.data}_{args.steps}.json"
+    results = f"lowbit_{args.data}_{args.steps}_n{args.devices}.json"
+    path = pathlib.Path(__file__).parent / "results" / results
     curves = json.loads(path.read_text()) if path.exists() else {}
     for name in args.models:
         for bits in args.bits:
