@@ -255,7 +255,7 @@ def below_grid(state) -> dict[str, float]:
         for bits in (8, 4):
             store = LowBit(bits)
             grid = store.unsigned if moment == "nu" else store.signed
-            smallest = 2.0 ** ((1 - grid.levels) / grid.per_binade)
+            smallest = float(grid.decode(np.array(1)))  # (the grid's smallest point)
             below, held = 0, 0
             for x in jax.tree.leaves(tree[1]):
                 per_layer = x[0].size if x.ndim == 3 else x.size

@@ -53,8 +53,8 @@ block and its block's largest value (:func:`uniform`): every device computes the
 same codes from the same values, so with ``deterministic=`` the codes are the same
 on every device count; without it the float32 state differs between device counts
 (as plain optax's does), and an element whose bits differ may round to the other
-neighbour. Decoding and encoding again
-gives the same codes (a checkpoint holds the decoded state, and restores the codes).
+neighbour. Decoding and encoding again gives the same codes (a checkpoint holds the
+decoded state, and restores the codes).
 """
 
 from __future__ import annotations
