@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from flax.training import train_state
+from helpers import per_device_bytes
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,14 +54,6 @@ def token_batches(mesh, steps=STEPS):
 
 def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def per_device_bytes(tree):
-    held = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return held
 
 
 def assert_spread(opt_state, plain_opt_state):
@@ -193,29 +186,29 @@ ONE_LINE = {  # optimizer = ... for a program on ``mesh``, with and without mesh
 
 
 @pytest.fixture(scope="module")
-def plain_linen(tmp_path_factory):
-    """Plain optax's run of the Linen program, per mesh."""
+def plain(tmp_path_factory):
+    """Plain optax's run of a program (``linen_run``, ``nnx_run``), once per mesh."""
     runs = {}
 
-    def run(kind):
-        if kind not in runs:
-            path = tmp_path_factory.mktemp(f"plain_{kind}")
-            runs[kind] = linen_run(lambda m: optax.adamw(1e-2), mesh_of(kind), path)
-        return runs[kind]
+    def run(program, kind):
+        if (program, kind) not in runs:
+            path = tmp_path_factory.mktemp(f"plain_{program.__name__}_{kind}")
+            runs[program, kind] = program(lambda m: optax.adamw(1e-2), mesh_of(kind), path)
+        return runs[program, kind]
 
     return run
 
 
 @pytest.mark.parametrize("line", ONE_LINE)
 @pytest.mark.parametrize("kind", MESHES)
-def test_a_linen_program_with_logical_axis_rules(kind, line, plain_linen, tmp_path):
+def test_a_linen_program_with_logical_axis_rules(kind, line, plain, tmp_path):
     """Only the optimizer line changed: 1/8 of plain optax's state on every device,
     plain optax's losses, the parameters laid out by their annotations, and the
     program's checkpoint restored continues bit for bit. Without mesh=, the program
     sets its mesh with jax.set_mesh (the tx.init that jax.eval_shape traces has no
     other way to know it; test_without_any_mesh_init_says_how_to_give_it)."""
     mesh = mesh_of(kind)
-    _, plain, plain_losses, _ = plain_linen(kind)
+    _, plain_state, plain_losses, _ = plain(linen_run, kind)
     if line == "mesh=":
         program, state, losses, (resumed, again) = linen_run(ONE_LINE[line], mesh, tmp_path)
     else:
@@ -223,9 +216,9 @@ def test_a_linen_program_with_logical_axis_rules(kind, line, plain_linen, tmp_pa
             program, state, losses, (resumed, again) = linen_run(ONE_LINE[line], mesh, tmp_path)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     assert losses[-1] < losses[0] - 0.1  # (real updates)
-    assert_spread(state.opt_state, plain.opt_state)
+    assert_spread(state.opt_state, plain_state.opt_state)
     for got, want, annotated in zip(
-        *(jax.tree.leaves(t) for t in (state.params, plain.params, program.shardings.params)),
+        *(jax.tree.leaves(t) for t in (state.params, plain_state.params, program.shardings.params)),
         strict=True,
     ):
         assert got.sharding.is_equivalent_to(annotated, got.ndim)
@@ -335,30 +328,16 @@ def nnx_run(make_optimizer, mesh, tmp_path):
     return (model, optimizer), created, losses, (restored, again)
 
 
-@pytest.fixture(scope="module")
-def plain_nnx(tmp_path_factory):
-    """Plain optax's run of the NNX program, per mesh."""
-    runs = {}
-
-    def run(kind):
-        if kind not in runs:
-            path = tmp_path_factory.mktemp(f"plain_nnx_{kind}")
-            runs[kind] = nnx_run(lambda m: optax.adamw(1e-2), mesh_of(kind), path)
-        return runs[kind]
-
-    return run
-
-
 @pytest.mark.parametrize("line", ONE_LINE)
 @pytest.mark.parametrize("kind", MESHES)
-def test_an_nnx_program_lays_the_optimizer_out_by_its_metadata(kind, line, plain_nnx, tmp_path):
+def test_an_nnx_program_lays_the_optimizer_out_by_its_metadata(kind, line, plain, tmp_path):
     """nnx.Optimizer's state constrained to nnx.get_partition_spec of itself: 1/8 of
     plain optax's on every device from the start (not replicated), plain optax's
     losses, the parameters as annotated, and an orbax checkpoint of nnx.state that
     continues bit for bit. (NNX makes annotated variables under a mesh set with
     jax.set_mesh: without mesh=, the optimizer takes that one.)"""
     mesh = mesh_of(kind)
-    _, plain_created, plain_losses, _ = plain_nnx(kind)
+    _, plain_created, plain_losses, _ = plain(nnx_run, kind)
     (model, optimizer), created, losses, (restored, again) = nnx_run(ONE_LINE[line], mesh, tmp_path)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     assert losses[-1] < losses[0] - 0.1
