@@ -282,8 +282,9 @@ class TrainStep:
     def _local_step(self, state: TrainState, batch: PyTree, key: Key, layout: PyTree) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
         update flow of :mod:`zeroshard.update`."""
+        splits = self.splits(layout)
         if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
-            plan = self.state_tx.plan(state.params, self.num_shards, self.splits(layout))
+            plan = self.state_tx.plan(state.params, self.num_shards, splits)
         else:
             plan = self.opt.checked_plan(state.opt_state, state.params)
         scale = state.opt_state.loss_scale
@@ -310,7 +311,7 @@ class TrainStep:
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        params, opt_state = self._update(plan, route, parts, state, extra)
+        params, opt_state = self._update(plan, route, parts, state, extra, splits)
         params = params if layout is None or self.stage == 3 else laid_out(params, layout)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
@@ -320,10 +321,15 @@ class TrainStep:
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
-    def _update(self, plan: Any, route: Route, parts: Any, state: TrainState, extra: dict) -> Any:
+    def _update(
+        self, plan: Any, route: Route, parts: Any, state: TrainState, extra: dict, splits: dict
+    ) -> Any:
         """The new parameters and optimizer state (:func:`zeroshard.update.updated`) for
         gradient ``parts`` that came by ``route``, manual over the state's other axes
-        too (:attr:`rest`), if any."""
+        too (:attr:`rest`), if any, laid out as the step's ``splits`` (those the plan was
+        made for: its layout keeps only the sliced leaves' splits, and planning again
+        for those inside the step would trace the blocked probes under the step's
+        mesh)."""
         opt = optimizer_of(self.state_tx)
 
         def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
@@ -331,7 +337,7 @@ class TrainStep:
 
         if self.nested is None:
             return update(parts, state.opt_state, state.params, extra)
-        specs = keep_axes(self.state_specs(state.params, plan.layout.splits), self.rest)
+        specs = keep_axes(self.state_specs(state.params, splits), self.rest)
         params = state.params
         if self.stage < 3:  # (whole, or a split leaf's block; at stage 3, the pieces)
             params = each_laid_out(params, specs.params)
