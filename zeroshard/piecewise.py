@@ -68,10 +68,10 @@ def updated(
     # The rest at once: the pieced leaves empty, any other coded leaves decoded whole.
     done = {k for ks in pieces.values() for k in ks}
     rest = [_empty(x) if k in done else plan.read(k, x) for k, x in enumerate(leaves)]
-    without = lambda xs: treedef.unflatten(
-        _empty(x) if i in pieces else x for i, x in enumerate(xs)
-    )
-    new, out = apply(without(g), plan.state_treedef.unflatten(rest), without(p))
+    g_rest = [prepare(i, _empty(x)) if i in pieces else x for i, x in enumerate(g)]
+    p_rest = [_empty(x) if i in pieces else x for i, x in enumerate(p)]
+    state_rest = plan.state_treedef.unflatten(rest)
+    new, out = apply(treedef.unflatten(g_rest), state_rest, treedef.unflatten(p_rest))
     new, out = treedef.flatten_up_to(new), plan.state_treedef.flatten_up_to(out)
     out = [x if k in done else plan.stored(k, x) for k, x in enumerate(out)]
     for i, ks in pieces.items():
