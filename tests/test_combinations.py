@@ -53,10 +53,13 @@ HALF = {
     "2replica_2data_2model": (1, 2, 2),
     "2data_4fsdp": (2, 2),
 }
+LION_LR = 1e-3
+SIGN_BASED = {"lion"}
+SIGN_FLIPS = 0.002  # (of a leaf's elements: a sign flipped where a direction is ~0)
 OPTIMIZERS = {  # (Adam's eps above its gradients' rounding: pitfall of cancellation)
     "adamw": lambda: optax.adamw(1e-2, eps=1e-3, weight_decay=0.1),
     "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "lion": lambda: optax.lion(1e-3),
+    "lion": lambda: optax.lion(LION_LR),
     "adafactor": lambda: optax.adafactor(1e-2),
     "muon": lambda: optax.contrib.muon(1e-2),
     "lamb": lambda: optax.lamb(1e-2, eps=1e-3),
@@ -243,6 +246,8 @@ def check_numbers(d: Draw, got: dict, params: dict, data: list[dict], inner) -> 
         error = np.linalg.norm(residual) / np.linalg.norm(np.concatenate(moved))
         assert error <= CODED_BOUND[d.option], error
         return error
+    if bf16 and d.optimizer in SIGN_BASED:
+        return check_signs(d, got, params, data, inner)
     bound = 2**-7 if bf16 else 1e-5
     errors = [
         np.linalg.norm(off(a, e)) / np.linalg.norm(m)
@@ -250,6 +255,29 @@ def check_numbers(d: Draw, got: dict, params: dict, data: list[dict], inner) -> 
     ]
     assert max(errors) <= bound, errors
     return max(errors)
+
+
+def check_signs(d: Draw, got: list, params: dict, data: list[dict], inner) -> float:
+    """A sign-based update (Lion) on bf16 gradients, against plain optax on the mean of
+    the same data-parallel parts' bf16 gradients (:func:`helpers.reference_run`): each
+    element moves by +-lr a step, so where a direction is within the gradients' rounding
+    of zero, summing the parts in another order flips its sign and the element lands
+    2 lr per step away. At most :data:`SIGN_FLIPS` of a leaf's elements may do so, none
+    by more; every other element is the reference's up to the weights' bf16 rounding.
+    Returns the share of flipped elements."""
+    shape, names, _, rows = MESHES[d.mesh]
+    sizes = [n for n, a in zip(shape, names, strict=True) if a in rows]
+    parts = d.accum_steps * int(np.prod(sizes))
+    expected = reference_run(loss_fn, inner, params, data, jnp.bfloat16, num_devices=parts)
+    worst = 0.0
+    for a, e in zip(got, jax.tree.leaves(expected), strict=True):
+        e = np.asarray(e, np.float64).ravel()
+        off = np.maximum(np.abs(a - e) - 2**-8 * np.abs(e), 0)
+        flipped = off > 0
+        assert np.max(off, initial=0) <= 2 * LION_LR * len(data), np.max(off)
+        assert flipped.mean() <= SIGN_FLIPS, (int(flipped.sum()), flipped.size)
+        worst = max(worst, float(flipped.mean()))
+    return worst
 
 
 def check_state_bytes(d: Draw, opt_state, params: dict, inner) -> None:
