@@ -133,10 +133,8 @@ class ReduceScatter(Arrival):
             pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
             for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
                 # (a split leaf's: of the device's block, over the batch axes alone)
-                split = layout.slots[group[0]].split
-                means = self.means(
-                    [layout.slots[i].moved.blocks(leaves[i]) for i in group], split and split.over
-                )
+                over = layout.slots[group[0]].split.over
+                means = self.means([layout.slots[i].moved.blocks(leaves[i]) for i in group], over)
                 for i, mean in zip(group, means, strict=True):
                     pieces[i] = mean
             owned = lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))

@@ -112,9 +112,8 @@ class AllGather(Departure):
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
         for group in () if one else layout.groups(self.config.pack_bytes, order):
             # (a split leaf's: the device's block, from the pieces over the batch axes)
-            split = layout.slots[group[0]].split
             parts = [pieces[i].astype(layout.slots[i].dtype) for i in group]
-            fulls = self.everyone(parts, split and split.over)
+            fulls = self.everyone(parts, layout.slots[group[0]].split.over)
             for i, full in zip(group, fulls, strict=True):
                 leaves[i] = layout.slots[i].moved.uncut(full)
         fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])

@@ -123,7 +123,7 @@ def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
 def _rows(slot: Slot) -> bool:
     """Whether a sliced leaf's piece is a block of its rows (its first dimension
     divides by the device count, and the leaf is not padded)."""
-    n, whole = slot.num_shards, slot.split is None and not slot.stacked
+    n, whole = slot.num_shards, slot.split.blocks == 1 and not slot.stacked
     return whole and logical_dim(slot.shape, n) == 0 and slot.piece_size * n == slot.size
 
 

@@ -679,7 +679,7 @@ def _groups(
             return False
         per_element = all(slot_of(kinds[k]) == i for k in own[i])
         shaped = sum(slot_of(x) == i for x in kinds) == len(own[i])
-        alone = s.owned or s.stacked or s.blocked or s.split or s.align or i in summed
+        alone = s.owned or s.stacked or s.blocked or s.split.blocks > 1 or s.align or i in summed
         return not alone and per_element and shaped
 
     groups = []

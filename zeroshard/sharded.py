@@ -420,7 +420,7 @@ def check_blocks(plan: Plan, state: ShardedState) -> None:
     if found:
         i, shape = next(iter(found.items()))
         s = plan.layout.slots[i]
-        how = "block by block" if s.split else "whole"
+        how = f"in {s.split.blocks} block(s)"
         raise ValueError(
             f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
             f"for the weights laid out otherwise than they are now: this layout "
@@ -444,7 +444,7 @@ def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]
         x = x.scales if is_codes(x) else x  # (split as the pieces)
         if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
             continue  # (a group's buffer, or pieces without a unit axis for blocks)
-        if x.shape[-2] != (s.split.blocks if s.split else 1):
+        if x.shape[-2] != s.split.blocks:
             found.setdefault(i, x.shape)
     return found
 

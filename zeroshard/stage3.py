@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.collectives import all_gathered_parts, axes_of, from_bits, is_identity
-from zeroshard.layout import Layout, PyTree, Slot, Split
+from zeroshard.layout import WHOLE, Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
@@ -62,7 +62,7 @@ class Shard:
         :class:`zeroshard.layout.Slot`).
       align: ``0``, or the elements its piece's width is a multiple of (static; see
         :attr:`zeroshard.layout.Slot.align`).
-      split: ``None``, or how the leaf is split over the mesh's axes besides the
+      split: how the leaf is cut into blocks over the mesh's axes besides the
         batch's, its piece being one of a block's (static; see
         :class:`zeroshard.layout.Split`).
     """
@@ -75,7 +75,7 @@ class Shard:
         stacked: int = 0,
         chunks: int = 0,
         align: int = 0,
-        split: Split | None = None,
+        split: Split = WHOLE,
     ):
         self.piece, self.dtype = piece, np.dtype(dtype)
         self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
@@ -96,12 +96,10 @@ class Shard:
         return self._stacked - max(0, min(self._dropped, self._stacked))
 
     @property
-    def split(self) -> Split | None:
+    def split(self) -> Split:
         """The leaf's split (see the attributes), its dimension counted in :attr:`shape`."""
         taken = self._stacked - self.stacked  # (layer axes a scan or an index took off)
-        if self._split is None:
-            return None
-        return dataclasses.replace(self._split, dim=self._split.dim - taken)
+        return dataclasses.replace(self._split, dim=max(self._split.dim - taken, 0))
 
     def slot(self, num_shards: int) -> Slot:
         """The piece's geometry over ``num_shards`` devices.
@@ -216,9 +214,7 @@ def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
     a ``PartitionSpec`` per leaf: their arrays' (:func:`zeroshard.mesh.own_layout`),
     or for stage-3 pieces how they are cut: a split leaf's by its blocks
     (:class:`zeroshard.layout.Split`), ``P()`` for the others."""
-    if stage_of(params) < 3:
-        return own_layout(params, axes)
-    spec = lambda x: P() if x.split is None else x.split.leaf_spec(len(x.shape))
+    spec = lambda x: x.split.leaf_spec(len(x.shape)) if is_shard(x) else own_layout(x, axes)
     return jax.tree.map(spec, params, is_leaf=is_shard)
 
 
@@ -292,7 +288,7 @@ def wholes(
     slots = [x.slot(n) for x in shards]
     out: list[Any] = [None] * len(shards)
     # (the split leaves' pieces vary over rest, the others' gathered there do not: apart)
-    kind = lambda x: (x.dtype, is_held(x), bool(rest) and x.split is None)
+    kind = lambda x: (x.dtype, is_held(x), x.split.axes)
     for key in dict.fromkeys(map(kind, shards)):
         (dtype, whole, _), group = key, [k for k, x in enumerate(shards) if kind(x) == key]
         # (the pieces as given: float32 in a fixed-order step, so the gradients' sums
@@ -304,27 +300,20 @@ def wholes(
         else:
             raw = [within(p, slots[k], rest) for p, k in zip(raw, group, strict=True)]
             every = every_piece(raw, axis_name, dtype, gathered)
-            every = [uncut(x, slots[k]) for x, k in zip(every, group, strict=True)]
+            moved = [slots[k].moved for k in group]  # (a split leaf's block)
+            every = [s.uncut(x.reshape(s.num_shards, -1)) for x, s in zip(every, moved, strict=True)]
         for k, x in zip(group, every, strict=True):
             out[k] = x
     return out
 
 
-def within(piece: jax.Array, slot: Slot, rest: tuple[str, ...]) -> jax.Array:
-    """What this device gathers over the batch axes of its 1-D ``piece``: the piece
-    of a split leaf's block, or every device's piece along ``rest``, gathered as the
-    same on each (its transpose slices the gradient there instead of summing it)."""
-    if not rest or slot.split is not None:
-        return piece
-    return jax.lax.all_gather(piece, rest, tiled=True, to="invarying")
-
-
-def uncut(pieces: jax.Array, slot: Slot) -> jax.Array:
-    """The full leaf (a split leaf's block) from what :func:`within` gave of every
-    device along the batch axes (``(devices, width)``, row ``d`` from device ``d``)."""
-    if slot.split is not None:
-        return slot.block_slot.uncut(pieces)
-    return slot.uncut(pieces.reshape(slot.num_shards, -1))
+def within(piece: jax.Array, slot: Slot, axes: tuple[str, ...]) -> jax.Array:
+    """What this device gathers over the batch axes of its 1-D ``piece``: its piece
+    with every device's along those of the state's other ``axes`` its block does not
+    span, gathered as the same on each (its transpose slices the gradient there
+    instead of summing it)."""
+    across = tuple(a for a in axes if a not in slot.split.axes)
+    return jax.lax.all_gather(piece, across, tiled=True, to="invarying") if across else piece
 
 
 def over_rest(
@@ -335,10 +324,10 @@ def over_rest(
     and leaves laid out over ``rest`` as the parameter is, a split leaf by its blocks,
     another replicated."""
     entry = rest[0] if len(rest) == 1 else rest
-    split = lambda x: x.split is not None
-    piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - split(x)), entry, *(None,) * split(x))
+    spanned = lambda x: len(x.split.axes) > 0  # (a split leaf's blocks: its piece's unit axis)
+    piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - spanned(x)), entry, *(None,) * spanned(x))
     specs = [jax.tree.map(lambda _, x=x: piece(x), x) for x in shards]  # (x's own aux)
-    outs = [P() if x.split is None else x.split.leaf_spec(len(x.shape)) for x in shards]
+    outs = [x.split.leaf_spec(len(x.shape)) for x in shards]
     mesh = jax.sharding.get_abstract_mesh()
     many = math.prod(mesh.shape[a] for a in (*axes_of(axis_name), *rest)) > 1
     return jax.shard_map(
