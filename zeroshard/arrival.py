@@ -45,7 +45,7 @@ from zeroshard.layout import Layout, PyTree
 from zeroshard.mesh import each_laid_out, keep_axes
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.stage3 import full_structs, shard_specs, stage_of, to_owners
+from zeroshard.stage3 import full_structs, shard_specs, to_owners
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
 """This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
@@ -76,6 +76,16 @@ class Arrival:
         manual over the batch axes (:class:`Nested`): itself, where summing the
         gradients' copies over ``rest`` and dividing by every device gives the mean."""
         return self
+
+    def part(self, plan: Plan, grads: PyTree) -> Any:
+        """What one micro-batch's ``grads`` add to a 1/N accumulator (stages 2 and 3):
+        here, its parts (:meth:`bring`)."""
+        return self.bring(plan, grads)
+
+    def parts(self, plan: Plan, summed: Any) -> GradParts:
+        """This device's part of the mean gradient from the mean of :meth:`part` over
+        the micro-batches: here, that mean."""
+        return summed
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
@@ -205,11 +215,12 @@ class Pieces(Arrival):
         return dataclasses.replace(self, summed_over=batch)
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        return self.to_owners(plan, self.pieces(plan.layout, grads))
+        return self.parts(plan, self.part(plan, grads))
 
-    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
         """This device's 1-D piece of every leaf's mean gradient, from the gradients of
         the ``Shard`` pieces (what a step accumulates over micro-batches)."""
+        layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
         summed = layout.num_shards
         if self.summed_over:
@@ -217,7 +228,7 @@ class Pieces(Arrival):
         with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
             return [g.piece.reshape(-1) / summed for g in layout.treedef.flatten_up_to(grads)]
 
-    def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
+    def parts(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
         every device holds of the units it owns."""
         layout = plan.layout
@@ -361,7 +372,8 @@ class CanonicalPieces(Canonical, Pieces):
     (:func:`zeroshard.canonical.gathered`, which the step's :func:`zeroshard.gather`
     uses); the owned leaves' pieces then go to their owners."""
 
-    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
         return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
 
@@ -402,7 +414,7 @@ class Nested:
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         axes, arrival = self.arrival.config.axis_name, self.arrival.nested(self.rest)
-        if stage_of(grads) == 3:  # (the pieces' gradients, summed over the batch axes)
+        if self.pieces:  # (the pieces' gradients, summed over the batch axes)
             specs = keep_axes(shard_specs(plan.layout, axes), self.rest)
         else:
             specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
@@ -417,14 +429,20 @@ class Nested:
         )
         return nested(grads)
 
-    def pieces(self, layout: Layout, grads: PyTree) -> PyTree:
-        """Stage 3: the pieces' gradients as they come, what a step accumulates over
-        micro-batches (:meth:`to_owners` brings the sum)."""
-        return grads
+    @property
+    def pieces(self) -> bool:
+        """Whether the gradients are stage 3's pieces' (summed by their gather's
+        transpose)."""
+        return isinstance(self.arrival, Pieces)
 
-    def to_owners(self, plan: Plan, grads: PyTree) -> GradParts:
-        """Stage 3: this device's part of the mean of the pieces' gradients ``grads``."""
-        return self.bring(plan, grads)
+    def part(self, plan: Plan, grads: PyTree) -> Any:
+        """What one micro-batch adds (see :meth:`Arrival.part`): stage 3's pieces'
+        gradients as they come; other gradients brought."""
+        return grads if self.pieces else self.bring(plan, grads)
+
+    def parts(self, plan: Plan, summed: Any) -> GradParts:
+        """The mean of :meth:`part` over the micro-batches, brought (stage 3)."""
+        return self.bring(plan, summed) if self.pieces else summed
 
     def specs(self, plan: Plan) -> tuple[list, tuple]:
         """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over

@@ -106,11 +106,10 @@ class Route(NamedTuple):
         grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
         axes, gather = config.batch_axes, exact_gather
         axes = axes if len(axes) > 1 else axes[0]
-        arrives = 3 if held else stage  # (how the loop accumulates: stage 3's pieces)
-        loop = OneBatch(arrives, axes)
-        loop = loop if accum_steps == 1 else Accumulated(arrives, axes, accum_steps)
+        each = stage > 1 or held  # (each micro-batch's gradient arrives on its own)
+        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, each)
         if parts is not None:
-            loop = InOrder(stage, axes, parts=parts, accum_steps=accum_steps)
+            loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
