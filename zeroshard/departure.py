@@ -39,6 +39,7 @@ from zeroshard.stage3 import (
     exchange,
     piece_blocks,
     piece_from_owners,
+    shard_specs,
     to_owners,
     to_shards,
 )
@@ -64,11 +65,17 @@ class Departure:
       (as :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
       device.
 
+    - ``param_specs(layout, axis_name)``: the ``PartitionSpec`` of every parameter
+      as the weights are held between steps.
+
     Attributes:
       config: the sharded optimizer's options (axis, ``pack_bytes``).
+      pieces: whether the weights are held as stage 3's pieces between steps (else
+        whole: a split leaf's block).
     """
 
     config: ShardConfig
+    pieces = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +85,9 @@ class AllGather(Departure):
     leaf was padded), one per packed group of smaller leaves, and one per bucket with
     owned leaves (each owned leaf taken from its owner's row), in the parameters'
     dtypes. Scope ``zeroshard/all_gather``."""
+
+    def param_specs(self, layout: Layout, axis_name: str) -> PyTree:
+        return layout.leaf_specs()
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
         return plan.layout.pieces(params, jax.lax.axis_index(self.config.axis_name))
@@ -167,6 +177,11 @@ class ToPieces(Departure):
     (scope ``zeroshard/to_owners``), and the owners' new units go back to every
     device's pieces (scope ``zeroshard/from_owners``), one ``all_to_all`` per bucket
     each way."""
+
+    pieces = True
+
+    def param_specs(self, layout: Layout, axis_name: str) -> PyTree:
+        return shard_specs(layout, axis_name)
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
         layout = plan.layout

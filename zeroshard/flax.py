@@ -57,11 +57,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh, own_layout
+from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import layer
+from zeroshard.state_layout import drop_in_is_step, state_layout
 from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import auto_twin, output_mesh, plain_outputs, step_metrics
+from zeroshard.update import Route
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ def nnx_optimizer(
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
     state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
-    if stage == 3:  # the weights as pieces, from the same master weights
+    if Route.of(optimizer_of(tx).config, stage).departure.pieces:  # from the same masters
         nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
@@ -203,7 +205,7 @@ class NNXTrainStep:
         or loss scaling only; elsewhere ``error``, which the per-device step raised."""
         opt, options = optimizer_of(tx), self._options
         # (the drop-in's state must be laid out as the optimizer's: over the same axes)
-        same = opt.spanning(self.mesh).config.axes == opt.for_step(self.mesh).config.axes
+        same = drop_in_is_step(tx, self.mesh)
         plain = options["stage"] == 1 and options["accum_steps"] == 1
         if not (plain and opt.config.loss_scale is None and same):
             error.add_note(
@@ -262,7 +264,7 @@ class _WholeMeshStep:
     def __init__(
         self, loss_fn: Callable, tx: Any, mesh: Any, graphdef: Any, wrt: Any, options: dict
     ):
-        self.loss_fn, self.opt, self.mesh = loss_fn, optimizer_of(tx), mesh
+        self.loss_fn, self.tx, self.opt, self.mesh = loss_fn, tx, optimizer_of(tx), mesh
         self.graphdef, self.wrt, self.has_aux = graphdef, wrt, options["has_aux"]
         self.jitted = jax.jit(
             self._step, static_argnums=2, donate_argnums=(0,) if options["donate"] else ()
@@ -285,9 +287,8 @@ class _WholeMeshStep:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        own = own_layout(state.params, self.opt.other_axes(self.mesh))
-        splits = tuple(self.opt.splits(self.mesh, own).items())
-        return self.jitted(state, jax.device_put(batch, rows), splits)
+        built = state_layout(self.tx, self.mesh, state.params)
+        return self.jitted(state, jax.device_put(batch, rows), tuple(built.layout.splits.items()))
 
 
 def nnx_train_step(

@@ -111,7 +111,9 @@ WHOLE = Split(0, (), 1, ())
 def _spec(entries: Sequence[str | tuple[str, ...]]) -> P:
     """A ``PartitionSpec`` of ``entries`` (mesh axes per dimension; a name alone where
     one); ``P()`` where they name none."""
-    named = [None if not e else e[0] if len(e) == 1 and not isinstance(e, str) else e for e in entries]
+    named = [
+        None if not e else e[0] if len(e) == 1 and not isinstance(e, str) else e for e in entries
+    ]
     return P(*named) if any(named) else P()
 
 
@@ -263,8 +265,14 @@ class Slot:
         """The geometry the step's collectives cut and join: the leaf's block, over the
         devices it is cut over (every device of the state, for a leaf of one block)."""
         m = self.split.blocks
-        return Slot.of(self.held_shape, self.dtype, self.num_shards // m, self.stacked,
-                       self.chunks // m, self.align)
+        return Slot.of(
+            self.held_shape,
+            self.dtype,
+            self.num_shards // m,
+            self.stacked,
+            self.chunks // m,
+            self.align,
+        )
 
     def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the leaf as the update holds it: of the

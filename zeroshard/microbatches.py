@@ -149,8 +149,9 @@ class InOrder(OneBatch):
         f32 = lambda x: x.astype(jnp.float32)
         micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
         # stage 3's pieces' gradients summed in float32 (canonical.gathered)
-        params = jax.tree.map(lambda x: jax.tree.map(f32, x) if is_shard(x) else x, params,
-                              is_leaf=is_shard)
+        params = jax.tree.map(
+            lambda x: jax.tree.map(f32, x) if is_shard(x) else x, params, is_leaf=is_shard
+        )
         order = canonical.HIGH if apart else canonical.LOW
         # (N, ...), in device order, the same on every device
         devices = lambda x: all_gathered(x, axis, to="invarying")
@@ -185,9 +186,7 @@ class InOrder(OneBatch):
         scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
         aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
         state = lambda x, y: (
-            mean(x if apart else across(x)).astype(y.dtype)
-            if is_floating(y)
-            else devices(x)[0]
+            mean(x if apart else across(x)).astype(y.dtype) if is_floating(y) else devices(x)[0]
         )
         new_state = jax.tree.map(state, new_state, model_state)
         return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts

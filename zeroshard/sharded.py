@@ -94,7 +94,11 @@ class Sharded:
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
     ) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
-        plan, axis = self.plan(params, num_shards, splits), self.config.axis_name
+        return self.specs_of(self.plan(params, num_shards, splits))
+
+    def specs_of(self, plan: Plan) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out."""
+        axis = self.config.axis_name
         specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -199,7 +203,7 @@ class Sharded:
             functools.partial(self.init_local, plan=plan),
             mesh=mesh,
             in_specs=specs,
-            out_specs=self.state_specs(params, plan.layout.num_shards, splits),
+            out_specs=self.specs_of(plan),
             axis_names=set(mesh.axis_names),
         )
         laid = lambda tree: each_laid_out(tree, leaves, mesh)
@@ -260,8 +264,8 @@ class Sharded:
         opt = self.spanning(mesh)
         route = Route.of(opt.config, 1, mean=True)
         num_shards = mesh_size(mesh, opt.config.axis_name)
-        specs = opt.state_specs(params, num_shards, splits)
         plan = opt.plan(params, num_shards, splits)
+        specs = opt.specs_of(plan)
         check_blocks(plan, state)
         leaves = plan.layout.leaf_specs()
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
@@ -290,12 +294,15 @@ class Sharded:
     ) -> tuple[PyTree, ShardedState]:
         """The update flow inside ``shard_map``, for gradients arriving by ``route``
         (by ``plan``, or the plan of the arguments, checked)."""
-        plan = plan or self.checked_plan(state, params)
+        if plan is None:
+            self.check_arguments(state, params)
+            plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
+        self.check_state(plan, state)
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
-    def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
-        """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
+    def check_arguments(self, state: ShardedState, params: PyTree) -> None:
+        """Refuses ``tx.update`` without ``params``, or with another state."""
         if params is None:
             raise ValueError(
                 "zs.sharded(...).update needs `params` (the current full parameters): "
@@ -306,7 +313,9 @@ class Sharded:
                 f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
                 "returned by the same transformation's init."
             )
-        plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
+
+    def check_state(self, plan: Plan, state: ShardedState) -> None:
+        """Refuses a ``state`` made for other parameters than ``plan``'s."""
         master = jax.tree.structure(plan.master_tree([0] * len(plan.layout.slots)))
         mine = jax.tree.structure(state.master)
         if mine != master or len(state.owned) != len(plan.storage.dtypes):
@@ -314,7 +323,6 @@ class Sharded:
                 "zs.sharded: the optimizer state was made for other parameters: its master "
                 f"weights have the structure {mine}, these params need {master}."
             )
-        return plan
 
 
 def _values(tree: PyTree) -> PyTree:

@@ -50,6 +50,7 @@ from zeroshard.arrival import (
     ReduceScatter,
 )
 from zeroshard.blocks import to_pieces
+from zeroshard.checks import check_stage
 from zeroshard.config import ShardConfig
 from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
@@ -134,6 +135,27 @@ class Route(NamedTuple):
         else:
             arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
         return cls(arrival, all_gathered, loop, gather)
+
+
+def kept_apart(stage: int) -> tuple[bool, bool, bool]:
+    """What ZeRO ``stage`` (0: plain data parallelism) keeps 1/N per device: the
+    optimizer state and master weights (stages 1 to 3), the gradients (2 and 3), the
+    weights (3).
+
+    Raises:
+      ValueError: for a stage other than 0 to 3.
+    """
+    check_stage(stage, lowest=0)
+    return stage >= 1, stage >= 2, stage >= 3
+
+
+def held_route(config: ShardConfig, stage: int, accum_steps: int = 1) -> Route | None:
+    """Stage 2's route through a loss that gathers (:mod:`zeroshard.held`): stage-3
+    pieces in, all-gathered weights out; ``None`` at other stages, and where the
+    fixed-order sums of ``deterministic=`` keep the plain stage-2 step."""
+    if stage != 2 or not config.sum_order.any_order:
+        return None
+    return Route.of(config, 2, accum_steps=accum_steps, held=True)
 
 
 def updated(

@@ -73,6 +73,7 @@ from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, own_layout
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs
+from zeroshard.state_layout import state_layout
 from zeroshard.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -277,7 +278,8 @@ def restore_item(
     """
     given, like, model_state = like, full_structs(like), full_structs(model_state)
     check_mesh(optimizer_of(tx).config, mesh, tx.axis_name)
-    logical = logical_structs(tx.plan(like, mesh_size(mesh, tx.axis_name)), tx)
+    built = state_layout(tx, mesh, like, own_layout(given, mesh.axis_names))
+    logical = logical_structs(built.plan, built.tx)
     check_matches(saved, where, like, logical, model_state)
     params, opt_state = logical
     item = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
@@ -310,7 +312,7 @@ def restore_item(
         skipped=saved.get("skipped_steps", 0),
         loss_scale=scale,
         model_state=restored.get("model_state"),
-        param_specs=own_layout(given, optimizer_of(tx).other_axes(mesh)),
+        param_specs=built.weight_specs,
     )
     return state, restored.get("extra", {})
 
