@@ -103,6 +103,19 @@ class Split:
         """``PartitionSpec`` of the leaf as its layout holds it (its block per device)."""
         return _spec([self.axes if k == self.dim else () for k in range(ndim)])
 
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one block of a leaf of ``shape``."""
+        return tuple(d // self.blocks if k == self.dim else d for k, d in enumerate(shape))
+
+    def block(self, leaf: jax.Array, m: jax.Array | int) -> jax.Array:
+        """Block ``m`` of ``leaf`` (the leaf, for one block)."""
+        if self.blocks == 1:
+            return leaf
+        size = leaf.shape[self.dim] // self.blocks
+        return jax.lax.dynamic_slice_in_dim(
+            leaf, m * size, size, self.dim, allow_negative_indices=False
+        )
+
 
 WHOLE = Split(0, (), 1, ())
 """The split of a leaf held whole: one block."""
@@ -257,8 +270,7 @@ class Slot:
     @property
     def held_shape(self) -> tuple[int, ...]:
         """The leaf's shape where the update runs: its block's."""
-        split = self.split
-        return tuple(d // split.blocks if k == split.dim else d for k, d in enumerate(self.shape))
+        return self.split.block_shape(self.shape)
 
     @property
     def moved(self) -> Slot:
@@ -336,16 +348,6 @@ class Slot:
         """``PartitionSpec`` of the leaf where the update runs: its block per device."""
         return self.split.leaf_spec(len(self.shape))
 
-    def _block(self, leaf: jax.Array, m: jax.Array | int) -> jax.Array:
-        """Block ``m`` of the leaf (a leaf of one block: the leaf)."""
-        split = self.split
-        if split.blocks == 1:
-            return leaf
-        size = self.shape[split.dim] // split.blocks
-        return jax.lax.dynamic_slice_in_dim(
-            leaf, m * size, size, split.dim, allow_negative_indices=False
-        )
-
     def _padded(self, leaf: jax.Array) -> jax.Array:
         """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
         rows = jnp.reshape(leaf, (self.layers, -1))
@@ -360,13 +362,13 @@ class Slot:
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
-        return self.own(self._block(leaf, index % self.split.blocks), index)
+        return self.own(self.split.block(leaf, index % self.split.blocks), index)
 
     def blocks(self, leaf: jax.Array) -> jax.Array:
         """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for
         device ``d`` (what a reduce-scatter scatters): of each block ``(pieces of a
         block, piece)``, the blocks minor."""
-        rows = [self.moved._rows(self._block(leaf, b)) for b in range(self.split.blocks)]
+        rows = [self.moved._rows(self.split.block(leaf, b)) for b in range(self.split.blocks)]
         return jnp.stack(rows, 1).reshape(self.num_shards, -1)
 
     def _rows(self, leaf: jax.Array) -> jax.Array:

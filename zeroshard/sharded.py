@@ -80,15 +80,11 @@ class Sharded:
         reduce-scattered, and their weights all-gathered, over the batch axes only,
         within the device's block; the other leaves are gathered whole for the update.
         (The layout module keeps a split only for a leaf it can cut block by block.)"""
-        rest, config = self.other_axes(mesh), self.config
-        if not rest:
-            return {}
-        blocks, found = mesh_size(mesh, rest), {}
-        for i, spec in enumerate(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-            named = [(k, axes_of(e)) for k, e in enumerate(spec) if e is not None]
-            if len(named) == 1 and named[0][1] == rest:
-                found[i] = Split(named[0][0], named[0][1], blocks, config.axes)
-        return found
+        others, config = self.other_axes(mesh), self.config
+        specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        named = [[(k, axes_of(e)) for k, e in enumerate(spec) if e is not None] for spec in specs]
+        split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
+        return {i: split(n) for i, n in enumerate(named) if [a for _, a in n] == [others]}
 
     def state_specs(
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
@@ -449,10 +445,10 @@ def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]
         pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
     for i, x in pairs:
         s = slots[i]
-        x = x.scales if is_codes(x) else x  # (split as the pieces)
+        x, blocks = x.scales if is_codes(x) else x, s.split.blocks  # (scales: as the pieces)
         if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
             continue  # (a group's buffer, or pieces without a unit axis for blocks)
-        if x.shape[-2] != s.split.blocks:
+        if x.shape[-2] != blocks:
             found.setdefault(i, x.shape)
     return found
 

@@ -325,7 +325,7 @@ def over_rest(
     over the batch axes only): each of ``shards`` comes in as this device's piece,
     and leaves laid out over ``rest`` as the parameter is, a split leaf by its blocks,
     another replicated."""
-    entry = rest[0] if len(rest) == 1 else rest
+    entry = rest  # (a tuple of one axis is that axis)
     spanned = lambda x: len(x.split.axes) > 0  # (a split leaf's blocks: its piece's unit axis)
     piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - spanned(x)), entry, *(None,) * spanned(x))
     specs = [jax.tree.map(lambda _, x=x: piece(x), x) for x in shards]  # (x's own aux)

@@ -135,7 +135,9 @@ def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout
     weights = layout_of(state.params, rest)
     # (kept block by block where the state is over those axes: none where nothing is kept,
     # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = opt.splits(mesh, weights) if set(rest) <= set(tx.config.axes) else {}
+    splits = {
+        i: x for i, x in opt.splits(mesh, weights).items() if set(x.axes) <= set(tx.config.axes)
+    }
     n = mesh_size(mesh, tx.axis_name)
     built = _built(tx, n, state.params, weights, rest, splits)
     if set(splits) & set(cut_otherwise(built.plan, state.opt_state)):

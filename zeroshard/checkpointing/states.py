@@ -105,9 +105,9 @@ def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
         model, optimizer = state
         tx = optimizer.tx if tx is None else tx
         params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-        rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+        others = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
         core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
-        extra = {"model": rest} if _has_leaves(rest) else {}
+        extra = {"model": others} if _has_leaves(others) else {}
     optimizer_of(tx)  # a TypeError with the fix for a plain optax optimizer
     return kind, Parts(core, extra, tx)
 
