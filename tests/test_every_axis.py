@@ -546,7 +546,7 @@ def stacked_tp_loss(params, batch):
         h = jax.nn.relu(x @ reshard(w["up"], P(None, "model")))
         return x + jnp.dot(h, reshard(w["down"], P("model", None)), out_sharding=P())
 
-    pieces = isinstance(params["b"], zs.Shard)
+    pieces = isinstance(params["b"], zs.Piece)
     layer, b = (zs.layer(block), zs.gather(params["b"])) if pieces else (block, params["b"])
     x, _ = jax.lax.scan(lambda x, w: (layer(w, x), None), batch["x"], params["blocks"])
     return jnp.mean((x + b - batch["y"]) ** 2)

@@ -9,7 +9,7 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
 - :class:`Pieces`: stage 3 (and stage 2 through a loss that gathers,
-  :mod:`zeroshard.held`), the gradient of each :class:`zeroshard.Shard` piece,
+  :mod:`zeroshard.held`), the gradient of each :class:`zeroshard.Piece` piece,
   summed over the devices by the transpose of its gather; the owned leaves' pieces go
   to their owners;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, quantized
 from zeroshard.clipping import local_squares
-from zeroshard.collectives import axes_of, is_identity, summed_parts, vary
+from zeroshard.comm import axes_of, is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.mesh import each_laid_out, keep_axes
@@ -61,7 +61,7 @@ class Arrival:
       sharding axis (:data:`GradParts`), from ``grads`` as this kind receives them
       (inside ``shard_map``);
     - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
-      (what :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
+      (what :func:`zeroshard.compiled_collectives` reports as ``result_bytes`` in the compiled
       program, where the backend keeps the dtype).
 
     Attributes:
@@ -194,7 +194,7 @@ class QuantizedReduceScatter(ReduceScatter):
 
 @dataclasses.dataclass(frozen=True)
 class Pieces(Arrival):
-    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece arrives summed over
+    """Stage 3: the gradient of each :class:`zeroshard.Piece` piece arrives summed over
     the devices (the transpose of its gather, in the loss function) and is divided
     by their number (scope ``zeroshard/reduce_scatter``); the owned leaves' pieces
     then go to their owners, one ``all_to_all`` per bucket with owned leaves (scope
@@ -219,7 +219,7 @@ class Pieces(Arrival):
 
     def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
         """This device's 1-D piece of every leaf's mean gradient, from the gradients of
-        the ``Shard`` pieces (what a step accumulates over micro-batches)."""
+        the ``Piece`` pieces (what a step accumulates over micro-batches)."""
         layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
         summed = layout.num_shards
@@ -367,7 +367,7 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
 
 @dataclasses.dataclass(frozen=True)
 class CanonicalPieces(Canonical, Pieces):
-    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece (in float32),
+    """Stage 3: the gradient of each :class:`zeroshard.Piece` piece (in float32),
     summed in device order by the transpose of its gather
     (:func:`zeroshard.canonical.gathered`, which the step's :func:`zeroshard.gather`
     uses); the owned leaves' pieces then go to their owners."""
@@ -399,7 +399,7 @@ class Nested:
     their count give the mean over the batch axes (the fixed-order sums take one copy
     of each instead). A split leaf's (:class:`zeroshard.layout.Split`) stays the
     device's block, reduced over the batch axes alone. At stage 3 the gradients are
-    the :class:`zeroshard.Shard` pieces', cut over ``rest`` too and summed over the
+    the :class:`zeroshard.Piece` pieces', cut over ``rest`` too and summed over the
     batch axes by their gather's transpose. How each kind runs so is its own
     (:meth:`Arrival.nested`). The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.

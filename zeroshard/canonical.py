@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.collectives import all_gathered, all_gathered_parts, is_identity
+from zeroshard.comm import all_gathered, all_gathered_parts, is_identity
 from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.rows import spans
 from zeroshard.sums import Psum

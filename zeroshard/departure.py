@@ -8,7 +8,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
   the new pieces and owned rows are all-gathered (16-bit floats as their bits);
-- :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Shard` pieces: the
+- :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Piece` pieces: the
   sliced leaves' new pieces stay where they are; the owners' new units of owned
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from zeroshard import quantized
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered_parts, from_bits, is_identity, to_bits
+from zeroshard.comm import all_gathered_parts, from_bits, is_identity, to_bits
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -62,7 +62,7 @@ class Departure:
     - ``send(plan, new, rows, params)``: the new parameters, laid out as ``params``,
       from this device's new pieces of the sliced leaves and its ``row`` per bucket;
     - ``nbytes(plan)``: bytes per device the departure's collectives return, summed
-      (as :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
+      (as :func:`zeroshard.compiled_collectives` reports ``result_bytes``), over more than one
       device.
 
     - ``param_specs(layout, axis_name)``: the ``PartitionSpec`` of every parameter
@@ -172,7 +172,7 @@ class QuantizedAllGather(AllGather):
 
 @dataclasses.dataclass(frozen=True)
 class ToPieces(Departure):
-    """Stage-3 parameters, :class:`zeroshard.Shard` pieces: the owned leaves' weights
+    """Stage-3 parameters, :class:`zeroshard.Piece` pieces: the owned leaves' weights
     go to their owners first where the update reads them and no master holds them
     (scope ``zeroshard/to_owners``), and the owners' new units go back to every
     device's pieces (scope ``zeroshard/from_owners``), one ``all_to_all`` per bucket

@@ -34,7 +34,7 @@ their own weights:
 - Linen: call a layer as ``zs.flax.linen_layer(nn.Dense(256))(params["Dense_0"], x)``;
 - NNX: call a layer as ``zs.flax.nnx_layer(model.layer)(params["layer"], x)``;
 
-where the first argument is that layer's ``Shard`` subtree of the state's params.
+where the first argument is that layer's ``Piece`` subtree of the state's params.
 Each gathers the layer's weights (one all-gather per dtype) and gathers them again
 in the backward pass.
 """
@@ -118,7 +118,7 @@ def nnx_optimizer(
       param_dtype: compute dtype of the model's parameters (e.g. ``jnp.bfloat16``);
         the master weights start from their values as given. ``None`` keeps them.
       stage: the ZeRO stage the step will run (3: the model's parameters become
-        :class:`zeroshard.Shard` pieces, which its layers gather with
+        :class:`zeroshard.Piece` pieces, which its layers gather with
         :func:`nnx_layer`).
 
     Returns:
@@ -390,7 +390,7 @@ def linen_train_state(
       model_state: the model's other collections, e.g. ``{"batch_stats":
         variables["batch_stats"]}`` for BatchNorm; see :func:`linen_train_step`.
       stage: the ZeRO stage the state is for (3: the params are
-        :class:`zeroshard.Shard` pieces; see :func:`linen_layer`).
+        :class:`zeroshard.Piece` pieces; see :func:`linen_layer`).
 
     Returns:
       A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated (pieces
@@ -507,7 +507,7 @@ def linen_layer(module: Any, axis_name: str | None = None) -> Callable[..., Any]
 
     Returns:
       ``module.apply({"params": gather(layer_params)}, *args)`` as a function of the
-      module's ``Shard`` parameters and the call's arguments, with the weights gathered
+      module's ``Piece`` parameters and the call's arguments, with the weights gathered
       again in the backward pass (:func:`zeroshard.layer`).
     """
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
@@ -523,7 +523,7 @@ def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[...,
         the zeroshard step the layer runs in (see :func:`zeroshard.gather`).
 
     Returns:
-      A function of the module's ``Shard`` parameters (the pure-dict subtree, as in
+      A function of the module's ``Piece`` parameters (the pure-dict subtree, as in
       ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) and the call's arguments. It
       gathers the weights with one all-gather per dtype and recomputes them in the
       backward pass (:func:`zeroshard.layer`).

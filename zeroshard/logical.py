@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.collectives import axes_of
+from zeroshard.comm import axes_of
 from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import (

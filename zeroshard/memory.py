@@ -36,7 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.collectives import axes_of
+from zeroshard.comm import axes_of
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.mesh import own_layout

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from zeroshard import canonical, step_io
 from zeroshard.checks import check_batch
-from zeroshard.collectives import all_gathered, vary
+from zeroshard.comm import all_gathered, vary
 from zeroshard.layout import PyTree, is_floating
 from zeroshard.stage3 import is_shard
 

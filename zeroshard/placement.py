@@ -50,7 +50,7 @@ from zeroshard.analysis import (
     trace_update,
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
-from zeroshard.collectives import vary
+from zeroshard.comm import vary
 from zeroshard.layout import Layout, PyTree
 from zeroshard.lowbit import LowBit
 from zeroshard.rows import pack, unpack

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.collectives import axes_of, mesh_size
+from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState

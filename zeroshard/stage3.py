@@ -1,6 +1,6 @@
 """Stage 3: weights kept as 1/N pieces, gathered layer by layer just before use.
 
-In a stage-3 :class:`zeroshard.TrainState` every parameter is a :class:`Shard`: this
+In a stage-3 :class:`zeroshard.TrainState` every parameter is a :class:`Piece`: this
 device's piece of the raveled leaf (the same piece the optimizer state uses), plus the
 leaf's full shape and dtype as static data. A loss function calls :func:`gather` on
 one layer's parameters right before the layer. That is one ``all_gather`` per dtype
@@ -11,7 +11,7 @@ saved. Then no device ever holds all the weights at once.
 
 Example:
     >>> import jax.numpy as jnp, zeroshard as zs
-    >>> def loss_fn(params, batch):          # params: a tree of zs.Shard (stage 3)
+    >>> def loss_fn(params, batch):          # params: a tree of zs.Piece (stage 3)
     ...     x = batch["x"]
     ...     for p in params["layers"]:
     ...         x = zs.layer(lambda w, x: jnp.tanh(x @ w["w"] + w["b"]))(p, x)
@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
-from zeroshard.collectives import all_gathered_parts, axes_of, from_bits, is_identity
+from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.layout import WHOLE, Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
@@ -47,7 +47,7 @@ from zeroshard.scopes import GATHER, scope
 
 
 @jax.tree_util.register_pytree_node_class
-class Shard:
+class Piece:
     """This device's piece of a parameter, with the parameter's full shape and dtype.
 
     Attributes:
@@ -144,13 +144,13 @@ class Shard:
     def __repr__(self) -> str:
         piece = getattr(self.piece, "shape", self.piece)
         stacked = f", stacked={self.stacked}" if self.stacked else ""
-        return f"Shard(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
+        return f"Piece(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
 
 
 @jax.tree_util.register_pytree_node_class
-class Held(Shard):
+class Held(Piece):
     """A stage-2 parameter as a loss that gathers receives it (:mod:`zeroshard.held`):
-    this device's piece, laid out as a stage-3 :class:`Shard`'s, and the whole
+    this device's piece, laid out as a stage-3 :class:`Piece`'s, and the whole
     parameter, replicated. :func:`gather` returns the whole parameter with no
     collective; its transpose sends the cotangent to the piece as the transpose of the
     step's stage-3 gather does (a reduce-scatter per gather).
@@ -161,7 +161,7 @@ class Held(Shard):
     """
 
     def __init__(self, piece: Any, full: Any, *geometry: Any):
-        """``geometry``: a :class:`Shard`'s static data after its piece (:func:`geometry`)."""
+        """``geometry``: a :class:`Piece`'s static data after its piece (:func:`geometry`)."""
         super().__init__(piece, *geometry)
         self.full = full
 
@@ -174,38 +174,38 @@ class Held(Shard):
         return cls(*children, *aux)
 
     def __repr__(self) -> str:
-        return "Held" + super().__repr__().removeprefix("Shard")
+        return "Held" + super().__repr__().removeprefix("Piece")
 
 
 def is_shard(x: Any) -> bool:
-    return isinstance(x, Shard)
+    return isinstance(x, Piece)
 
 
 def stage_of(params: PyTree) -> int:
-    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Shard`
+    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Piece`
     pieces, else 1 (stages 1 and 2 hold the same whole parameters)."""
     return 3 if any(map(is_shard, jax.tree.leaves(params, is_leaf=is_shard))) else 1
 
 
 def full_structs(params: PyTree) -> PyTree:
-    """``ShapeDtypeStruct`` of the full parameters (``Shard`` leaves or arrays)."""
+    """``ShapeDtypeStruct`` of the full parameters (``Piece`` leaves or arrays)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)
 
 
 def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     """Stage-3 parameters: this device's 1-D piece of every leaf (owned ones too: their
-    owners gather them for the update) -> :class:`Shard` pieces, in the parameters'
+    owners gather them for the update) -> :class:`Piece` pieces, in the parameters'
     dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(s.piece_shape), *geometry(s))
+        Piece(p.astype(s.dtype).reshape(s.piece_shape), *geometry(s))
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
 
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
-    """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's spec."""
+    """``PartitionSpec`` of every stage-3 parameter: a :class:`Piece` of its piece's spec."""
     return layout.treedef.unflatten(
-        Shard(s.piece_spec(axis_name), *geometry(s)) for s in layout.slots
+        Piece(s.piece_spec(axis_name), *geometry(s)) for s in layout.slots
     )
 
 
@@ -218,21 +218,21 @@ def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
     return jax.tree.map(spec, params, is_leaf=is_shard)
 
 
-def geometry(slot: Slot | Shard) -> tuple:
-    """What a :class:`Shard` keeps of ``slot`` (or of another ``Shard``), after its
+def geometry(slot: Slot | Piece) -> tuple:
+    """What a :class:`Piece` keeps of ``slot`` (or of another ``Piece``), after its
     piece: shape, dtype, stacked layer axes, canonical chunks, alignment and split."""
     return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align, slot.split
 
 
 def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
-    """Replaces every :class:`Shard` in ``tree`` by the full parameter.
+    """Replaces every :class:`Piece` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
     parameters' dtype. Inside ``shard_map`` over ``axis_name`` only. A stacked
     parameter gathers all its layers; inside a scan over its layer axis, one layer.
 
     Args:
-      tree: a pytree whose leaves are ``Shard`` (other leaves pass through).
+      tree: a pytree whose leaves are ``Piece`` (other leaves pass through).
       axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
         the zeroshard step whose loss calls it (:func:`zeroshard.make_train_step`, the
         Flax steps). In a hand-written ``shard_map``, name it.
@@ -275,7 +275,7 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
 
 
 def wholes(
-    shards: list[Shard], axis_name: str, rest: tuple[str, ...], gathered: Callable[..., list]
+    shards: list[Piece], axis_name: str, rest: tuple[str, ...], gathered: Callable[..., list]
 ) -> list[jax.Array]:
     """The full parameter of each of ``shards`` (one collective per dtype, by
     ``gathered``, over ``axis_name``); :class:`Held` ones with no collective
@@ -319,7 +319,7 @@ def within(piece: jax.Array, slot: Slot, axes: tuple[str, ...]) -> jax.Array:
 
 
 def over_rest(
-    whole: Callable[[list], list], shards: list[Shard], axis_name: str, rest: tuple[str, ...]
+    whole: Callable[[list], list], shards: list[Piece], axis_name: str, rest: tuple[str, ...]
 ) -> Callable[[list], list]:
     """``whole`` run manual over the state's other axes ``rest`` too (in a step manual
     over the batch axes only): each of ``shards`` comes in as this device's piece,
@@ -399,7 +399,7 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
         the zeroshard step the layer runs in (see :func:`gather`).
 
     Returns:
-      ``wrapped(params, *args)`` taking the layer's ``Shard`` tree. Only the pieces
+      ``wrapped(params, *args)`` taking the layer's ``Piece`` tree. Only the pieces
       and ``args`` are kept for the backward pass. That pass gathers the weights again
       and differentiates ``fn``: the stage-3 trade of memory for bandwidth.
     """

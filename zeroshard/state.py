@@ -57,7 +57,7 @@ class TrainState(NamedTuple):
       params: the parameters in the compute dtype: full and replicated over the
         batch axes (stages 1 and 2; over the mesh's other axes, e.g. tensor
         parallelism's ``"model"``, in their own layout), or a tree of
-        :class:`zeroshard.Shard` pieces (stage 3).
+        :class:`zeroshard.Piece` pieces (stage 3).
       opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
         per device.
       model_state: non-trainable model state (e.g. ``{"batch_stats": ...}`` of a Linen

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.collectives import mesh_size
+from zeroshard.comm import mesh_size
 from zeroshard.layout import Layout, PyTree
 from zeroshard.mesh import keep_axes, mesh_of
 from zeroshard.placement import Plan

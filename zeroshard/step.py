@@ -26,7 +26,7 @@ from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_stage
-from zeroshard.collectives import mesh_size
+from zeroshard.comm import mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.mesh import (
     StepContext,
@@ -69,7 +69,7 @@ def init_train_state(
     compute copy is ``params`` cast to ``param_dtype``: replicated for stages 1 and 2
     (over the batch axes; over the mesh's other axes each leaf keeps the layout its
     array in ``params`` has, e.g. ``P(None, "model")``, and the step keeps it),
-    a tree of :class:`zeroshard.Shard` pieces (1/N per device) for stage 3.
+    a tree of :class:`zeroshard.Piece` pieces (1/N per device) for stage 3.
 
     Args:
       params: the initial parameters (any placement).
@@ -86,7 +86,7 @@ def init_train_state(
       param_specs: the parameters' layout over ``mesh``, a ``PartitionSpec`` per leaf
         (default: their arrays' ``NamedSharding``, ``P()`` for others); over the axes
         the batch is not split over, the state keeps it (see
-        :meth:`zeroshard.Sharded.splits`).
+        :meth:`zeroshard.sharded.Sharded.splits`).
 
     Returns:
       A :class:`TrainState` at step 0.
@@ -302,6 +302,11 @@ class TrainStep:
         )
         return run(parts, state.opt_state, params, extra)
 
+    def state_specs(self, params: PyTree, layout: tuple | None = None) -> TrainState:
+        """The ``PartitionSpec``s of the global state this step takes for ``params``
+        (see :meth:`layout_for`)."""
+        return self.layout_for(params, layout).specs(self.route.departure)
+
     def layout_for(self, params: PyTree, layout: tuple | None = None) -> StateLayout:
         """The state's layout (:class:`zeroshard.state_layout.StateLayout`) for
         ``params`` with the weights laid out over the mesh's other axes as ``layout``
@@ -497,7 +502,7 @@ def make_train_step(
 
     Stage 3 keeps the weights as 1/N pieces too (a state from
     ``init_train_state(..., stage=3)``): ``loss_fn`` receives a tree of
-    :class:`zeroshard.Shard` and gathers each layer's weights right before use with
+    :class:`zeroshard.Piece` and gathers each layer's weights right before use with
     :func:`zeroshard.gather` or :func:`zeroshard.layer` (which also re-gathers them in the
     backward pass instead of keeping them). The gather's transpose reduce-scatters
     the gradients, so they arrive as pieces, and no all-gather closes the step.

@@ -12,7 +12,7 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
    (a 1/N piece of every sliced leaf and the whole of each leaf it owns), with the
    moments and master weights kept here;
 3. the parameters *leave* by the :class:`zeroshard.departure.Departure` chosen with
-   the arrival: all-gathered whole, or as :class:`zeroshard.Shard` pieces again.
+   the arrival: all-gathered whole, or as :class:`zeroshard.Piece` pieces again.
 
 ``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
 (stages 1-3, with and without accumulation) and the Flax steps all call :func:`updated`;
@@ -169,7 +169,7 @@ def updated(
     **extra_args: Any,
 ) -> tuple[PyTree, ShardedState]:
     """The sharded update of this device's part: returns the new parameters, laid out
-    as ``params`` (whole, or stage-3 :class:`zeroshard.Shard` pieces), and state.
+    as ``params`` (whole, or stage-3 :class:`zeroshard.Piece` pieces), and state.
 
     Args:
       inner: the inner optimizer.

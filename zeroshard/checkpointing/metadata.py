@@ -59,7 +59,7 @@ from zeroshard.checkpointing.integrity import (
     read_or_refuse,
     record,
 )
-from zeroshard.collectives import mesh_size
+from zeroshard.comm import mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.logical import (
     describe,
@@ -259,7 +259,7 @@ def restore_item(
       read: reads the item into a tree of ``ShapeDtypeStruct`` (an orbax restore).
       tx: the optimizer to restore for.
       mesh: the mesh to read onto (any device count).
-      like: the parameters (arrays, ``Shard`` pieces or ``ShapeDtypeStruct``) in their
+      like: the parameters (arrays, ``Piece`` pieces or ``ShapeDtypeStruct``) in their
         compute dtypes.
       model_state: the model state's tree, or ``None``.
       stage: the ZeRO stage to lay the state out for (3: params as pieces).

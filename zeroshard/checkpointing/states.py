@@ -157,7 +157,7 @@ def target_parts(
 ) -> tuple[Parts, jax.sharding.Mesh, int]:
     """What a restore reads into: the target's parts (the extra leaves as
     ``ShapeDtypeStruct``, placed where the target has them, else replicated), its mesh
-    and its stage (3 where its params are ``Shard`` pieces).
+    and its stage (3 where its params are ``Piece`` pieces).
 
     Args:
       target: a state of the kind to restore (arrays or ``jax.ShapeDtypeStruct``).
