@@ -410,15 +410,11 @@ class TrainStep:
             )
         return jax.device_put(batch, rows)
 
-    def _layout(self, state: TrainState) -> tuple[P, ...] | None:
-        """The parameters' own layout over the state's other axes (tensor parallelism
-        over ``"model"``, say), which the step keeps: a static argument of the jitted
-        step (one compilation per layout), ``None`` where there are no such axes."""
-        return self.static_layout(layout_of(state.params, self.rest)) if self.rest else None
-
     def static_layout(self, specs: PyTree) -> tuple[P, ...] | None:
-        """``specs`` (a ``PartitionSpec`` per leaf) over the state's other axes, as the
-        jitted step's static ``layout`` argument (``None`` where there are none)."""
+        """``specs`` (a ``PartitionSpec`` per leaf; the weights' own layout, which the
+        step keeps) over the state's other axes (tensor parallelism's ``"model"``, say),
+        as the jitted step's static ``layout`` argument (one compilation per layout;
+        ``None`` where there are no such axes)."""
         if not self.rest:
             return None
         return tuple(
@@ -451,7 +447,7 @@ class TrainStep:
         return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        layout = self._layout(state)
+        layout = self.static_layout(layout_of(state.params, self.rest))
         step = self._jitted_for(state, layout)
         state, metrics = step(state, self._place(batch), key, layout)
         return state, step_io.plain_outputs(metrics, self.mesh)
@@ -460,7 +456,7 @@ class TrainStep:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
-        layout = self._layout(state)
+        layout = self.static_layout(layout_of(state.params, self.rest))
         return self._jitted_for(state, layout).lower(state, self._place(batch), key, layout)
 
 
