@@ -28,7 +28,7 @@ import jax
 
 from zeroshard.comm import to_bits
 from zeroshard.layout import Layout, PyTree
-from zeroshard.stage3 import Held, Piece, geometry, is_shard
+from zeroshard.stage3 import Held, Piece, is_shard
 
 
 def pieces_of(layout: Layout, params: PyTree, axis_name: str, dtype: Any = None) -> PyTree:
@@ -38,7 +38,7 @@ def pieces_of(layout: Layout, params: PyTree, axis_name: str, dtype: Any = None)
     index = jax.lax.axis_index(axis_name)
     leaves = layout.treedef.flatten_up_to(params)
     return layout.treedef.unflatten(
-        Piece(s.cut(x, index).astype(dtype or x.dtype).reshape(s.piece_shape), *geometry(s))
+        Piece(s.cut(x, index).astype(dtype or x.dtype).reshape(s.piece_shape), s)
         for x, s in zip(leaves, layout.slots, strict=True)
     )
 
@@ -51,7 +51,7 @@ def value_and_grad(loss: Callable[..., Any], params: PyTree) -> Callable[..., An
     by the gathers' transposes."""
 
     def on_pieces(pieces: PyTree, *args: Any) -> Any:
-        hold = lambda p, x: Held(p.piece, to_bits(x), *geometry(p))
+        hold = lambda p, x: Held(p.piece, to_bits(x), p.leaf)
         return loss(jax.tree.map(hold, pieces, params, is_leaf=is_shard), *args)
 
     return jax.value_and_grad(on_pieces, has_aux=True)

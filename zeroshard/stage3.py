@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
-from zeroshard.layout import WHOLE, Layout, PyTree, Slot, Split
+from zeroshard.layout import Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
@@ -48,78 +48,70 @@ from zeroshard.scopes import GATHER, scope
 
 @jax.tree_util.register_pytree_node_class
 class Piece:
-    """This device's piece of a parameter, with the parameter's full shape and dtype.
+    """This device's piece of a parameter, with the parameter's record.
 
     Attributes:
       piece: the piece, shaped ``(1, ..., 1, ceil(size / N))`` on a device (inside
         ``shard_map``), or ``(layers, 1, ..., width)`` for a stacked leaf; outside,
         the global array of all pieces.
+      leaf: the parameter's :class:`zeroshard.layout.Slot` (static): its full shape,
+        dtype, layer axes and geometry over the devices (a tensor-parallel
+        parameter's smaller block folded in).
       shape: the parameter's shape. For a stacked parameter scanned over (or
         indexed) along its layer axes, the shape of the layer the piece now holds.
-      dtype: the parameter's dtype (static).
-      stacked: the number of leading layer axes the piece still holds (static).
-      chunks: ``0``, or the canonical chunks each layer is cut into (static; see
-        :class:`zeroshard.layout.Slot`).
-      align: ``0``, or the elements its piece's width is a multiple of (static; see
-        :attr:`zeroshard.layout.Slot.align`).
-      split: how the leaf is cut into blocks over the mesh's axes besides the
-        batch's, its piece being one of a block's (static; see
-        :class:`zeroshard.layout.Split`).
+      dtype: the parameter's dtype.
+      stacked: the number of leading layer axes the piece still holds.
     """
 
-    def __init__(
-        self,
-        piece: Any,
-        shape: tuple[int, ...],
-        dtype: Any,
-        stacked: int = 0,
-        chunks: int = 0,
-        align: int = 0,
-        split: Split = WHOLE,
-    ):
-        self.piece, self.dtype = piece, np.dtype(dtype)
-        self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
-        self.align, self._split = int(align), split
+    def __init__(self, piece: Any, leaf: Slot):
+        self.piece, self.leaf = piece, leaf
 
     @property
-    def _dropped(self) -> int:
-        """Leading axes taken off the piece (by a scan or an index) since it was laid out."""
-        ndim = getattr(self.piece, "ndim", None)
-        return 0 if ndim is None else len(self._shape) - max(ndim, 1) + (not self._shape)
+    def dtype(self) -> np.dtype:
+        return self.leaf.dtype
+
+    @property
+    def _taken(self) -> int:
+        """Leading layer axes taken off the piece (by a scan or an index) since it was
+        laid out (beyond them: ``-1``)."""
+        ndim, rank = getattr(self.piece, "ndim", None), len(self.leaf.shape)
+        dropped = 0 if ndim is None else rank - max(ndim, 1) + (not rank)
+        return dropped if 0 <= dropped <= self.leaf.stacked else -1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._shape[max(0, min(self._dropped, self._stacked)) :]
+        return self.leaf.shape[max(self._taken, 0) :]
 
     @property
     def stacked(self) -> int:
-        return self._stacked - max(0, min(self._dropped, self._stacked))
+        return self.leaf.stacked - max(self._taken, 0)
 
     @property
     def split(self) -> Split:
-        """The leaf's split (see the attributes), its dimension counted in :attr:`shape`."""
-        taken = self._stacked - self.stacked  # (layer axes a scan or an index took off)
-        return dataclasses.replace(self._split, dim=max(self._split.dim - taken, 0))
+        """The leaf's split, its dimension counted in :attr:`shape`."""
+        split = self.leaf.split
+        return dataclasses.replace(split, dim=max(split.dim - max(self._taken, 0), 0))
 
     def slot(self, num_shards: int) -> Slot:
-        """The piece's geometry over ``num_shards`` devices.
+        """The piece's geometry over ``num_shards`` devices (of the layer it holds,
+        where a scan or an index took layer axes off).
 
         Raises:
           ValueError: if the piece lost axes that are not stacked layer axes, or does
             not have the shape the layout gives it (e.g. it was scanned over, indexed
             or vmapped in a way the layout does not support).
         """
-        dropped = self._dropped
-        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks, self.align)
+        s = self.leaf
+        slot = Slot.of(self.shape, s.dtype, num_shards, self.stacked, s.chunks, s.align)
         slot = dataclasses.replace(slot, split=self.split)
-        if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
+        if self._taken < 0 or tuple(self.piece.shape) != slot.piece_shape:
             how = (
-                f"laid out with {self._stacked} stacked layer axes"
-                if self._stacked
+                f"laid out with {s.stacked} stacked layer axes"
+                if s.stacked
                 else "not laid out as stacked layers"
             )
             raise ValueError(
-                f"a stage-3 parameter of shape {self._shape} has a piece of shape "
+                f"a stage-3 parameter of shape {s.shape} has a piece of shape "
                 f"{tuple(self.piece.shape)} here, but it is {how}, so this piece cannot be "
                 "gathered (was it scanned over, indexed or vmapped?). To scan over stacked "
                 "layers, mark them: zs.sharded(inner, stacked=['<name of the stacked "
@@ -128,12 +120,11 @@ class Piece:
         return slot
 
     def tree_flatten(self):
-        aux = (self._shape, self.dtype, self._stacked, self.chunks, self.align, self._split)
-        return (self.piece,), aux
+        return (self.piece,), self.leaf
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        return cls(children[0], aux)
 
     def __jax_array__(self):
         raise TypeError(
@@ -160,9 +151,8 @@ class Held(Piece):
         piece holds).
     """
 
-    def __init__(self, piece: Any, full: Any, *geometry: Any):
-        """``geometry``: a :class:`Piece`'s static data after its piece (:func:`geometry`)."""
-        super().__init__(piece, *geometry)
+    def __init__(self, piece: Any, full: Any, leaf: Slot):
+        super().__init__(piece, leaf)
         self.full = full
 
     def tree_flatten(self):
@@ -171,7 +161,7 @@ class Held(Piece):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        return cls(*children, aux)
 
     def __repr__(self) -> str:
         return "Held" + super().__repr__().removeprefix("Piece")
@@ -197,16 +187,14 @@ def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     owners gather them for the update) -> :class:`Piece` pieces, in the parameters'
     dtypes."""
     return layout.treedef.unflatten(
-        Piece(p.astype(s.dtype).reshape(s.piece_shape), *geometry(s))
+        Piece(p.astype(s.dtype).reshape(s.piece_shape), s)
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
 
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
     """``PartitionSpec`` of every stage-3 parameter: a :class:`Piece` of its piece's spec."""
-    return layout.treedef.unflatten(
-        Piece(s.piece_spec(axis_name), *geometry(s)) for s in layout.slots
-    )
+    return layout.treedef.unflatten(Piece(s.piece_spec(axis_name), s) for s in layout.slots)
 
 
 def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
@@ -216,12 +204,6 @@ def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
     (:class:`zeroshard.layout.Split`), ``P()`` for the others."""
     spec = lambda x: x.split.leaf_spec(len(x.shape)) if is_shard(x) else own_layout(x, axes)
     return jax.tree.map(spec, params, is_leaf=is_shard)
-
-
-def geometry(slot: Slot | Piece) -> tuple:
-    """What a :class:`Piece` keeps of ``slot`` (or of another ``Piece``), after its
-    piece: shape, dtype, stacked layer axes, canonical chunks, alignment and split."""
-    return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align, slot.split
 
 
 def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
