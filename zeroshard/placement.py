@@ -731,11 +731,10 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
-    dims = {s.path: s.stacked for s in base.slots}  # the stacked layer axes, kept
     place = lambda layered: Layout.from_tree(
         leaves,
         base.num_shards,
-        lambda path, _: dims[path],
+        base_dims(base),  # the stacked layer axes, kept
         costs,
         layered,
         sums & layered,
