@@ -631,7 +631,9 @@ def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng
     step = zs.make_train_step(tp_step_loss, tx, mesh)
     with jax.set_mesh(mesh):
         hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
-    reduced = [c for c in compiled_collectives(hlo, mesh=mesh) if "zeroshard/reduce_scatter" in c.op_name]
+    reduced = [
+        c for c in compiled_collectives(hlo, mesh=mesh) if "zeroshard/reduce_scatter" in c.op_name
+    ]
     codes = [c for c in reduced if c.dtype in ("s8", "u8")]
     assert {c.axes for c in codes if c.result_bytes >= 64} == {("data",)}
     assert sum(c.result_bytes for c in codes if c.axes == ("data",)) == 4 * (16 * 64 * 2 // 8)
