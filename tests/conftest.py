@@ -94,6 +94,10 @@ SLOW = [
     r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
     r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",
     r"test_dropin.py::test_the_linen_mnist_example\[adamw\]",
+    # Programs that shard by annotations: each program on its second mesh (the Linen
+    # one's 4 x 2 fsdp and the NNX one's 4 x 2 tensor stay, with mesh= and without).
+    r"test_annotations.py::test_a_linen_program_with_logical_axis_rules\[tensor-",
+    r"test_annotations.py::test_an_nnx_program_lays_the_optimizer_out_by_its_metadata\[fsdp-",
     # The Flax steps' options: a replica axis (hierarchical sharding: test_meshes.py; the
     # adapters' path with a manual data axis: stage2-accum2).
     r"test_flax.py::test_flax_steps_match_make_train_step\[replica_axis\]",

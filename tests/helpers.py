@@ -188,3 +188,12 @@ def check_one_piece_batch(params: dict, batch: dict, column: int) -> None:
     grad = jax.grad(one_piece_loss)(params, batch)
     bad = [(k, i) for k, g in grad.items() for i in np.flatnonzero(~np.isfinite(g))]
     assert bad == [("w", column)]
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes of ``tree``'s arrays on each device."""
+    held = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held

@@ -14,7 +14,14 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, awkward_loss, awkward_params, batches, reference_run
+from helpers import (
+    assert_trees_close,
+    awkward_loss,
+    awkward_params,
+    batches,
+    per_device_bytes,
+    reference_run,
+)
 from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
@@ -100,15 +107,6 @@ def jit_loop(tx, params, data, steps=6):
     for _ in range(steps):
         params, opt_state = step(params, opt_state, *data)
     return params, opt_state
-
-
-def per_device_bytes(tree):
-    """Bytes of ``tree``'s arrays on each device."""
-    held = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return held
 
 
 def adam_bytes(params):

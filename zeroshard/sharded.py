@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
+from zeroshard.annotations import annotated, check_layout, unboxed
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
@@ -131,12 +131,22 @@ class Sharded:
     def init(self, params: PyTree) -> ShardedState:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
         global state, 1/N per device of every axis (:meth:`spanning`), on the mesh of
-        :func:`zeroshard.mesh.find_mesh` (eagerly, or inside the user's ``jax.jit``)."""
-        params = _values(params)
+        :func:`zeroshard.mesh.find_mesh` (eagerly, or inside the user's ``jax.jit``).
+        Parameters in Flax's boxes (Linen's ``Partitioned``, NNX ``Variable``s) give
+        a state whose leaves are in boxes of the same kind naming their own layout
+        (:mod:`zeroshard.annotations`)."""
+        boxed, (params, _) = params, unboxed(params)
         if bound_axis_size(self.config.axis_name) is not None:
             return self.init_local(params)
-        mesh = find_mesh(self.config, params, any_axes=True)
-        return self.spanning(mesh).init_global(params, mesh, splits=self.typed_splits(mesh, params))
+        try:
+            mesh = find_mesh(self.config, params, any_axes=True)
+        except ValueError as error:
+            error.add_note(NO_MESH)
+            raise
+        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
+        state = opt.init_global(params, mesh, splits=splits)
+        specs = opt.state_specs(params, mesh_size(mesh, opt.config.axis_name), splits)
+        return annotated(state, specs, boxed)
 
     def typed_splits(
         self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, params: PyTree
@@ -220,10 +230,11 @@ class Sharded:
         """
         check_extra_args(extra_args)
         self.config.sum_order.check_drop_in()
+        (state, reboxed), (params, like) = unboxed(state), unboxed(params)
         local = params is None or bound_axis_size(self.config.axis_name) is not None
         apply = self.apply if local else self.apply_global
-        new, state = apply(updates, state, params, **extra_args)
-        return jax.tree.map(lambda n, p: n - p, new, params), state
+        new, state = apply(unboxed(updates)[0], state, params, **extra_args)
+        return like(jax.tree.map(lambda n, p: n - p, new, params)), reboxed(state)
 
     def apply(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -263,6 +274,7 @@ class Sharded:
         plan = opt.plan(params, num_shards, splits)
         specs = opt.specs_of(plan)
         check_blocks(plan, state)
+        check_layout(state, specs)
         leaves = plan.layout.leaf_specs()
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
@@ -321,14 +333,13 @@ class Sharded:
             )
 
 
-def _values(tree: PyTree) -> PyTree:
-    """``tree`` with Flax NNX ``Variable`` nodes replaced by their values. ``nnx.Optimizer``
-    passes ``nnx.state(model)`` to ``init`` and copies each ``Variable``'s metadata (its
-    sharding annotation, say) onto the state's leaves of the same path, which would
-    re-lay the sliced state out; plain values carry none. (Flax is optional: only when it
-    is imported can the tree hold its ``Variable`` nodes.)"""
-    nnx = sys.modules.get("flax.nnx")
-    return tree if nnx is None else nnx.as_pure(tree)
+NO_MESH = (
+    "zeroshard: tx.init lays the state out on a mesh, and none is known where it runs "
+    "(under jax.eval_shape, or in a jit that makes the parameters, they carry no "
+    "layout). Give the optimizer its mesh: zs.sharded(inner, mesh=mesh); a program "
+    "that computes the state's shardings from annotations (nn.get_partition_spec of "
+    "jax.eval_shape(init)) needs it there, or under `with jax.set_mesh(mesh):`."
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -516,6 +527,10 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
     ``init(params)`` returns this device's slices inside ``shard_map``, else global
     arrays sharded over ``axis_name`` of the mesh (``mesh``, ``jax.set_mesh``, or the
     params' own); it works on ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``).
+    Where the parameters carry Flax's sharding metadata (``nn.with_logical_partitioning``,
+    ``nnx.with_partitioning``), each leaf of the state carries its own layout so, and
+    ``nn.get_partition_spec`` / ``nnx.get_partition_spec`` of it keep that layout under
+    any logical axis rules.
 
     In a profile, and in the compiled program's op names, ``update`` shows as named
     scopes (:mod:`zeroshard.scopes`): ``zeroshard/reduce_scatter`` (or
