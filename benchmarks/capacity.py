@@ -81,9 +81,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--state-bits",
+        type=int,
+        nargs="*",
+        default=[],
+        choices=(8, 4),
+        help="zeroshard's variants again with the state in these bits (state_bits=)",
+    )
     parser.add_argument("--budgets", type=int, nargs="*", default=[], help="MiB per device")
     parser.add_argument("--real", action="store_true", help="one real step at each largest")
-    parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one", nargs=3, metavar=("VARIANT", "LAYERS", "BITS"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--out", default="benchmarks/results", help="JSON goes here")
     parser.add_argument("--plot", help="draw this PNG from --runs (JSONs of earlier runs)")
     parser.add_argument("--runs", nargs="*", default=[])
@@ -100,20 +110,28 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     if args.one:  # (a child process: one real step)
-        print(json.dumps(real_step(args, args.one[0], int(args.one[1]))))
+        name, layers, bits = args.one
+        print(json.dumps(real_step(args, name, int(layers), None if bits == "-" else int(bits))))
         return
     machine = f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.machine()}, "
     machine += f"{os.cpu_count()} CPUs), jax {jax.__version__}"
     print(f"{machine}; width {args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}")
-    rows = [peak(args, v, layers) for layers in args.layers for v in args.variants]
+    runs = [(v, bits) for v in args.variants for bits in [None, *args.state_bits] if coded(v, bits)]
+    rows = [peak(args, v, layers, bits) for layers in args.layers for v, bits in runs]
     print_table(rows, args.devices)
-    largest = [search(args, v, budget) for budget in args.budgets for v in args.variants]
+    largest = [search(args, v, budget, bits) for budget in args.budgets for v, bits in runs]
     if largest:
         print_largest(largest, args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
         run = {"machine": machine, "devices": args.devices, "peaks": rows, "largest": largest}
         json.dump(run, f, indent=1)
+
+
+def coded(name: str, bits: int | None) -> bool:
+    """Whether variant ``name`` runs with state in ``bits`` (``None``: as optax keeps it):
+    the variants of ``zs.sharded`` (its ``state_bits=``) with any, the others with none."""
+    return bits is None or name == "dropin" or name.startswith("zeroshard-")
 
 
 def shapes(width: int, layers: int, vocab: int) -> dict:
@@ -150,9 +168,12 @@ def init_params(structs: dict, seed: int = 0) -> dict:
     return jax.tree.unflatten(treedef, [one(k, *p) for k, p in zip(keys, paths, strict=True)])
 
 
-def variant_step(args: argparse.Namespace, name: str, structs: dict, mesh: Any) -> tuple:
+def variant_step(
+    args: argparse.Namespace, name: str, structs: dict, mesh: Any, bits: int | None = None
+) -> tuple:
     """``(step, state)`` of ``name``: ``step(state, batch) -> state``, and its state as
-    abstract values with their shardings (``jax.ShapeDtypeStruct``)."""
+    abstract values with their shardings (``jax.ShapeDtypeStruct``); the state of
+    ``zs.sharded`` in ``bits`` (``state_bits=``)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -171,13 +192,13 @@ def variant_step(args: argparse.Namespace, name: str, structs: dict, mesh: Any) 
     )
     if name.startswith("zeroshard-"):
         stage = int(name[-1])
-        tx = zs.sharded(inner, stacked=["blocks"])
+        tx = zs.sharded(inner, stacked=["blocks"], state_bits=bits)
         init = lambda p: zs.init_train_state(p, tx, mesh, param_dtype=jnp.bfloat16, stage=stage)
         step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
         lower = lambda s, b: step.jitted.lower(s, b, None)
         return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
     if name == "dropin":
-        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"])
+        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"], state_bits=bits)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
 
         def dropin(p, s, b):
@@ -268,8 +289,9 @@ def batch_structs(args: argparse.Namespace, mesh: Any) -> dict:
     return {"tokens": tokens, "targets": tokens}
 
 
-def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
-    """The compiled per-device peak of ``name`` at ``layers`` layers (abstract values)."""
+def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = None) -> dict:
+    """The compiled per-device peak of ``name`` at ``layers`` layers (abstract values),
+    its state in ``bits``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -282,13 +304,13 @@ def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
     if stage:  # zeroshard's planner: its step compiled on abstract values
-        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
+        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         loss = transformer_loss(gathering(stage), max(1, args.width // 64))
         stats = zs.step_memory(
             loss, tx, mesh, structs, batch, stage=stage, param_dtype=jnp.bfloat16
         )
     else:
-        _, state, lower = variant_step(args, name, structs, mesh)
+        _, state, lower = variant_step(args, name, structs, mesh, bits)
         m = lower(state, batch).compile().memory_analysis()
         stats = zs.StepMemory(
             m.argument_size_in_bytes,
@@ -296,7 +318,7 @@ def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
             m.temp_size_in_bytes,
             m.alias_size_in_bytes,
         )
-    row = {"variant": name, "layers": layers, "params": count} | stats._asdict()
+    row = {"variant": name, "bits": bits, "layers": layers, "params": count} | stats._asdict()
     row |= {"peak": stats.peak, "compile_s": time.perf_counter() - start}
     # The model-state estimate (zs.estimate_memory: params, grads, state, master; no
     # temporaries), to say how far it is from the compiled peak.
@@ -304,41 +326,46 @@ def peak(args: argparse.Namespace, name: str, layers: int) -> dict:
     return row | {"model_state": analytic.total}
 
 
+def state(row: dict) -> str:
+    """How a row's optimizer state is stored."""
+    return f"{row['bits']}-bit" if row.get("bits") else "fp32"
+
+
 def print_table(rows: list[dict], n: int) -> None:
     base = {r["layers"]: r["peak"] for r in rows if r["variant"] == "replicated"}
     print(
-        "\n| variant | layers | params | arguments | temporaries | peak / device | B/param "
+        "\n| variant | state | layers | params | arguments | temporaries | peak / device | B/param "
         "| formula | vs replicated | model-state estimate |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rel = f"{r['peak'] / base[r['layers']]:.3f}x" if r["layers"] in base else "-"
         f = formula(r["variant"], n)
         print(
-            f"| {r['variant']} | {r['layers']} | {r['params'] / 1e6:.1f}M | "
+            f"| {r['variant']} | {state(r)} | {r['layers']} | {r['params'] / 1e6:.1f}M | "
             f"{r['arguments'] / MiB:.1f} MiB | {r['temporaries'] / MiB:.1f} MiB | "
             f"{r['peak'] / MiB:.1f} MiB | {r['peak'] / r['params']:.2f} | "
             f"{f:.2f} ({f / 16:.3f}x) | {rel} | {r['model_state'] / r['peak']:.2f}x peak |"
         )
 
 
-def search(args: argparse.Namespace, name: str, budget: int) -> dict:
+def search(args: argparse.Namespace, name: str, budget: int, bits: int | None = None) -> dict:
     """The most layers whose compiled peak fits ``budget`` MiB, with that peak; and with
     ``--real`` one real step at that size. A stacked model's peak is affine in its
     layers (the scan's body is one program): two compiles give the line, then the
     fit is checked by compiling, one layer at a time."""
-    fits = lambda layers: layers < 1 or peak(args, name, layers)["peak"] <= budget * MiB
-    a, b = (peak(args, name, layers)["peak"] for layers in (4, 8))
+    fits = lambda layers: layers < 1 or peak(args, name, layers, bits)["peak"] <= budget * MiB
+    a, b = (peak(args, name, layers, bits)["peak"] for layers in (4, 8))
     low = max(0, int((budget * MiB - a) / ((b - a) / 4)) + 4)
     while not fits(low):
         low -= 1
     while fits(low + 1):
         low += 1
     row = {"budget_mib": budget} | (
-        peak(args, name, low) if low else {"variant": name, "layers": 0}
+        peak(args, name, low, bits) if low else {"variant": name, "bits": bits, "layers": 0}
     )
     if args.real and low:
-        command = [sys.executable, __file__, "--one", name, str(low)]
+        command = [sys.executable, __file__, "--one", name, str(low), str(bits or "-")]
         command += ["--devices", str(args.devices), "--width", str(args.width)]
         command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -347,11 +374,12 @@ def search(args: argparse.Namespace, name: str, budget: int) -> dict:
         else:  # (killed by a signal: negative; the kernel's OOM killer sends SIGKILL)
             said = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
             row["real_error"] = said[-1][:200]
-    print(f"{name}: {budget} MiB -> {row['layers']} layers {row}", file=sys.stderr, flush=True)
+    said = f"{name} ({bits or 'optax'} state): {budget} MiB -> {row['layers']} layers {row}"
+    print(said, file=sys.stderr, flush=True)
     return row
 
 
-def real_step(args: argparse.Namespace, name: str, layers: int) -> dict:
+def real_step(args: argparse.Namespace, name: str, layers: int, bits: int | None) -> dict:
     """One real step of ``name`` at ``layers`` layers: its time and the process's peak
     resident memory (``ru_maxrss``: all 8 simulated devices share this process)."""
     import jax
@@ -360,9 +388,9 @@ def real_step(args: argparse.Namespace, name: str, layers: int) -> dict:
 
     mesh = jax.make_mesh((args.devices,), ("data",))
     structs = shapes(args.width, layers, args.vocab)
-    run, abstract, _ = variant_step(args, name, structs, mesh)
+    run, abstract, _ = variant_step(args, name, structs, mesh, bits)
     start = time.perf_counter()
-    state = materialize(name, abstract, structs, mesh, args)
+    state = materialize(name, abstract, structs, mesh, bits)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, size=(args.batch, args.seq + 1), dtype=np.int32)
     rows = NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -373,7 +401,7 @@ def real_step(args: argparse.Namespace, name: str, layers: int) -> dict:
     return {"init_s": made - start, "step_s": time.perf_counter() - made, "rss_mib": kib / 1024}
 
 
-def materialize(name: str, abstract: Any, structs: dict, mesh: Any, args: Any) -> Any:
+def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | None) -> Any:
     """Real arrays of a variant's state: zeroshard's from ``zs.init_train_state`` on
     random parameters, the others' from their optimizer's init, laid out as
     ``abstract`` says."""
@@ -393,10 +421,10 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, args: Any) -
     else:
         fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
     if name.startswith("zeroshard-"):
-        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"])
+        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
     if name == "dropin":
-        tx = zs.sharded(optax.adam(1e-4), mesh=mesh, stacked=["blocks"])
+        tx = zs.sharded(optax.adam(1e-4), mesh=mesh, stacked=["blocks"], state_bits=bits)
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
         return bf16, tx.init(bf16)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
@@ -416,13 +444,15 @@ def _whole(mesh: Any) -> Any:
 
 
 def print_largest(rows: list[dict], args: argparse.Namespace) -> None:
-    print("\n| budget | variant | layers | params | compiled peak | real step | process RSS |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "\n| budget | variant | state | layers | params | compiled peak | real step | process RSS |"
+    )
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         step = f"{r['step_s']:.1f} s" if "step_s" in r else r.get("real_error", "-")
         rss = f"{r['rss_mib']:.0f} MiB" if "rss_mib" in r else "-"
         print(
-            f"| {r['budget_mib']} MiB | {r['variant']} | {r['layers']} | "
+            f"| {r['budget_mib']} MiB | {r['variant']} | {state(r)} | {r['layers']} | "
             f"{r.get('params', 0) / 1e6:.1f}M | {r.get('peak', 0) / MiB:.0f} MiB | {step} | {rss} |"
         )
 
@@ -439,7 +469,12 @@ def plot(path: str, runs: list[dict]) -> None:
     ns = sorted({r["devices"] for r in runs if r["peaks"]})
     for k, variant in enumerate(VARIANTS):
         color = f"C{k}"
-        points = [(r["devices"], p) for r in runs for p in r["peaks"] if p["variant"] == variant]
+        points = [
+            (r["devices"], p)
+            for r in runs
+            for p in r["peaks"]
+            if (p["variant"], p.get("bits")) == (variant, None)
+        ]
         left.plot(
             [n for n, _ in points], [p["peak"] / p["params"] for _, p in points], "o", color=color
         )
@@ -449,7 +484,7 @@ def plot(path: str, runs: list[dict]) -> None:
             (r["budget_mib"], r.get("params", 0))
             for x in runs
             for r in x["largest"]
-            if r["variant"] == variant
+            if (r["variant"], r.get("bits")) == (variant, None)
         )
         right.plot(
             [b for b, _ in best], [p / 1e6 for _, p in best], "o-", color=color, label=variant

@@ -110,6 +110,13 @@ SLOW = [
     # (make docs executes every one; the default tier checks they carry no outputs).
     r"test_demo.py::test_demo_stops_on_sigterm_and_the_same_command_resumes",
     r"test_notebooks.py::test_notebook_executes",
+    # The combinations sampler: the default tier runs its first 12 draws, one draw that
+    # once failed per mechanism and the refusals; the slow tier the other 188 draws and
+    # the second draws of a mechanism.
+    r"test_combinations.py::test_every_combination_trains_like_optax_or_is_refused"
+    r"\[draw(01[2-9]|0[2-9]\d|1\d\d)\]",
+    r"test_combinations.py::test_combinations_that_failed_inside_jax_train_like_optax"
+    r"\[(accum_on_auto_2x2x2|dropin_adafactor_explicit|muon_stage3_explicit_tp)\]",
     # deterministic=: the default tier runs each optimizer, stage and dtype once.
     r"test_deterministic.py::test_bit_identical_on_1_2_4_8_devices\[(?!(adamw\+clip-1-float32|"
     r"adamw\+clip-2-bfloat16|adamw\+clip-3-bfloat16|lamb-1-float32|adafactor-[13]-float32|"

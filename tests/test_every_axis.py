@@ -286,6 +286,15 @@ def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_nnx_optimizer(rng
     )
     kernel = got["blocks"][0]["up"]["kernel"]
     assert kernel.sharding.spec == P("fsdp", "tensor")  # the annotation, kept
+    # With mesh=, as the README writes it: no axis_name needed either, the same numbers.
+    tx = zs.sharded(optax.adamw(1e-2), mesh=mesh)
+    with_mesh = nnx_losses(lambda: tx, mesh, data)
+    assert with_mesh[0] == losses
+    for a, b in zip(jax.tree.leaves(with_mesh[1:]), jax.tree.leaves((got, state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Where the axis matters (a step splits the batch over it), it is asked for.
+    with pytest.raises(ValueError, match="axis_name='data' names no such axis. Pass the mesh"):
+        zs.make_train_step(lambda p, b: 0.0, tx, mesh)
 
 
 def test_an_nnx_model_for_an_explicit_fsdp_tensor_mesh_through_the_nnx_step(rng):

@@ -15,6 +15,7 @@ import pytest
 from helpers import make_mesh
 
 import zeroshard as zs
+from zeroshard import piecewise
 from zeroshard.instruments import state_bytes_per_device
 from zeroshard.lowbit import Codes, lowbit
 
@@ -184,9 +185,10 @@ def zs_codes(x) -> bool:
     return isinstance(x, Codes)
 
 
-def run(bits, n, steps, stage=1, accum=1, deterministic=16, seed=0, **options):
+def run(bits, n, steps, stage=1, accum=1, deterministic=16, seed=0, inner=None, **options):
     params, mesh = model(np.random.default_rng(seed)), make_mesh(n)
-    tx = zs.sharded(optax.adam(1e-2), state_bits=bits, deterministic=deterministic, **options)
+    inner = inner or optax.adam(1e-2)
+    tx = zs.sharded(inner, state_bits=bits, deterministic=deterministic, **options)
     state = zs.init_train_state(params, tx, mesh, stage=stage)
     step = zs.make_train_step(
         lambda p, b: loss_fn(p, b, stage), tx, mesh, stage=stage, accum_steps=accum
@@ -196,10 +198,14 @@ def run(bits, n, steps, stage=1, accum=1, deterministic=16, seed=0, **options):
     return state, tx
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_the_codes_are_the_same_on_1_2_4_and_8_devices(bits):
+@pytest.mark.parametrize("bits,piece", [(8, None), (4, None), (8, 512)])
+def test_the_codes_are_the_same_on_1_2_4_and_8_devices(bits, piece, monkeypatch):
     """With deterministic=, 10 steps on 1, 2, 4 and 8 devices store the same codes and
-    scales (np.array_equal): blocks follow each leaf's global index."""
+    scales (np.array_equal): blocks follow each leaf's global index. Also where each
+    device updates its state two blocks at a time (``piece``: 34 pieces of w1 on one
+    device, 9 of one block each on 8)."""
+    if piece:
+        monkeypatch.setattr(piecewise, "PIECE", piece)
     runs = [coded_leaves(run(bits, n, 10)[0]) for n in (1, 2, 4, 8)]
     assert set(runs[0]) == {"[0].mu['w1']", "[0].mu['w2']", "[0].nu['w1']", "[0].nu['w2']"}
     sizes = {"w1": 128 * 136, "w2": 136 * 8}
@@ -214,19 +220,36 @@ def test_the_codes_are_the_same_on_1_2_4_and_8_devices(bits):
 
 
 @pytest.mark.parametrize(
-    "bits,stage,accum", [(8, 1, 1), (4, 1, 1), (8, 1, 2), (8, 2, 2), (4, 3, 1), (8, 3, 2)]
+    "bits,stage,accum,piece,clip",
+    [
+        (8, 1, 1, None, False),
+        (4, 1, 1, None, False),
+        (8, 1, 2, None, False),
+        (8, 2, 2, None, False),
+        (4, 3, 1, None, False),
+        (8, 3, 2, None, False),
+        (4, 2, 1, 128, False),
+        (8, 3, 1, None, True),
+    ],
 )
-def test_one_step_is_plain_optax_on_the_decoded_state(bits, stage, accum):
+def test_one_step_is_plain_optax_on_the_decoded_state(bits, stage, accum, piece, clip, monkeypatch):
     """After 5 steps on 8 devices, at every stage, with and without accumulation: one
     more step gives the weights of plain optax on one device, on the global batch, from
     the decoded state (to_optax_state), and stores plain optax's new state as one of
     the two grid points around each value (the NumPy reference's, rounded down or up:
-    which one is the coin's, and the coin follows the value's last bits)."""
-    state, tx = run(bits, 8, 5, stage=stage, accum=accum, deterministic=None)
+    which one is the coin's, and the coin follows the value's last bits). Also where
+    the state is updated a block at a time (``piece``), and after a global-norm clip
+    (``clip``: a sum over every element, so each device's state is decoded whole)."""
+    if piece:
+        monkeypatch.setattr(piecewise, "PIECE", piece)
+    inner = optax.adam(1e-2)
+    inner = optax.chain(optax.clip_by_global_norm(0.1), inner) if clip else inner
+    state, tx = run(bits, 8, 5, stage=stage, accum=accum, deterministic=None, inner=inner)
     params, opt_state = jax.device_get(zs.to_optax_state(state, tx))  # (on one device)
     batch = data(1, 1)[0]
     grads = jax.grad(loss_fn)(params, batch)
-    updates, expected_state = optax.adam(1e-2).update(grads, opt_state, params)
+    updates, expected_state = inner.update(grads, opt_state, params)
+    adam, prefix = (expected_state[1], "[1]") if clip else (expected_state, "")
     expected = optax.apply_updates(params, updates)
     loss = lambda p, b: loss_fn(p, b, stage)
     step = zs.make_train_step(loss, tx, make_mesh(8), stage=stage, accum_steps=accum)
@@ -237,11 +260,11 @@ def test_one_step_is_plain_optax_on_the_decoded_state(bits, stage, accum):
     got = coded_leaves(state)
     for name in ("mu", "nu"):
         for leaf in ("w1", "w2"):
-            x = np.asarray(getattr(expected_state[0], name)[leaf]).reshape(-1)
+            x = np.asarray(getattr(adam[0], name)[leaf]).reshape(-1)
             block = GRIDS[bits][0]
             x = np.pad(x, (0, -len(x) % block))
             (down, scales, clear), (up, _, _) = np_encode(x, bits, False), np_encode(x, bits, True)
-            mine, my_scales = got[f"[0].{name}['{leaf}']"]
+            mine, my_scales = got[f"{prefix}[0].{name}['{leaf}']"]
             np.testing.assert_allclose(my_scales[: len(scales)], scales, rtol=1e-5)
             mine = np_decode(mine[: len(x)], my_scales[: len(scales)], bits)
             down, up = (np_decode(c, scales, bits) for c in (down, up))
@@ -249,6 +272,36 @@ def test_one_step_is_plain_optax_on_the_decoded_state(bits, stage, accum):
             assert clear.mean() > 0.95
             assert (near_down | near_up)[clear].all()
             assert near_down.mean() > 0.1 and near_up.mean() > 0.1  # (both: the rounding's)
+
+
+def stacked_step_memory(bits, layers: int, stage: int) -> zs.StepMemory:
+    """The compiled memory of a step (Adam, N = 8, abstract values) of ``layers`` stacked
+    layers of 512 x 1024, each gathered in a scan (``zs.layer``)."""
+    params = {"w": jax.ShapeDtypeStruct((layers, 512, 1024), jnp.float32)}
+    block = zs.layer(lambda p, x: jnp.tanh(x @ p["w"])[:, :512])
+
+    def loss(p, batch):
+        return jnp.mean(jax.lax.scan(lambda x, p: (block(p, x), None), batch, p)[0] ** 2)
+
+    tx = zs.sharded(optax.adam(1e-3), stacked=["w"], state_bits=bits)
+    batch = jax.ShapeDtypeStruct((16, 512), jnp.float32)
+    return zs.step_memory(loss, tx, make_mesh(8), params, batch, stage=stage)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_coded_update_holds_one_piece_of_decoded_state(bits):
+    """The temporaries of a stage-3 step with coded state grow from 4 to 8 layers by no
+    more than the float32-state step's do plus one layer's float32 moments (65,536
+    elements of each per device): the state is decoded a piece at a time, not the
+    device's whole slice at once (decoded whole, they grew by 12 MiB). And at stage 2
+    (its loss gathers each layer: the gradients reduce-scattered layer by layer), the
+    step with coded state has a lower peak than with float32 state."""
+    temps = {
+        (b, n): stacked_step_memory(b, n, stage=3).temporaries for b in (None, bits) for n in (4, 8)
+    }
+    grown = lambda b: temps[b, 8] - temps[b, 4]
+    assert grown(bits) <= grown(None) + 2 * 4 * 512 * 1024 // 8
+    assert stacked_step_memory(bits, 8, stage=2).peak < stacked_step_memory(None, 8, 2).peak
 
 
 @pytest.mark.parametrize("bits,limit", [(8, 0.27), (4, 0.15)])

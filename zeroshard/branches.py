@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from zeroshard.blocks import init_blocked
 from zeroshard.comm import varies, vary
 from zeroshard.layout import PyTree
+from zeroshard.lowbit import is_codes
 from zeroshard.placement import Plan
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import ReplicatedState
@@ -87,16 +88,15 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
     kept = [None if stored[k] else x for k, x in enumerate(leaves)]
-    kept = [plan.stored(k, x) for k, x in enumerate(kept)]
+    kept = [x if is_codes(x) else plan.stored(k, x) for k, x in enumerate(kept)]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
 def stored_state(plan: Plan, kept: PyTree, stored: dict) -> PyTree:
     """The inner state of ``branch``: the kept tree with its owned leaves filled in from
-    ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows) and its coded
-    leaves decoded (:mod:`zeroshard.lowbit`)."""
+    ``stored`` (:meth:`zeroshard.placement.Storage.unpack` of its rows); its coded
+    leaves stay coded (:mod:`zeroshard.piecewise` decodes them)."""
     leaves = plan.state_treedef.flatten_up_to(kept)
-    leaves = [plan.read(k, x) for k, x in enumerate(leaves)]
     return plan.state_treedef.unflatten(
         stored[("state", k)] if kind.stored else x
         for k, (kind, x) in enumerate(zip(plan.state_kinds, leaves, strict=True))

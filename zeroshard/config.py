@@ -114,8 +114,9 @@ class ShardConfig:
             raise ValueError(f"pack_bytes must be a non-negative int, got {self.pack_bytes!r}.")
         if self.loss_scale is not None:
             _check_loss_scale(self.loss_scale, self.skip_nonfinite)
-        if self.mesh is not None:
-            check_mesh_axes(self.mesh, self.axis_name, self.replica_axis)
+        if self.mesh is not None:  # (the drop-in spans any mesh: axis_name is checked where
+            # the batch is split over it, by the step and the state it builds)
+            check_mesh_axes(self.mesh, (), self.replica_axis)
         normal = functools.partial(object.__setattr__, self)  # (frozen: set once, here)
         normal("axis_name", self.axes[0] if len(self.axes) == 1 else self.axes)
         normal("master_dtype", _dtype(self.master_dtype))

@@ -288,7 +288,7 @@ class _WholeMeshStep:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
         built = state_layout(self.tx, self.mesh, state.params)
-        return self.jitted(state, jax.device_put(batch, rows), tuple(built.layout.splits.items()))
+        return self.jitted(state, jax.device_put(batch, rows), built.splits)
 
 
 def nnx_train_step(

@@ -4,7 +4,8 @@ With ``zs.sharded(inner, state_bits=8)`` (or ``4``) the floating-point state lea
 shaped like a matrix's pieces (Adam's ``mu`` and ``nu``, any optax optimizer's) are
 kept between steps as :class:`Codes`: one code per element and one float32 scale
 per block of :attr:`LowBit.block` elements. The update decodes them to float32,
-runs the inner optimizer, and encodes its new state, in the same jitted step.
+runs the inner optimizer, and encodes its new state, in the same jitted step, a
+bounded piece of blocks at a time (:mod:`zeroshard.piecewise`).
 
 **Blocks follow the leaf's global index.** A coded leaf's pieces are a whole number
 of blocks (:attr:`zeroshard.layout.Slot.align`), so block ``j`` is elements ``[j B,

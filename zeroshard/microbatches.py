@@ -77,8 +77,10 @@ class Accumulated(OneBatch):
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
         k, axes, key = self.steps, self.axes, step_io.device_key(key, self.axes)
-        # (laid out as the parts are: over the state's other axes, if any)
-        zeros = lambda x: vary(jnp.zeros_like(x, jnp.float32), axes)
+        # (laid out as the parts are: over the state's other axes, if any; from the shape's
+        # sharding alone: zeros_like drops it outside jax.set_mesh, and fails on the shape's
+        # manual axis type where the mesh's other axes are Auto; typed varying by vary)
+        zeros = lambda x: vary(jnp.zeros(x.shape, jnp.float32, out_sharding=x.sharding), axes)
         # What a micro-batch adds: its gradient (stage 1), or its part (stage 2's
         # reduce-scattered parts, stage 3's pieces: the owned ones go to their owners once).
         add = (lambda grads: arrival.part(plan, grads)) if self.each else (lambda grads: grads)

@@ -494,7 +494,10 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     master_dtypes = tuple(config.master_dtype_of(b.dtype) for b in base.buckets)
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
     full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
-    full_state = jax.eval_shape(inner.init, full)
+    # (shapes and dtypes only: the sharding init gives them under jax.set_mesh of an
+    # Explicit mesh would make the blocked update's full-shape trace close over its axes)
+    shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    full_state = jax.tree.map(shape_of, jax.eval_shape(inner.init, full))
     piece_state = jax.eval_shape(inner.init, pieces)
     state_treedef = jax.tree.structure(full_state)
     _check_structure(state_treedef, piece_state)

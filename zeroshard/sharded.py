@@ -645,8 +645,10 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         state of matrices (Adam's ``mu`` and ``nu``) in that many bits between steps,
         with a float32 scale per block of 256 (8 bits) or 128 elements (4 bits):
         about 0.27x or 0.16x of its float32 bytes. Decoded to float32 for the update
-        and coded again after it, in the same step; blocks follow the leaf's global
-        index, so the codes are the same on any device count and stage. Vectors,
+        and coded again after it, in the same step, a bounded piece at a time where
+        the update is elementwise (:mod:`zeroshard.piecewise`); blocks follow the
+        leaf's global index, so the codes are the same on any device count and
+        stage. Vectors,
         scalars, matrices with fewer elements per layer than a block, and owned or
         blocked leaves keep their state exact; the master weights stay float32
         (:mod:`zeroshard.lowbit`). ``None``: as the inner optimizer keeps it.

@@ -50,6 +50,9 @@ class StateLayout:
         per leaf (tensor parallelism's ``P(None, "model")``, say), which the steps
         keep; a tuple, in leaf order.
       rest: the state's axes besides the batch's.
+      splits: the leaves split over :attr:`rest` the plan was made for
+        (:meth:`zeroshard.sharded.Sharded.splits`: the weights' layout says so; the
+        plan keeps those it can cut block by block), as ``(index, split)`` pairs.
     """
 
     tx: ShardedTransformation
@@ -57,6 +60,7 @@ class StateLayout:
     weights: tuple[P, ...]
     rest: tuple[str, ...]
     layout: Layout
+    splits: tuple = ()
 
     @property
     def num_shards(self) -> int:
@@ -156,4 +160,4 @@ def _built(tx, num_shards, params, weights, rest, splits) -> StateLayout:
 @functools.lru_cache(maxsize=256)
 def _cached(tx, num_shards, treedef, structs, weights, rest, splits) -> StateLayout:
     plan = tx.plan(treedef.unflatten(structs), num_shards, dict(splits))
-    return StateLayout(tx, plan, weights, rest, plan.layout)
+    return StateLayout(tx, plan, weights, rest, plan.layout, splits)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeroshard import branches, canonical
+from zeroshard import branches, canonical, piecewise
 from zeroshard.analysis import check_extra_args
 from zeroshard.arrival import (
     Arrival,
@@ -194,20 +194,27 @@ def updated(
     weights = departure.owned_weights(plan, params)
     with scope(UPDATE):  # this device's part in the dtypes the inner optimizer works in
         # Grouped first (a packed row's slices, laid out together: no copy), then cast
-        # once per group.
-        grad_pieces, dtypes = plan.to_inner(plan.on_view.grouped(grad_pieces)), plan.inner_dtypes
-        grad_rows = plan.layout.per_owned_bucket(lambda b, _: grad_rows[b].astype(dtypes[b]))
+        # once per group (and unscaled: the gradients are of the scaled loss).
+        arrived, dtypes = plan.on_view.grouped(grad_pieces), plan.inner_dtypes
+        by = None if config.loss_scale is None else state.loss_scale.scale
+        prepare = lambda i, g: _inner(g, dtypes[plan.layout.slots[i].bucket], by)
+        grad_pieces = [
+            None if s.owned else prepare(i, g)
+            for i, (s, g) in enumerate(zip(plan.layout.slots, arrived, strict=True))
+        ]
+        grad_rows = plan.layout.per_owned_bucket(lambda b, _: _inner(grad_rows[b], dtypes[b], by))
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
-        if config.loss_scale is not None:  # the gradients are of the scaled loss
-            unscale = lambda g: None if g is None else (g / state.loss_scale.scale).astype(g.dtype)
-            grad_pieces, grad_rows = list(map(unscale, grad_pieces)), tuple(map(unscale, grad_rows))
     # The norm leaf by leaf, as without groups (the same sum, the same bits).
     with scope(GRAD_NORM):
         grad_norm, finite = arrival.norm_and_finite(
             plan, plan.on_view.ungrouped(grad_pieces), grad_rows
         )
     with scope(UPDATE):
-        update_branch = _branch_update(inner, config, plan, route, extra_args)
+        update_branch = _branch_update(inner, config, plan, route, extra_args, prepare)
+        # (a leaf updated a piece at a time prepares its gradient a piece at a time: no
+        # float32 copy of the whole piece, zeroshard.piecewise)
+        later = piecewise.pieced(plan)
+        grad_pieces = [arrived[i] if i in later else g for i, g in enumerate(grad_pieces)]
         args = (grad_pieces, grad_rows, pieces, weights, state, finite)
         new, rows, inner_state, owned = branches.run_branches(
             plan, config.axis_name, update_branch, *args
@@ -249,12 +256,23 @@ def master_pieces(
     return layout.sliced(pick, plan.on_view.grouped(own), master)
 
 
+def _inner(g: jax.Array | None, dtype: Any, scale: jax.Array | None) -> jax.Array | None:
+    """Gradient ``g`` in the inner optimizer's ``dtype``, divided by the loss ``scale``
+    (``None``: none)."""
+    if g is None:
+        return None
+    g = g.astype(dtype)
+    return g if scale is None else (g / scale).astype(g.dtype)
+
+
 def _branch_update(
-    inner: Any, config: ShardConfig, plan: Plan, route: Route, extra_args: dict
+    inner: Any, config: ShardConfig, plan: Plan, route: Route, extra_args: dict, prepare: Any
 ) -> Any:
     """The update of one branch (see :mod:`zeroshard.branches`): its view of the
     gradients and weights, the inner update (in a conditional on ``finite`` when
-    non-finite steps are skipped), and its new pieces, owned rows and state."""
+    non-finite steps are skipped), and its new pieces, owned rows and state.
+    ``prepare(i, g)``: leaf ``i``'s gradient piece ``g`` as the inner optimizer takes
+    it, for those the view holds as they arrived (:func:`zeroshard.piecewise.pieced`)."""
     axis, layout = config.axis_name, plan.layout
     arrival, departure = route.arrival, route.departure
 
@@ -272,15 +290,20 @@ def _branch_update(
         params = branches.varying(plan.view(b, pieces, p, axis), axis)
         grads = plan.view(b, grad_pieces, g, axis)
 
+        def apply(grads, state, params):
+            updates, new_state = plan.updates_and_state(
+                inner, grads, state, params, axis, **extra_args
+            )
+            return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), new_state
+
         def step(inner_state, params, grads):
             # The hidden leaves are absent (None) from the conditional's operands: an
             # operand costs XLA's partitioner even when empty. Where the inner
             # optimizer needs them present, their zero-element pieces are made here.
             full, state = plan.on_view.filled(params, axis), plan.on_state.filled(inner_state, axis)
-            updates, new_state = plan.updates_and_state(
-                inner, plan.on_view.filled(grads, axis), state, full, axis, **extra_args
-            )
-            new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), full, updates)
+            # (coded state decoded, updated and coded again, a piece at a time)
+            grads = plan.on_view.filled(grads, axis)
+            new, new_state = piecewise.updated(plan, apply, grads, state, full, prepare)
             new_state = plan.on_state.compact(new_state)
             return plan.on_view.compact(new), branches.varying_like(new_state, inner_state, axis)
 
