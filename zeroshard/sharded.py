@@ -132,7 +132,7 @@ class Sharded:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
         global state, 1/N per device of every axis (:meth:`spanning`), on the mesh of
         :func:`zeroshard.mesh.find_mesh` (eagerly, or inside the user's ``jax.jit``).
-        Parameters in Flax's boxes (Linen's ``Partitioned``, NNX ``Variable``s) give
+        Parameters in Flax's boxes (Linen's ``Partitioned``, NNX ``Variable`` nodes) give
         a state whose leaves are in boxes of the same kind naming their own layout
         (:mod:`zeroshard.annotations`)."""
         boxed, (params, _) = params, unboxed(params)
