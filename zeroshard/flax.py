@@ -258,7 +258,7 @@ class _WholeMeshStep:
     """An NNX step that runs the model on the global batch under ``jax.jit`` on the
     mesh as given (the model's own sharding calls all work: the compiler reduces the
     gradient, as in the user's own ``nnx.jit`` step), then the sharded update of the
-    mean gradient (:meth:`zeroshard.sharded.Sharded.apply_global`, the one-line
+    mean gradient (:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line
     drop-in's: the state split over every device, the new weights in their layout)."""
 
     def __init__(

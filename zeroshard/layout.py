@@ -558,6 +558,22 @@ class Layout:
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
 
+    def placed(
+        self,
+        owned: Mapping[int, float] | None = None,
+        layered: Collection[int] = (),
+        spread: Collection[int] = (),
+        blocked: Mapping[int, Any] | None = None,
+    ) -> Layout:
+        """This layout's leaves placed as :meth:`from_tree` says of ``owned``,
+        ``layered``, ``spread`` and ``blocked``, with their layer axes, chunks, splits
+        and alignment kept."""
+        dims = {s.path: s.stacked for s in self.slots}
+        stacked = lambda path, _: dims[path]
+        structs, n = self.full_structs(), self.num_shards
+        args = (owned, layered, spread, blocked, self.chunks, self.splits, self.align)
+        return Layout.from_tree(structs, n, stacked, *args)
+
     @property
     def chunks(self) -> int:
         """The canonical chunks every layer is cut into (``0``: none; see :class:`Slot`)."""

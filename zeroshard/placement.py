@@ -719,44 +719,16 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
             )
     owned = (set(analysis.whole) | {i for i, p in forced.items() if p == "owned"}) - set(blocked)
     costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in owned}
-    leaves = base.full_structs()
-    if not costs:
-        return Layout.from_tree(
-            leaves,
-            base.num_shards,
-            base_dims(base),
-            blocked=blocked,
-            chunks=base.chunks,
-            splits=base.splits,
-            align=base.align,
-        )
     # A leaf whose layers meet through sums needs a layer on every device (each device
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
-    place = lambda layered: Layout.from_tree(
-        leaves,
-        base.num_shards,
-        base_dims(base),  # the stacked layer axes, kept
-        costs,
-        layered,
-        sums & layered,
-        blocked,
-        chunks=base.chunks,
-        splits=base.splits,
-        align=base.align,
-    )
+    place = lambda layered: base.placed(costs, layered, sums & layered, blocked)
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
     if all(held(i) for i in sums & layered):
         return layout
     return place({i for i in layered if i not in sums or held(i)})
-
-
-def base_dims(base: Layout) -> Any:
-    """``stacked=`` for :meth:`Layout.from_tree` that keeps ``base``'s layer axes."""
-    dims = {s.path: s.stacked for s in base.slots}
-    return lambda path, _: dims[path]
 
 
 def _forced(placement: Any, base: Layout) -> dict[int, str]:

@@ -86,12 +86,6 @@ class Sharded:
         split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
         return {i: split(n) for i, n in enumerate(named) if [a for _, a in n] == [others]}
 
-    def state_specs(
-        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
-    ) -> ShardedState:
-        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
-        return self.specs_of(self.plan(params, num_shards, splits))
-
     def specs_of(self, plan: Plan) -> ShardedState:
         """``PartitionSpec`` of every leaf of the global state ``plan`` lays out."""
         axis = self.config.axis_name
@@ -144,8 +138,17 @@ class Sharded:
             error.add_note(NO_MESH)
             raise
         opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
-        state = opt.init_global(params, mesh, splits=splits)
-        specs = opt.state_specs(params, mesh_size(mesh, opt.config.axis_name), splits)
+        plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
+        specs, leaves = opt.specs_of(plan), plan.layout.leaf_specs()
+        # (each leaf whole, or a split leaf's block; laid out so, or not placed)
+        init = jax.shard_map(
+            functools.partial(opt.init_local, plan=plan),
+            mesh=mesh,
+            in_specs=(leaves, P()),
+            out_specs=specs,
+            axis_names=set(mesh.axis_names),
+        )
+        state = jax.jit(init)(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
 
     def typed_splits(
@@ -192,36 +195,13 @@ class Sharded:
         zero = jnp.zeros((), jnp.float32)
         return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)
 
-    def init_global(
-        self,
-        params: PyTree,
-        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
-        master_params: PyTree | None = None,
-        splits: Mapping[int, Split] | None = None,
-    ) -> ShardedState:
-        """The global state (arrays sharded over the axis of ``mesh``), its leaves of
-        ``splits`` kept block by block (:meth:`splits`; their arrays laid out in
-        blocks or not placed, the others replicated or not placed)."""
-        plan = self.plan(params, mesh_size(mesh, self.config.axis_name), splits)
-        leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
-        specs = leaves, P() if master_params is None else leaves
-        init = jax.shard_map(
-            functools.partial(self.init_local, plan=plan),
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=self.specs_of(plan),
-            axis_names=set(mesh.axis_names),
-        )
-        laid = lambda tree: each_laid_out(tree, leaves, mesh)
-        return jax.jit(init)(laid(params), None if master_params is None else laid(master_params))
-
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_global`). ``extra_args`` (e.g. ``value=``)
+        the mean gradient (:meth:`apply_mean`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
 
@@ -232,8 +212,11 @@ class Sharded:
         self.config.sum_order.check_drop_in()
         (state, reboxed), (params, like) = unboxed(state), unboxed(params)
         local = params is None or bound_axis_size(self.config.axis_name) is not None
-        apply = self.apply if local else self.apply_global
-        new, state = apply(unboxed(updates)[0], state, params, **extra_args)
+        grads = unboxed(updates)[0]
+        if local:
+            new, state = self.apply(grads, state, params, **extra_args)
+        else:
+            new, state = self.apply_mean(grads, state, params, extra_args)
         return like(jax.tree.map(lambda n, p: n - p, new, params)), reboxed(state)
 
     def apply(
@@ -245,16 +228,6 @@ class Sharded:
         route = Route.of(self.config, stage_of(params))
         return self._local_update(route, grads, state, params, extra_args)
 
-    def apply_global(
-        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
-    ) -> tuple[PyTree, ShardedState]:
-        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
-        ``grads`` is the mean gradient, already reduced by the program that computed
-        it; each device cuts its part out, updates it, and the new parameters are
-        all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
-        over every device (:meth:`spanning`)."""
-        return self.apply_mean(grads, state, params, extra_args)
-
     def apply_mean(
         self,
         grads: PyTree,
@@ -263,7 +236,11 @@ class Sharded:
         extra_args: dict,
         splits: Mapping[int, Split] | None = None,
     ) -> tuple[PyTree, ShardedState]:
-        """:meth:`apply_global`, for a state whose leaves of ``splits`` are kept block by
+        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
+        ``grads`` is the mean gradient, already reduced by the program that computed
+        it; each device cuts its part out, updates it, and the new parameters are
+        all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
+        over every device (:meth:`spanning`), its leaves of ``splits`` kept block by
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
@@ -418,8 +395,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def state_specs(
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
     ) -> ShardedState:
-        """See :meth:`Sharded.state_specs`."""
-        return self.optimizer.state_specs(params, num_shards, splits)
+        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
+        return self.optimizer.specs_of(self.plan(params, num_shards, splits))
 
 
 def check_blocks(plan: Plan, state: ShardedState) -> None:

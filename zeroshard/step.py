@@ -232,7 +232,6 @@ class TrainStep:
         held = not (self.per_device_loss or self.nested)
         self.held_route = held_route(self.opt.config, stage, k) if held else None
         self._jits: dict[Any, Any] = {}
-        self._layouts: dict[Any, StateLayout] = {}
         self._last: Any = None
 
     def _local_step(
@@ -311,13 +310,11 @@ class TrainStep:
         """The state's layout (:class:`zeroshard.state_layout.StateLayout`) for
         ``params`` with the weights laid out over the mesh's other axes as ``layout``
         (a ``PartitionSpec`` per leaf; ``None``: replicated), built once per
-        structure, shapes and layout."""
+        structure, shapes and layout (:func:`zeroshard.state_layout.state_layout`)."""
         structs = full_structs(params)
-        key = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)), layout)
-        if key not in self._layouts:
-            weights = key[0].unflatten(layout or [P()] * len(key[1]))
-            self._layouts[key] = state_layout(self.tx, self.mesh, structs, weights)
-        return self._layouts[key]
+        treedef = jax.tree.structure(structs)
+        weights = treedef.unflatten(layout or [P()] * treedef.num_leaves)
+        return state_layout(self.tx, self.mesh, structs, weights)
 
     def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
         """Whether this stage-2 step hands its loss :class:`zeroshard.stage3.Held` leaves
