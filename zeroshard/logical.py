@@ -82,13 +82,15 @@ def logical_gather(block: jax.Array, shape: tuple[int, ...], axis_name: str) -> 
 
 def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
     """This device's block of a full logical leaf (all of it if no dimension divides)."""
-    n = jax.lax.axis_size(axis_name)
-    k = logical_dim(full.shape, n)
-    if k is None:
-        return full
-    block = full.shape[k] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, k, allow_negative_indices=False)
+    k = logical_dim(full.shape, jax.lax.axis_size(axis_name))
+    return full if k is None else _block_along(full, k, axis_name)
+
+
+def _block_along(full: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """This device's block of ``full`` along dimension ``dim``."""
+    size = full.shape[dim] // jax.lax.axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * size
+    return jax.lax.dynamic_slice_in_dim(full, start, size, dim, allow_negative_indices=False)
 
 
 def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
@@ -137,13 +139,9 @@ def blocks_from_logical(
     block: jax.Array, shape: tuple[int, ...], dim: int, axis_name: str
 ) -> jax.Array:
     """The inverse of :func:`blocks_to_logical`, for a leaf of ``shape``."""
-    n = jax.lax.axis_size(axis_name)
-    if logical_dim(shape, n) == dim:
+    if logical_dim(shape, jax.lax.axis_size(axis_name)) == dim:
         return block
-    full = logical_gather(block, shape, axis_name)
-    size = shape[dim] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * size, size, dim, allow_negative_indices=False)
+    return _block_along(logical_gather(block, shape, axis_name), dim, axis_name)
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
