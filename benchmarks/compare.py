@@ -522,7 +522,7 @@ def describe(v: Variant, params: Any, n: int, row: dict) -> dict:
 def step_collectives(hlo: str, n: int) -> list:
     """The collectives one step runs: those of each computation of the compiled HLO,
     times the known trip counts of the loops that run it (a ``lax.scan`` over layers
-    runs its body's collectives once per layer; ``zs.collectives`` lists them once)."""
+    runs its body's collectives once per layer; ``zs.compiled_collectives`` lists them once)."""
     import re
 
     import zeroshard as zs
@@ -550,7 +550,7 @@ def step_collectives(hlo: str, n: int) -> list:
     return [
         c
         for name, lines in bodies.items()
-        for c in zs.collectives("\n".join(lines), n) * runs(name)
+        for c in zs.compiled_collectives("\n".join(lines), n) * runs(name)
     ]
 
 

@@ -100,7 +100,7 @@ def main() -> None:
         "zeroshard stage 1": (zs_state.opt_state, zs_hlo),
     }
     for name, (state, hlo) in rows.items():
-        kinds = zs.summarize(zs.collectives(hlo, n))
+        kinds = zs.summarize(zs.compiled_collectives(hlo, n))
         wire = ", ".join(f"{k} x{v['count']}" for k, v in sorted(kinds.items()))
         ring = sum(v["ring_bytes"] for v in kinds.values())
         ms = 1e3 * statistics.median(times[name])

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import zeroshard as zs
 import zeroshard.flax as zf
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
-from zeroshard.instruments import collectives
+from zeroshard.instruments import compiled_collectives
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
 # replicated bias.
@@ -170,7 +170,7 @@ def test_the_dropin_cuts_a_tensor_parallel_gradient_within_its_shard(rng):
             placed = tp_placed(params, mesh)
             data = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
             hlo = jax.jit(step).lower(placed, tx.init(placed), *data).compile().as_text()
-        ours = [c for c in collectives(hlo, mesh=mesh) if "zeroshard/" in c.op_name]
+        ours = [c for c in compiled_collectives(hlo, mesh=mesh) if "zeroshard/" in c.op_name]
         moved[axis_type] = {}
         for c in ours:
             key = (c.kind, c.axes)
@@ -502,7 +502,7 @@ def test_the_step_reduces_a_tensor_parallel_leaf_within_its_shard(rng):
     with jax.set_mesh(mesh):
         hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
     moved = {}
-    for c in collectives(hlo, mesh=mesh):
+    for c in compiled_collectives(hlo, mesh=mesh):
         if "zeroshard/reduce_scatter" in c.op_name or "zeroshard/all_gather" in c.op_name:
             key = (c.kind, c.axes)
             moved[key] = moved.get(key, 0) + c.result_bytes
@@ -530,7 +530,7 @@ def test_stage_3_gathers_a_tensor_parallel_leaf_within_its_shard(rng):
     with jax.set_mesh(mesh):
         hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
     moved = {}
-    for c in collectives(hlo, mesh=mesh):
+    for c in compiled_collectives(hlo, mesh=mesh):
         if "zeroshard/gather" in c.op_name:
             key = (c.kind, c.axes)
             moved[key] = moved.get(key, 0) + c.result_bytes
@@ -553,7 +553,7 @@ def stacked_tp_loss(params, batch):
         h = jax.nn.relu(x @ reshard(w["up"], P(None, "model")))
         return x + jnp.dot(h, reshard(w["down"], P("model", None)), out_sharding=P())
 
-    pieces = isinstance(params["b"], zs.Shard)
+    pieces = isinstance(params["b"], zs.Piece)
     layer, b = (zs.layer(block), zs.gather(params["b"])) if pieces else (block, params["b"])
     x, _ = jax.lax.scan(lambda x, w: (layer(w, x), None), batch["x"], params["blocks"])
     return jnp.mean((x + b - batch["y"]) ** 2)
@@ -638,7 +638,9 @@ def test_quantized_gradients_of_a_tensor_parallel_leaf_stay_within_its_shard(rng
     step = zs.make_train_step(tp_step_loss, tx, mesh)
     with jax.set_mesh(mesh):
         hlo = step.lower(state, tp_batches(rng)[0]).compile().as_text()
-    reduced = [c for c in collectives(hlo, mesh=mesh) if "zeroshard/reduce_scatter" in c.op_name]
+    reduced = [
+        c for c in compiled_collectives(hlo, mesh=mesh) if "zeroshard/reduce_scatter" in c.op_name
+    ]
     codes = [c for c in reduced if c.dtype in ("s8", "u8")]
     assert {c.axes for c in codes if c.result_bytes >= 64} == {("data",)}
     assert sum(c.result_bytes for c in codes if c.axes == ("data",)) == 4 * (16 * 64 * 2 // 8)

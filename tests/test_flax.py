@@ -270,7 +270,7 @@ def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng, tmp_path):
         target = zf.linen_train_state(plain.apply, params, tx, mesh, stage=3)
         args = ocp.args.Composite(train_state=ShardedRestore(target))
         restored = mngr.restore(1, args=args).train_state
-    assert all(isinstance(x, zs.Shard) for x in _shards(restored.params))
+    assert all(isinstance(x, zs.Piece) for x in _shards(restored.params))
     restored = zs.TrainState(restored.step, restored.params, restored.opt_state)
     jax.tree.map(
         np.testing.assert_array_equal,
@@ -280,7 +280,7 @@ def test_linen_stage3_gathers_per_layer_and_matches_plain_optax(rng, tmp_path):
 
 
 def _shards(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zs.Shard))
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zs.Piece))
 
 
 class NNXStack(nnx.Module):

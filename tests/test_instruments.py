@@ -96,7 +96,7 @@ def test_collectives_of_the_compiled_step(pack_bytes, rng):
     tx = zs.sharded(optax.adam(1e-3), axis_name="data", pack_bytes=pack_bytes)
     state = zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(mlp_loss, tx, mesh)
-    found = zs.collectives(step.lower(state, batch).compile().as_text())
+    found = zs.compiled_collectives(step.lower(state, batch).compile().as_text())
     kinds = zs.summarize(found)
     # Every leaf is small: packed into one collective each way, or one per leaf.
     expected = 1 if pack_bytes else len(jax.tree.leaves(params))
@@ -110,7 +110,7 @@ def test_collectives_of_the_compiled_step(pack_bytes, rng):
     p = jax.device_put(params, sharding)
     s = jax.device_put(optax.adam(1e-3).init(params), sharding)
     b = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
-    base = large(zs.collectives(baseline.lower(p, s, b).compile().as_text()))
+    base = large(zs.compiled_collectives(baseline.lower(p, s, b).compile().as_text()))
     assert {c.kind for c in base} == {"all-reduce"}
     ours = sum(c.ring_bytes for c in large(found))
     theirs = sum(c.ring_bytes for c in base)
@@ -169,7 +169,7 @@ def test_arrival_and_departure_bytes_are_the_compiled_programs(stage, rng):
     state = zs.init_train_state(params, tx, mesh, stage=stage)
     step = zs.make_train_step(loss, tx, mesh, stage=stage)
     batch = {"x": jnp.ones((8, 7)), "y": jnp.ones((8, 5))}
-    found = zs.collectives(step.lower(state, batch).compile().as_text())
+    found = zs.compiled_collectives(step.lower(state, batch).compile().as_text())
     by_scope = lambda *names: sum(
         c.result_bytes for c in found if set(scopes_of(c.op_name)) & set(names)
     )
@@ -189,7 +189,7 @@ def test_fp8_collectives_count_one_byte_per_element():
         "  %ag = f8e4m3fn[8,64]{1,0} all-gather(f8e4m3fn[1,64]{1,0} %p), "
         "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
     )
-    (found,) = zs.collectives(line, num_devices=8)
+    (found,) = zs.compiled_collectives(line, num_devices=8)
     assert (found.kind, found.dtype, found.result_bytes) == ("all-gather", "f8e4m3fn", 512)
     bf16 = line.replace("f8e4m3fn", "bf16")
-    assert zs.collectives(bf16, num_devices=8)[0].result_bytes == 1024
+    assert zs.compiled_collectives(bf16, num_devices=8)[0].result_bytes == 1024

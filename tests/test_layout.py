@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroshard.layout import Layout, Split
+from zeroshard.layout import WHOLE, Layout, Split
 from zeroshard.stage3 import piece_blocks, piece_from_owners
 
 
@@ -192,6 +192,6 @@ def test_only_leaves_cut_evenly_by_blocks_are_split():
     split = Split(0, ("model",), 2, ("data",))
     tree = {"v": jnp.zeros(8), "odd": jnp.zeros((3, 4)), "w": jnp.zeros((4, 4))}
     layout = Layout.from_tree(tree, 8, splits={0: split, 1: split, 2: split})
-    assert [s.split is not None for s in layout.slots] == [False, False, True]
+    assert [s.split for s in layout.slots] == [WHOLE, WHOLE, split]
     stacked = Layout.from_tree({"w": jnp.zeros((4, 4, 4))}, 8, ["w"], splits={0: split})
-    assert stacked.slots[0].split is None
+    assert stacked.slots[0].split == WHOLE

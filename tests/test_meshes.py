@@ -90,7 +90,7 @@ def test_hierarchical_collective_bytes_per_axis(rng):
     state = zs.init_train_state(params, tx, mesh)
     step = zs.make_train_step(awkward_loss, tx, mesh)
     hlo = step.lower(state, batches(rng, 1)[0]).compile().as_text()
-    kinds = zs.summarize(zs.collectives(hlo, mesh=mesh), per_axis=True)
+    kinds = zs.summarize(zs.compiled_collectives(hlo, mesh=mesh), per_axis=True)
     leaves = jax.tree.leaves(params)
     piece_bytes = sum(4 * -(-x.size // 4) for x in leaves)
     assert kinds["reduce-scatter over data"]["count"] == 1  # small leaves: packed

@@ -285,7 +285,7 @@ def transformer_params(rng, vocab=512, d=32, layers=2):
 def transformer_loss(params, batch):
     """Next-token cross-entropy of a small causal transformer (tied embedding). Works
     in every stage: zs.gather leaves full arrays as they are."""
-    p = zs.gather(params) if any(map(zs.Shard.__instancecheck__, _leaves(params))) else params
+    p = zs.gather(params) if any(map(zs.Piece.__instancecheck__, _leaves(params))) else params
     tokens = batch["tokens"]
     rms = lambda x, g: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
     x = p["embed"][tokens[:, :-1]]
@@ -304,7 +304,7 @@ def transformer_loss(params, batch):
 
 
 def _leaves(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zs.Shard))
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zs.Piece))
 
 
 def token_batches(rng, steps, size=48, length=9, vocab=512):
@@ -414,7 +414,7 @@ def test_collectives_are_those_of_an_elementwise_optimizer(transformer):
         tx = zs.sharded(inner, placement=owned if name == "muon" else None)
         state = zs.init_train_state(params, tx, mesh)
         hlo = zs.make_train_step(transformer_loss, tx, mesh).lower(state, data[0]).compile()
-        found[name] = zs.summarize(zs.collectives(hlo.as_text(), mesh=mesh))
+        found[name] = zs.summarize(zs.compiled_collectives(hlo.as_text(), mesh=mesh))
         layout = tx.plan(params, 8).layout
     print({k: {kind: v["count"] for kind, v in s.items()} for k, s in found.items()})
     assert set(found["muon"]) == set(found["adamw"])

@@ -170,7 +170,7 @@ def test_one_step_is_optax_on_the_dequantized_mean_gradient(stage, grads, weight
     if stage == 3:  # the pieces are the exact weights; quantized only in the gathers
         held = jax.tree.map(lambda m, p: m.astype(p.dtype), got_master, params)
         whole = lambda x: np.asarray(x.piece).ravel()[: int(np.prod(x.shape))].reshape(x.shape)
-        pieces = jax.tree.map(whole, state.params, is_leaf=lambda x: isinstance(x, zs.Shard))
+        pieces = jax.tree.map(whole, state.params, is_leaf=lambda x: isinstance(x, zs.Piece))
         for got, want in zip(jax.tree.leaves(pieces), jax.tree.leaves(held), strict=True):
             np.testing.assert_array_equal(got, np.asarray(want))
     else:
@@ -336,7 +336,7 @@ def test_compiled_payloads_and_bytes(stage, rng):
         fn = loss if stage < 3 else lambda p, b: loss(zs.gather(p), b)
         state = zs.init_train_state(params, tx, mesh, stage=stage)
         step = zs.make_train_step(fn, tx, mesh, stage=stage)
-        return tx, zs.collectives(step.lower(state, batch).compile().as_text())
+        return tx, zs.compiled_collectives(step.lower(state, batch).compile().as_text())
 
     _, exact = compiled()
     ring = lambda found: sum(c.ring_bytes for c in found)

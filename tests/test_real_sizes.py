@@ -87,8 +87,8 @@ def _normal(rng: np.random.Generator, *shape: int) -> jax.Array:
 def _whole(params: dict) -> dict:
     """``params`` with stage-3 pieces gathered (full arrays pass through), so each loss
     runs in every stage and in the reference."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, zs.Shard))
-    return zs.gather(params) if any(isinstance(x, zs.Shard) for x in leaves) else params
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, zs.Piece))
+    return zs.gather(params) if any(isinstance(x, zs.Piece) for x in leaves) else params
 
 
 # An MLP: two matrices Adafactor factors, biases and a small matrix it does not.

@@ -29,7 +29,7 @@ def collective_scopes(hlo_text: str, mesh=None) -> dict[str, set[str]]:
     """Per collective kind, the zeroshard scopes its instructions are named in; a
     collective outside every scope counts as ``"-"``."""
     out: dict[str, set[str]] = {}
-    for c in zs.collectives(hlo_text, mesh=mesh):
+    for c in zs.compiled_collectives(hlo_text, mesh=mesh):
         out.setdefault(c.kind, set()).update(scopes_of(c.op_name) or {"-"})
     return out
 
@@ -103,7 +103,7 @@ def test_the_replica_mean_is_named(rng):
     mesh = jax.make_mesh((2, 4), ("replica", "data"))
     text = compiled_step(rng, mesh=mesh, replica_axis="replica")
     over = {}
-    for c in zs.collectives(text, mesh=mesh):
+    for c in zs.compiled_collectives(text, mesh=mesh):
         over.setdefault(c.axes, set()).update(scopes_of(c.op_name) or {"-"})
     assert "replica_mean" in over[("replica",)] <= {"replica_mean", "update"}
     assert over[("data",)] >= {"reduce_scatter", "grad_norm", "all_gather"}

@@ -63,7 +63,7 @@ def test_stage3_matches_plain_optax(name, accum_steps, rng):
     step = zs.make_train_step(stage3_loss, tx, mesh, stage=3, accum_steps=accum_steps)
     for batch in batches:
         state, _ = step(state, batch)
-    assert isinstance(state.params["layers"][0]["w"], zs.Shard)
+    assert isinstance(state.params["layers"][0]["w"], zs.Piece)
     got, _ = zs.to_optax_state(state, tx)
     assert_trees_close(got, expected, rtol)
     assert step.jitted._cache_size() == 1

@@ -111,11 +111,11 @@ def test_one_device_step_is_plain_optax(stage, rng):
     gathered = lambda p, b: awkward_loss(zs.gather(p), b)
     train_step = zs.make_train_step(gathered if stage == 3 else awkward_loss, tx, mesh, stage=stage)
     hlo = train_step.lower(state, data[0]).compile().as_text()
-    assert zs.collectives(hlo, 1) == []
+    assert zs.compiled_collectives(hlo, 1) == []
     ops = set(re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([a-z][\w-]*)\(", hlo))
     assert not ops & {"pad", "concatenate", "slice", "dynamic-slice", "all-reduce"}, ops
     for batch in data:
         state, _ = train_step(state, batch)
-    whole = lambda x: np.asarray(x.piece).reshape(x.shape) if isinstance(x, zs.Shard) else x
-    params = jax.tree.map(whole, state.params, is_leaf=lambda x: isinstance(x, zs.Shard))
+    whole = lambda x: np.asarray(x.piece).reshape(x.shape) if isinstance(x, zs.Piece) else x
+    params = jax.tree.map(whole, state.params, is_leaf=lambda x: isinstance(x, zs.Piece))
     assert_trees_close(params, expected, rtol=1e-5)

@@ -22,7 +22,7 @@ from zeroshard.config import ShardConfig
 from zeroshard.instruments import (
     Collective,
     collective_dtypes,
-    collectives,
+    compiled_collectives,
     lowered_collectives,
     state_bytes_per_device,
     summarize,
@@ -32,8 +32,8 @@ from zeroshard.loss_scale import DynamicLossScale, LossScaleState
 from zeroshard.memory import MemoryEstimate, StepMemory, estimate_memory, step_memory
 from zeroshard.peers import PeerWatchdog
 from zeroshard.preemption import PreemptionGuard
-from zeroshard.sharded import Sharded, ShardedState, ShardedTransformation, sharded
-from zeroshard.stage3 import Shard, gather, layer
+from zeroshard.sharded import ShardedState, ShardedTransformation, sharded
+from zeroshard.stage3 import Piece, gather, layer
 from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
 
 try:  # The one source of the version is pyproject.toml, read from the installed metadata.
@@ -51,10 +51,9 @@ __all__ = [
     "MemoryEstimate",
     "NotElementwiseError",
     "PeerWatchdog",
+    "Piece",
     "PreemptionGuard",
-    "Shard",
     "ShardConfig",
-    "Sharded",
     "ShardedCheckpointHandler",
     "ShardedRestore",
     "ShardedSave",
@@ -67,7 +66,7 @@ __all__ = [
     "checksums",
     "clip_by_global_norm",
     "collective_dtypes",
-    "collectives",
+    "compiled_collectives",
     "estimate_memory",
     "from_optax_state",
     "gather",
@@ -84,10 +83,26 @@ __all__ = [
 ]
 
 
+# Earlier names, kept working with a DeprecationWarning: name -> (its new name, the object).
+_DEPRECATED = {
+    "Shard": ("zs.Piece", "zeroshard.stage3", "Piece"),
+    "Sharded": ("tx.optimizer (of a zs.ShardedTransformation)", "zeroshard.sharded", "Sharded"),
+    "collectives": ("zs.compiled_collectives", "zeroshard.instruments", "compiled_collectives"),
+}
+
+
 def __getattr__(name: str):
-    """The orbax handler's names (zeroshard.checkpointing.handler), imported on first use."""
+    """The orbax handler's names (zeroshard.checkpointing.handler), imported on first use;
+    the deprecated names (:data:`_DEPRECATED`), with a warning."""
     if name in ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave"):
         from zeroshard import checkpointing
 
         return getattr(checkpointing, name)
+    if name in _DEPRECATED:
+        import importlib
+        import warnings
+
+        new, module, attr = _DEPRECATED[name]
+        warnings.warn(f"zs.{name} is deprecated: use {new}.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,7 +78,7 @@ def _describe(manager, meta: dict) -> None:
     )
 
 
-def plan(
+def plan_command(
     params: str,
     devices: int | dict[str, int],
     param_dtype: str,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--param-specs goes with --mesh and --params module:function")
         devices = args.mesh or args.devices
         options = (args.loss, args.batch, args.param_specs)
-        return plan(args.params, devices, args.param_dtype, args.optimizer, *options)
+        return plan_command(args.params, devices, args.param_dtype, args.optimizer, *options)
     return inspect(args.directory, args.step, args.json, args.verify)
 
 

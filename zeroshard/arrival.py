@@ -9,7 +9,7 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
 - :class:`Pieces`: stage 3 (and stage 2 through a loss that gathers,
-  :mod:`zeroshard.held`), the gradient of each :class:`zeroshard.Shard` piece,
+  :mod:`zeroshard.held`), the gradient of each :class:`zeroshard.Piece` piece,
   summed over the devices by the transpose of its gather; the owned leaves' pieces go
   to their owners;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
@@ -39,13 +39,13 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, quantized
 from zeroshard.clipping import local_squares
-from zeroshard.collectives import axes_of, is_identity, summed_parts, vary
+from zeroshard.comm import axes_of, is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.mesh import each_laid_out, keep_axes
 from zeroshard.placement import Plan
 from zeroshard.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.stage3 import full_structs, shard_specs, stage_of, to_owners
+from zeroshard.stage3 import full_structs, shard_specs, to_owners
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
 """This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
@@ -61,7 +61,7 @@ class Arrival:
       sharding axis (:data:`GradParts`), from ``grads`` as this kind receives them
       (inside ``shard_map``);
     - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
-      (what :func:`zeroshard.collectives` reports as ``result_bytes`` in the compiled
+      (what :func:`zeroshard.compiled_collectives` reports as ``result_bytes`` in the compiled
       program, where the backend keeps the dtype).
 
     Attributes:
@@ -76,6 +76,16 @@ class Arrival:
         manual over the batch axes (:class:`Nested`): itself, where summing the
         gradients' copies over ``rest`` and dividing by every device gives the mean."""
         return self
+
+    def part(self, plan: Plan, grads: PyTree) -> Any:
+        """What one micro-batch's ``grads`` add to a 1/N accumulator (stages 2 and 3):
+        here, its parts (:meth:`bring`)."""
+        return self.bring(plan, grads)
+
+    def parts(self, plan: Plan, summed: Any) -> GradParts:
+        """This device's part of the mean gradient from the mean of :meth:`part` over
+        the micro-batches: here, that mean."""
+        return summed
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
@@ -133,10 +143,8 @@ class ReduceScatter(Arrival):
             pieces = layout.sliced(lambda s, x: s.cut(x, 0) if one else None, leaves)
             for group in () if one else layout.groups(self.config.pack_bytes, plan.leaf_order):
                 # (a split leaf's: of the device's block, over the batch axes alone)
-                split = layout.slots[group[0]].split
-                means = self.means(
-                    [layout.slots[i].moved.blocks(leaves[i]) for i in group], split and split.over
-                )
+                over = layout.slots[group[0]].split.over
+                means = self.means([layout.slots[i].moved.blocks(leaves[i]) for i in group], over)
                 for i, mean in zip(group, means, strict=True):
                     pieces[i] = mean
             owned = lambda b, bucket: layout.owned_blocks(leaves, b, self.dtype(bucket))
@@ -186,7 +194,7 @@ class QuantizedReduceScatter(ReduceScatter):
 
 @dataclasses.dataclass(frozen=True)
 class Pieces(Arrival):
-    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece arrives summed over
+    """Stage 3: the gradient of each :class:`zeroshard.Piece` piece arrives summed over
     the devices (the transpose of its gather, in the loss function) and is divided
     by their number (scope ``zeroshard/reduce_scatter``); the owned leaves' pieces
     then go to their owners, one ``all_to_all`` per bucket with owned leaves (scope
@@ -207,11 +215,12 @@ class Pieces(Arrival):
         return dataclasses.replace(self, summed_over=batch)
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
-        return self.to_owners(plan, self.pieces(plan.layout, grads))
+        return self.parts(plan, self.part(plan, grads))
 
-    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
         """This device's 1-D piece of every leaf's mean gradient, from the gradients of
-        the ``Shard`` pieces (what a step accumulates over micro-batches)."""
+        the ``Piece`` pieces (what a step accumulates over micro-batches)."""
+        layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
         summed = layout.num_shards
         if self.summed_over:
@@ -219,7 +228,7 @@ class Pieces(Arrival):
         with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
             return [g.piece.reshape(-1) / summed for g in layout.treedef.flatten_up_to(grads)]
 
-    def to_owners(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
+    def parts(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
         every device holds of the units it owns."""
         layout = plan.layout
@@ -358,12 +367,13 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
 
 @dataclasses.dataclass(frozen=True)
 class CanonicalPieces(Canonical, Pieces):
-    """Stage 3: the gradient of each :class:`zeroshard.Shard` piece (in float32),
+    """Stage 3: the gradient of each :class:`zeroshard.Piece` piece (in float32),
     summed in device order by the transpose of its gather
     (:func:`zeroshard.canonical.gathered`, which the step's :func:`zeroshard.gather`
     uses); the owned leaves' pieces then go to their owners."""
 
-    def pieces(self, layout: Layout, grads: PyTree) -> list[jax.Array]:
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
         return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
 
@@ -389,7 +399,7 @@ class Nested:
     their count give the mean over the batch axes (the fixed-order sums take one copy
     of each instead). A split leaf's (:class:`zeroshard.layout.Split`) stays the
     device's block, reduced over the batch axes alone. At stage 3 the gradients are
-    the :class:`zeroshard.Shard` pieces', cut over ``rest`` too and summed over the
+    the :class:`zeroshard.Piece` pieces', cut over ``rest`` too and summed over the
     batch axes by their gather's transpose. How each kind runs so is its own
     (:meth:`Arrival.nested`). The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
@@ -404,7 +414,7 @@ class Nested:
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         axes, arrival = self.arrival.config.axis_name, self.arrival.nested(self.rest)
-        if stage_of(grads) == 3:  # (the pieces' gradients, summed over the batch axes)
+        if self.pieces:  # (the pieces' gradients, summed over the batch axes)
             specs = keep_axes(shard_specs(plan.layout, axes), self.rest)
         else:
             specs = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
@@ -419,14 +429,20 @@ class Nested:
         )
         return nested(grads)
 
-    def pieces(self, layout: Layout, grads: PyTree) -> PyTree:
-        """Stage 3: the pieces' gradients as they come, what a step accumulates over
-        micro-batches (:meth:`to_owners` brings the sum)."""
-        return grads
+    @property
+    def pieces(self) -> bool:
+        """Whether the gradients are stage 3's pieces' (summed by their gather's
+        transpose)."""
+        return isinstance(self.arrival, Pieces)
 
-    def to_owners(self, plan: Plan, grads: PyTree) -> GradParts:
-        """Stage 3: this device's part of the mean of the pieces' gradients ``grads``."""
-        return self.bring(plan, grads)
+    def part(self, plan: Plan, grads: PyTree) -> Any:
+        """What one micro-batch adds (see :meth:`Arrival.part`): stage 3's pieces'
+        gradients as they come; other gradients brought."""
+        return grads if self.pieces else self.bring(plan, grads)
+
+    def parts(self, plan: Plan, summed: Any) -> GradParts:
+        """The mean of :meth:`part` over the micro-batches, brought (stage 3)."""
+        return self.bring(plan, summed) if self.pieces else summed
 
     def specs(self, plan: Plan) -> tuple[list, tuple]:
         """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over

@@ -34,7 +34,7 @@ from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, PASS_THROUGH, open_jaxpr, scan_parts, walk
 from zeroshard.analysis.tags import Program, Sums, Tagger
-from zeroshard.collectives import axis_env, varies, vary
+from zeroshard.comm import axis_env, varies, vary
 from zeroshard.sums import bound
 
 PARTIAL = "partial"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.blocks import init_blocked
-from zeroshard.collectives import varies, vary
+from zeroshard.comm import varies, vary
 from zeroshard.layout import PyTree
 from zeroshard.lowbit import is_codes
 from zeroshard.placement import Plan

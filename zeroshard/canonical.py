@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.collectives import all_gathered, all_gathered_parts, is_identity
+from zeroshard.comm import all_gathered, all_gathered_parts, is_identity
 from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.rows import spans
 from zeroshard.sums import Psum
@@ -143,7 +143,7 @@ def leaf_part(x: jax.Array, slot: Slot) -> Part:
     x = x.astype(jnp.float32)
     if not slot.owned:
         local = slot.width // slot.chunk  # chunks per device
-        blocks = 1 if slot.split is None else slot.split.blocks  # (a split leaf's: in order)
+        blocks = slot.split.blocks  # (a split leaf's: in order)
 
         def chunks(every: jax.Array) -> jax.Array:  # (rows: devices, a split leaf's blocks minor)
             per_layer = every.reshape(-1, blocks, slot.layers, local).transpose(2, 1, 0, 3)

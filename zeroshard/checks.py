@@ -12,10 +12,13 @@ import jax.numpy as jnp
 from zeroshard.layout import PyTree
 
 
-def check_stage(stage: int) -> None:
-    """Refuses a ZeRO stage other than 1, 2 or 3."""
-    if stage not in (1, 2, 3):
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}.")
+def check_stage(stage: int, lowest: int = 1) -> None:
+    """Refuses a ZeRO stage other than ``lowest`` (1; 0 for plain data parallelism)
+    to 3."""
+    if stage not in range(lowest, 4):
+        raise ValueError(
+            f"stage must be {', '.join(map(str, range(lowest, 3)))} or 3, got {stage!r}."
+        )
 
 
 def check_batch(

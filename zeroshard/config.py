@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.canonical import FixedOrder
-from zeroshard.collectives import axes_of
+from zeroshard.comm import axes_of
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
 from zeroshard.lowbit import LowBit, lowbit

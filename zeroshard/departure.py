@@ -8,7 +8,7 @@ its collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
 
 - :class:`AllGather`: parameters whole and replicated (stages 1 and 2, ``tx.update``):
   the new pieces and owned rows are all-gathered (16-bit floats as their bits);
-- :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Shard` pieces: the
+- :class:`ToPieces`: stage 3, parameters as :class:`zeroshard.Piece` pieces: the
   sliced leaves' new pieces stay where they are; the owners' new units of owned
   leaves go back to every device's pieces (one ``all_to_all`` per bucket).
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from zeroshard import quantized
 from zeroshard.branches import owned_wholes
-from zeroshard.collectives import all_gathered_parts, from_bits, is_identity, to_bits
+from zeroshard.comm import all_gathered_parts, from_bits, is_identity, to_bits
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
 from zeroshard.placement import Plan
@@ -39,6 +39,7 @@ from zeroshard.stage3 import (
     exchange,
     piece_blocks,
     piece_from_owners,
+    shard_specs,
     to_owners,
     to_shards,
 )
@@ -61,14 +62,20 @@ class Departure:
     - ``send(plan, new, rows, params)``: the new parameters, laid out as ``params``,
       from this device's new pieces of the sliced leaves and its ``row`` per bucket;
     - ``nbytes(plan)``: bytes per device the departure's collectives return, summed
-      (as :func:`zeroshard.collectives` reports ``result_bytes``), over more than one
+      (as :func:`zeroshard.compiled_collectives` reports ``result_bytes``), over more than one
       device.
+
+    - ``param_specs(layout, axis_name)``: the ``PartitionSpec`` of every parameter
+      as the weights are held between steps.
 
     Attributes:
       config: the sharded optimizer's options (axis, ``pack_bytes``).
+      pieces: whether the weights are held as stage 3's pieces between steps (else
+        whole: a split leaf's block).
     """
 
     config: ShardConfig
+    pieces = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +85,9 @@ class AllGather(Departure):
     leaf was padded), one per packed group of smaller leaves, and one per bucket with
     owned leaves (each owned leaf taken from its owner's row), in the parameters'
     dtypes. Scope ``zeroshard/all_gather``."""
+
+    def param_specs(self, layout: Layout, axis_name: str) -> PyTree:
+        return layout.leaf_specs()
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
         return plan.layout.pieces(params, jax.lax.axis_index(self.config.axis_name))
@@ -112,9 +122,8 @@ class AllGather(Departure):
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
         for group in () if one else layout.groups(self.config.pack_bytes, order):
             # (a split leaf's: the device's block, from the pieces over the batch axes)
-            split = layout.slots[group[0]].split
             parts = [pieces[i].astype(layout.slots[i].dtype) for i in group]
-            fulls = self.everyone(parts, split and split.over)
+            fulls = self.everyone(parts, layout.slots[group[0]].split.over)
             for i, full in zip(group, fulls, strict=True):
                 leaves[i] = layout.slots[i].moved.uncut(full)
         fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])
@@ -163,11 +172,16 @@ class QuantizedAllGather(AllGather):
 
 @dataclasses.dataclass(frozen=True)
 class ToPieces(Departure):
-    """Stage-3 parameters, :class:`zeroshard.Shard` pieces: the owned leaves' weights
+    """Stage-3 parameters, :class:`zeroshard.Piece` pieces: the owned leaves' weights
     go to their owners first where the update reads them and no master holds them
     (scope ``zeroshard/to_owners``), and the owners' new units go back to every
     device's pieces (scope ``zeroshard/from_owners``), one ``all_to_all`` per bucket
     each way."""
+
+    pieces = True
+
+    def param_specs(self, layout: Layout, axis_name: str) -> PyTree:
+        return shard_specs(layout, axis_name)
 
     def own_pieces(self, plan: Plan, params: PyTree) -> list[jax.Array | None]:
         layout = plan.layout

@@ -34,7 +34,7 @@ their own weights:
 - Linen: call a layer as ``zs.flax.linen_layer(nn.Dense(256))(params["Dense_0"], x)``;
 - NNX: call a layer as ``zs.flax.nnx_layer(model.layer)(params["layer"], x)``;
 
-where the first argument is that layer's ``Shard`` subtree of the state's params.
+where the first argument is that layer's ``Piece`` subtree of the state's params.
 Each gathers the layer's weights (one all-gather per dtype) and gathers them again
 in the backward pass.
 """
@@ -57,11 +57,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh, own_layout
+from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import layer
+from zeroshard.state_layout import drop_in_is_step, state_layout
 from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import auto_twin, output_mesh, plain_outputs, step_metrics
+from zeroshard.update import Route
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def nnx_optimizer(
       param_dtype: compute dtype of the model's parameters (e.g. ``jnp.bfloat16``);
         the master weights start from their values as given. ``None`` keeps them.
       stage: the ZeRO stage the step will run (3: the model's parameters become
-        :class:`zeroshard.Shard` pieces, which its layers gather with
+        :class:`zeroshard.Piece` pieces, which its layers gather with
         :func:`nnx_layer`).
 
     Returns:
@@ -127,7 +129,7 @@ def nnx_optimizer(
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
     state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
-    if stage == 3:  # the weights as pieces, from the same master weights
+    if Route.of(optimizer_of(tx).config, stage).departure.pieces:  # from the same masters
         nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx
@@ -203,7 +205,7 @@ class NNXTrainStep:
         or loss scaling only; elsewhere ``error``, which the per-device step raised."""
         opt, options = optimizer_of(tx), self._options
         # (the drop-in's state must be laid out as the optimizer's: over the same axes)
-        same = opt.spanning(self.mesh).config.axes == opt.for_step(self.mesh).config.axes
+        same = drop_in_is_step(tx, self.mesh)
         plain = options["stage"] == 1 and options["accum_steps"] == 1
         if not (plain and opt.config.loss_scale is None and same):
             error.add_note(
@@ -256,13 +258,13 @@ class _WholeMeshStep:
     """An NNX step that runs the model on the global batch under ``jax.jit`` on the
     mesh as given (the model's own sharding calls all work: the compiler reduces the
     gradient, as in the user's own ``nnx.jit`` step), then the sharded update of the
-    mean gradient (:meth:`zeroshard.sharded.Sharded.apply_global`, the one-line
+    mean gradient (:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line
     drop-in's: the state split over every device, the new weights in their layout)."""
 
     def __init__(
         self, loss_fn: Callable, tx: Any, mesh: Any, graphdef: Any, wrt: Any, options: dict
     ):
-        self.loss_fn, self.opt, self.mesh = loss_fn, optimizer_of(tx), mesh
+        self.loss_fn, self.tx, self.opt, self.mesh = loss_fn, tx, optimizer_of(tx), mesh
         self.graphdef, self.wrt, self.has_aux = graphdef, wrt, options["has_aux"]
         self.jitted = jax.jit(
             self._step, static_argnums=2, donate_argnums=(0,) if options["donate"] else ()
@@ -285,9 +287,8 @@ class _WholeMeshStep:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        own = own_layout(state.params, self.opt.other_axes(self.mesh))
-        splits = tuple(self.opt.splits(self.mesh, own).items())
-        return self.jitted(state, jax.device_put(batch, rows), splits)
+        built = state_layout(self.tx, self.mesh, state.params)
+        return self.jitted(state, jax.device_put(batch, rows), built.splits)
 
 
 def nnx_train_step(
@@ -389,7 +390,7 @@ def linen_train_state(
       model_state: the model's other collections, e.g. ``{"batch_stats":
         variables["batch_stats"]}`` for BatchNorm; see :func:`linen_train_step`.
       stage: the ZeRO stage the state is for (3: the params are
-        :class:`zeroshard.Shard` pieces; see :func:`linen_layer`).
+        :class:`zeroshard.Piece` pieces; see :func:`linen_layer`).
 
     Returns:
       A :class:`LinenTrainState` (a Flax ``TrainState``): params replicated (pieces
@@ -506,7 +507,7 @@ def linen_layer(module: Any, axis_name: str | None = None) -> Callable[..., Any]
 
     Returns:
       ``module.apply({"params": gather(layer_params)}, *args)`` as a function of the
-      module's ``Shard`` parameters and the call's arguments, with the weights gathered
+      module's ``Piece`` parameters and the call's arguments, with the weights gathered
       again in the backward pass (:func:`zeroshard.layer`).
     """
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
@@ -522,7 +523,7 @@ def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[...,
         the zeroshard step the layer runs in (see :func:`zeroshard.gather`).
 
     Returns:
-      A function of the module's ``Shard`` parameters (the pure-dict subtree, as in
+      A function of the module's ``Piece`` parameters (the pure-dict subtree, as in
       ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``) and the call's arguments. It
       gathers the weights with one all-gather per dtype and recomputes them in the
       backward pass (:func:`zeroshard.layer`).

@@ -26,19 +26,19 @@ from typing import Any
 
 import jax
 
-from zeroshard.collectives import to_bits
+from zeroshard.comm import to_bits
 from zeroshard.layout import Layout, PyTree
-from zeroshard.stage3 import Held, Shard, geometry, is_shard
+from zeroshard.stage3 import Held, Piece, is_shard
 
 
 def pieces_of(layout: Layout, params: PyTree, axis_name: str, dtype: Any = None) -> PyTree:
     """This device's piece of every leaf of the whole ``params``, as stage-3
-    :class:`zeroshard.Shard` pieces laid out by ``layout`` (owned leaves too), in
+    :class:`zeroshard.Piece` pieces laid out by ``layout`` (owned leaves too), in
     ``dtype`` (``None``: the parameters'): what a held step differentiates."""
     index = jax.lax.axis_index(axis_name)
     leaves = layout.treedef.flatten_up_to(params)
     return layout.treedef.unflatten(
-        Shard(s.cut(x, index).astype(dtype or x.dtype).reshape(s.piece_shape), *geometry(s))
+        Piece(s.cut(x, index).astype(dtype or x.dtype).reshape(s.piece_shape), s)
         for x, s in zip(leaves, layout.slots, strict=True)
     )
 
@@ -47,11 +47,11 @@ def value_and_grad(loss: Callable[..., Any], params: PyTree) -> Callable[..., An
     """``(out, grads) = f(pieces, batch, key, model_state)``: ``loss`` (the step's
     convention, with aux) on :class:`zeroshard.stage3.Held` leaves of ``pieces`` (from
     :func:`pieces_of`) and the whole ``params``, differentiated with respect to the
-    pieces only: ``grads`` are :class:`zeroshard.Shard` pieces, summed over the axis
+    pieces only: ``grads`` are :class:`zeroshard.Piece` pieces, summed over the axis
     by the gathers' transposes."""
 
     def on_pieces(pieces: PyTree, *args: Any) -> Any:
-        hold = lambda p, x: Held(p.piece, to_bits(x), *geometry(p))
+        hold = lambda p, x: Held(p.piece, to_bits(x), p.leaf)
         return loss(jax.tree.map(hold, pieces, params, is_leaf=is_shard), *args)
 
     return jax.value_and_grad(on_pieces, has_aux=True)

@@ -62,7 +62,7 @@ class Collective:
       result_bytes: bytes of the result on one device.
       group_size: devices taking part in each group.
       axes: the mesh axes each group spans, e.g. ``("data",)``, when the HLO names
-        them or :func:`collectives` was given the mesh; empty when unknown.
+        them or :func:`compiled_collectives` was given the mesh; empty when unknown.
       op_name: where in the program the collective comes from (the instruction's
         ``op_name`` metadata, e.g. ``jit(step)/shard_map/zeroshard/reduce_scatter/...``;
         :func:`zeroshard.scopes.scopes_of` reads zeroshard's scopes from it); empty
@@ -88,7 +88,7 @@ class Collective:
         return factors.get(self.kind, (n - 1) / n) * self.result_bytes
 
 
-def collectives(
+def compiled_collectives(
     hlo_text: str, num_devices: int | None = None, mesh: jax.sharding.Mesh | None = None
 ) -> list[Collective]:
     """Lists the collectives of a compiled HLO module.

@@ -76,19 +76,22 @@ function ``(path, leaf) -> int`` giving the number of leading layer axes."""
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """A leaf split over the mesh's axes besides the batch's (tensor parallelism's
-    ``"model"``, say), whose state is kept by Megatron's rule: each of its ``blocks``
-    (the device's block of the leaf, as its layout holds it) is cut over the batch
-    axes alone, so the gradient is reduce-scattered, and the new weights
+    """How a leaf is cut into *blocks* over the mesh's axes besides the batch's
+    (tensor parallelism's ``"model"``, say), its state kept by Megatron's rule: each
+    block (the device's block of the leaf, as its layout holds it) is cut over the
+    batch axes alone, so the gradient is reduce-scattered, and the new weights
     all-gathered, within the block. Device ``index`` over the state's axes (the
-    batch's first) holds piece ``index // blocks`` of block ``index % blocks``.
+    batch's first) holds piece ``index // blocks`` of block ``index % blocks``. A
+    leaf held whole is one block (:data:`WHOLE`): its block is the leaf, cut over
+    every axis of the state.
 
     Attributes:
       dim: the leaf's dimension that is split (not a layer axis).
       axes: the mesh axes it is split over (every axis of the state besides the
-        batch's, in the mesh's order).
+        batch's, in the mesh's order; none for one block).
       blocks: the number of blocks (the devices along ``axes``).
-      over: the batch axes each block's pieces are cut over.
+      over: the batch axes each block's pieces are cut over (none: every axis of
+        the state).
     """
 
     dim: int
@@ -96,13 +99,35 @@ class Split:
     blocks: int
     over: tuple[str, ...]
 
-    def entry(self, names: tuple[str, ...]) -> str | tuple[str, ...]:
-        """``names`` as one entry of a ``PartitionSpec`` (a name alone, if one)."""
-        return names[0] if len(names) == 1 else names
-
     def leaf_spec(self, ndim: int) -> P:
         """``PartitionSpec`` of the leaf as its layout holds it (its block per device)."""
-        return P(*(self.entry(self.axes) if k == self.dim else None for k in range(ndim)))
+        return _spec([self.axes if k == self.dim else () for k in range(ndim)])
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one block of a leaf of ``shape``."""
+        return tuple(d // self.blocks if k == self.dim else d for k, d in enumerate(shape))
+
+    def block(self, leaf: jax.Array, m: jax.Array | int) -> jax.Array:
+        """Block ``m`` of ``leaf`` (the leaf, for one block)."""
+        if self.blocks == 1:
+            return leaf
+        size = leaf.shape[self.dim] // self.blocks
+        return jax.lax.dynamic_slice_in_dim(
+            leaf, m * size, size, self.dim, allow_negative_indices=False
+        )
+
+
+WHOLE = Split(0, (), 1, ())
+"""The split of a leaf held whole: one block."""
+
+
+def _spec(entries: Sequence[str | tuple[str, ...]]) -> P:
+    """A ``PartitionSpec`` of ``entries`` (mesh axes per dimension; a name alone where
+    one); ``P()`` where they name none."""
+    named = [
+        None if not e else e[0] if len(e) == 1 and not isinstance(e, str) else e for e in entries
+    ]
+    return P(*named) if any(named) else P()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +155,10 @@ class Slot:
       block: for a *blocked* leaf, its placement (a
         :class:`zeroshard.blocks.Blocked`: the axis its update runs on blocks along,
         and how a block goes to and from its piece), else ``None``.
-      split: for a leaf split over the mesh's other axes whose state is kept block
-        by block (a :class:`Split`), else ``None``. Its pieces are the pieces of its
-        blocks (:attr:`block_slot`); where the update runs (manual over every axis of
-        the state) its gradient and weights are the device's block (:meth:`own`).
+      split: how the leaf is cut into blocks over the mesh's other axes
+        (:class:`Split`; :data:`WHOLE`: one block). Its pieces are the pieces of its
+        blocks (:attr:`moved`); where the update runs (manual over every axis of the
+        state) its gradient and weights are the device's block (:meth:`own`).
       align: ``0``, or the elements a piece's width is a multiple of (of each layer:
         the block of the leaf's coded state, :mod:`zeroshard.lowbit`), so that the
         blocks of every device's piece follow the leaf's global index.
@@ -151,7 +176,7 @@ class Slot:
     chunk_offsets: tuple[int, ...] = ()
     chunks: int = 0
     block: Any = None
-    split: Split | None = None
+    split: Split = WHOLE
     align: int = 0
 
     @property
@@ -237,47 +262,48 @@ class Slot:
 
     @property
     def width(self) -> int:
-        """Elements per device of one layer: ``ceil(layer size / num_shards)``, or with
-        ``chunks``, ``chunks / num_shards`` chunks of ``ceil(layer size / chunks)``; for
-        a split leaf, its block's."""
-        if self.split is not None:
-            return self.block_slot.width
+        """Elements per device of one layer: ``ceil(layer size / devices)``, or with
+        ``chunks``, ``chunks / devices`` chunks of ``ceil(layer size / chunks)``, of
+        its block, over the devices its block is cut over."""
         return self.chunk * (self.chunks // self.num_shards or 1)
 
     @property
     def held_shape(self) -> tuple[int, ...]:
-        """The leaf's shape where the update runs: its block's, for a split leaf."""
-        return self.shape if self.split is None else self.block_slot.shape
-
-    @property
-    def block_slot(self) -> Slot:
-        """The geometry of one block of a split leaf, cut over the batch axes."""
-        split = self.split
-        shape = tuple(d // split.blocks if k == split.dim else d for k, d in enumerate(self.shape))
-        n = self.num_shards // split.blocks
-        return Slot.of(shape, self.dtype, n, self.stacked, self.chunks // split.blocks, self.align)
+        """The leaf's shape where the update runs: its block's."""
+        return self.split.block_shape(self.shape)
 
     @property
     def moved(self) -> Slot:
-        """The geometry the step's collectives cut and join: the leaf's, over every
-        device of the state, or a split leaf's block's, over the batch axes alone."""
-        return self if self.split is None else self.block_slot
+        """The geometry the step's collectives cut and join: the leaf's block, over the
+        devices it is cut over (every device of the state, for a leaf of one block)."""
+        m = self.split.blocks
+        return Slot.of(
+            self.held_shape,
+            self.dtype,
+            self.num_shards // m,
+            self.stacked,
+            self.chunks // m,
+            self.align,
+        )
 
     def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
-        """Device ``index``'s 1-D piece of the leaf as the update holds it: the leaf
-        whole, or the device's block of a split leaf."""
-        if self.split is None:
-            return self.cut(held, index)
-        return self.block_slot.cut(held, index // self.split.blocks)
+        """Device ``index``'s 1-D piece of the leaf as the update holds it: of the
+        device's block."""
+        moved, index = self.moved, index // self.split.blocks
+        if moved.num_shards == 1 and moved.piece_size == moved.size:
+            return jnp.ravel(held)
+        cols = jax.lax.dynamic_slice_in_dim(
+            moved._padded(held), index * moved.width, moved.width, 1, allow_negative_indices=False
+        )
+        return cols.reshape(-1)
 
     @property
     def chunk(self) -> int:
-        """Elements of one canonical chunk of a layer (with ``chunks``; else the width),
-        a multiple of :attr:`align`; a split leaf's are its blocks' (``chunks`` over
-        the blocks, the blocks in order)."""
-        if self.split is not None:
-            return self.block_slot.chunk
-        chunk = -(-math.prod(self.shape[self.stacked :]) // (self.chunks or self.num_shards))
+        """Elements of one canonical chunk of a layer of its block (with ``chunks``,
+        over the blocks, the blocks in order; else the width), a multiple of
+        :attr:`align`."""
+        n = self.chunks // self.split.blocks or self.num_shards // self.split.blocks
+        chunk = -(-math.prod(self.held_shape[self.stacked :]) // n)
         return -(-chunk // self.align) * self.align if self.align else chunk
 
     @property
@@ -310,26 +336,17 @@ class Slot:
         are whole on every device outside the update, but in stage 3)."""
         return P() if self.owned else self.piece_spec(axis_name)
 
-    def piece_spec(self, axis_name: str) -> P:
-        """``PartitionSpec`` of the global array of every device's piece of the leaf;
-        a split leaf's is ``(..., blocks, pieces of a block)``, over the split's axes and
-        the batch's, so that the state says how it is cut."""
-        split, ndim = self.split, len(self.piece_shape)
-        if split is not None:
-            return P(*(None,) * (ndim - 2), split.entry(split.axes), split.entry(split.over))
-        return P(*(None,) * (ndim - 1), axis_name)
+    def piece_spec(self, axis_name: str | tuple[str, ...]) -> P:
+        """``PartitionSpec`` of the global array of every device's piece of the leaf,
+        ``(..., blocks, pieces of a block)``: over the split's axes and the batch's
+        (over ``axis_name``, for a leaf of one block), so that the state says how it
+        is cut."""
+        ndim, split = len(self.piece_shape), self.split
+        return _spec([*[()] * (ndim - 2), split.axes, split.over or axis_name][-ndim:])
 
     def leaf_spec(self) -> P:
-        """``PartitionSpec`` of the leaf where the update runs: its block per device
-        for a split leaf, else whole."""
-        return P() if self.split is None else self.split.leaf_spec(len(self.shape))
-
-    def _block(self, leaf: jax.Array, m: jax.Array | int) -> jax.Array:
-        """Block ``m`` of a split leaf."""
-        size = self.shape[self.split.dim] // self.split.blocks
-        return jax.lax.dynamic_slice_in_dim(
-            leaf, m * size, size, self.split.dim, allow_negative_indices=False
-        )
+        """``PartitionSpec`` of the leaf where the update runs: its block per device."""
+        return self.split.leaf_spec(len(self.shape))
 
     def _padded(self, leaf: jax.Array) -> jax.Array:
         """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
@@ -339,30 +356,23 @@ class Slot:
 
     def padding_mask(self, index: jax.Array | int) -> jax.Array:
         """Which elements of device ``index``'s 1-D piece are the leaf's (not padding)."""
-        if self.split is not None:
-            return self.block_slot.padding_mask(index // self.split.blocks)
-        layer = math.prod(self.shape[self.stacked :])
-        mine = jnp.arange(self.width) + index * self.width < layer
+        layer = math.prod(self.held_shape[self.stacked :])
+        mine = jnp.arange(self.width) + index // self.split.blocks * self.width < layer
         return jnp.broadcast_to(mine, (self.layers, self.width)).reshape(-1)
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
-        if self.split is not None:
-            return self.own(self._block(leaf, index % self.split.blocks), index)
-        if self.num_shards == 1 and self.piece_size == self.size:
-            return jnp.ravel(leaf)
-        cols = jax.lax.dynamic_slice_in_dim(
-            self._padded(leaf), index * self.width, self.width, 1, allow_negative_indices=False
-        )
-        return cols.reshape(-1)
+        return self.own(self.split.block(leaf, index % self.split.blocks), index)
 
     def blocks(self, leaf: jax.Array) -> jax.Array:
         """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for
-        device ``d`` (what a reduce-scatter scatters)."""
-        if self.split is not None:  # (blocks, pieces of a block, piece) -> (device, piece)
-            m = self.split.blocks
-            rows = jnp.stack([self.block_slot.blocks(self._block(leaf, b)) for b in range(m)])
-            return rows.swapaxes(0, 1).reshape(self.num_shards, -1)
+        device ``d`` (what a reduce-scatter scatters): of each block ``(pieces of a
+        block, piece)``, the blocks minor."""
+        rows = [self.moved._rows(self.split.block(leaf, b)) for b in range(self.split.blocks)]
+        return jnp.stack(rows, 1).reshape(self.num_shards, -1)
+
+    def _rows(self, leaf: jax.Array) -> jax.Array:
+        """:meth:`blocks` of a leaf of one block."""
         n, padded = self.num_shards, self._padded(leaf)
         if self.layers == 1:
             return padded.reshape(n, self.width)
@@ -371,10 +381,13 @@ class Slot:
     def uncut(self, pieces: jax.Array) -> jax.Array:
         """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
         device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
-        if self.split is not None:
-            m, block = self.split.blocks, self.block_slot
-            rows = pieces.reshape(self.num_shards // m, m, -1)
-            return jnp.concatenate([block.uncut(rows[:, b]) for b in range(m)], self.split.dim)
+        moved, m = self.moved, self.split.blocks
+        rows = pieces.reshape(self.num_shards // m, m, -1)
+        blocks = [moved._joined(rows[:, b]) for b in range(m)]
+        return jnp.concatenate(blocks, self.split.dim) if m > 1 else blocks[0]
+
+    def _joined(self, pieces: jax.Array) -> jax.Array:
+        """:meth:`uncut` of a leaf of one block."""
         if self.num_shards == 1 and self.piece_size == self.size:  # its piece: the leaf
             return pieces.reshape(self.shape)
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
@@ -538,12 +551,28 @@ class Layout:
             lay = bool(units) and i in (layered or ())
             slot = Slot(name, tuple(leaf.shape), dtype, b, num_shards, dims[i], units, lay)
             block = (blocked or {}).get(i)
-            split = (splits or {}).get(i)
-            split = split if split and not (units or block) and _can_split(slot, split) else None
-            slot = dataclasses.replace(slot, chunks=chunks, block=block, split=split)
+            split = (splits or {}).get(i, WHOLE)
+            kept = not (units or block) and _can_split(slot, split)  # (else gathered whole)
+            slot = dataclasses.replace(slot, chunks=chunks, block=block, split=(WHOLE, split)[kept])
             slots.append(dataclasses.replace(slot, align=align if _codes(slot, align) else 0))
         buckets = _buckets(slots, dtypes, num_shards)
         return cls(treedef, tuple(slots), tuple(buckets), num_shards)
+
+    def placed(
+        self,
+        owned: Mapping[int, float] | None = None,
+        layered: Collection[int] = (),
+        spread: Collection[int] = (),
+        blocked: Mapping[int, Any] | None = None,
+    ) -> Layout:
+        """This layout's leaves placed as :meth:`from_tree` says of ``owned``,
+        ``layered``, ``spread`` and ``blocked``, with their layer axes, chunks, splits
+        and alignment kept."""
+        dims = {s.path: s.stacked for s in self.slots}
+        stacked = lambda path, _: dims[path]
+        structs, n = self.full_structs(), self.num_shards
+        args = (owned, layered, spread, blocked, self.chunks, self.splits, self.align)
+        return Layout.from_tree(structs, n, stacked, *args)
 
     @property
     def chunks(self) -> int:
@@ -558,7 +587,7 @@ class Layout:
     @property
     def splits(self) -> dict[int, Split]:
         """The split leaves (:attr:`Slot.split`), by index."""
-        return {i: s.split for i, s in enumerate(self.slots) if s.split is not None}
+        return {i: s.split for i, s in enumerate(self.slots) if s.split.blocks > 1}
 
     @property
     def has_owned(self) -> bool:
@@ -587,9 +616,9 @@ class Layout:
         (so no packed copy is larger). Split leaves (:attr:`Slot.split`) are reduced
         and gathered within their blocks, so they are packed apart from the others."""
         groups = []
-        kinds = [(b, split) for b in self.buckets for split in (False, True)]
-        for b, split in kinds:
-            members = {i for i in b.slots if (self.slots[i].split is not None) == split}
+        overs = sorted({s.split.over for s in self.slots}, key=len)  # (the batch axes: last)
+        for b, over in [(b, over) for b in self.buckets for over in overs]:
+            members = {i for i in b.slots if self.slots[i].split.over == over}
             ordered = b.slots if order is None else order
             sliced = [i for i in ordered if i in members and not self.slots[i].owned]
             nbytes = {i: self.slots[i].size * b.dtype.itemsize for i in sliced}

@@ -39,28 +39,22 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.collectives import axes_of, mesh_size
-from zeroshard.layout import Layout, PyTree, Slot, is_floating
+from zeroshard.comm import axes_of
+from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import (
     check_mesh,
     each_laid_out,
-    keep_axes,
     mesh_of,
     run_on_mesh,
 )
 from zeroshard.placement import Key, Plan
-from zeroshard.sharded import (
-    ShardedTransformation,
-    check_blocks,
-    cut_otherwise,
-    optimizer_of,
-    state_axes,
-)
-from zeroshard.stage3 import full_structs, layout_of, stage_of, to_shards
-from zeroshard.state import ShardedState
+from zeroshard.sharded import ShardedTransformation, optimizer_of
+from zeroshard.stage3 import stage_of, to_shards
+from zeroshard.state import ShardedState, TrainState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
-from zeroshard.step import TrainState, laid_out_as, state_specs
+from zeroshard.state_layout import StateLayout, layout_of_state, state_layout
+from zeroshard.step import laid_out_as
 from zeroshard.update import Route, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
@@ -88,13 +82,15 @@ def logical_gather(block: jax.Array, shape: tuple[int, ...], axis_name: str) -> 
 
 def logical_block(full: jax.Array, axis_name: str) -> jax.Array:
     """This device's block of a full logical leaf (all of it if no dimension divides)."""
-    n = jax.lax.axis_size(axis_name)
-    k = logical_dim(full.shape, n)
-    if k is None:
-        return full
-    block = full.shape[k] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * block, block, k, allow_negative_indices=False)
+    k = logical_dim(full.shape, jax.lax.axis_size(axis_name))
+    return full if k is None else _block_along(full, k, axis_name)
+
+
+def _block_along(full: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """This device's block of ``full`` along dimension ``dim``."""
+    size = full.shape[dim] // jax.lax.axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * size
+    return jax.lax.dynamic_slice_in_dim(full, start, size, dim, allow_negative_indices=False)
 
 
 def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
@@ -123,7 +119,7 @@ def from_logical(slot: Slot, block: jax.Array, axis_name: str) -> jax.Array:
 def _rows(slot: Slot) -> bool:
     """Whether a sliced leaf's piece is a block of its rows (its first dimension
     divides by the device count, and the leaf is not padded)."""
-    n, whole = slot.num_shards, slot.split is None and not slot.stacked
+    n, whole = slot.num_shards, slot.split.blocks == 1 and not slot.stacked
     return whole and logical_dim(slot.shape, n) == 0 and slot.piece_size * n == slot.size
 
 
@@ -143,13 +139,9 @@ def blocks_from_logical(
     block: jax.Array, shape: tuple[int, ...], dim: int, axis_name: str
 ) -> jax.Array:
     """The inverse of :func:`blocks_to_logical`, for a leaf of ``shape``."""
-    n = jax.lax.axis_size(axis_name)
-    if logical_dim(shape, n) == dim:
+    if logical_dim(shape, jax.lax.axis_size(axis_name)) == dim:
         return block
-    full = logical_gather(block, shape, axis_name)
-    size = shape[dim] // n
-    index = jax.lax.axis_index(axis_name)
-    return jax.lax.dynamic_slice_in_dim(full, index * size, size, dim, allow_negative_indices=False)
+    return _block_along(logical_gather(block, shape, axis_name), dim, axis_name)
 
 
 def _from_device(x: jax.Array, device: int, axis_name: str) -> jax.Array:
@@ -281,33 +273,21 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       as ``inner.init(params)`` would shape it. Leaves are sharded over the axis along
       their first dimension where it divides by the axis size, else replicated.
     """
-    opt, mesh, stage = optimizer_of(tx), mesh_of(state), stage_of(state.params)
-    tx = tx.over(state_axes(state.opt_state, state.params))
-    rest = opt.other_axes(mesh)
-    # (kept block by block where the state is over those axes: none where nothing is kept,
-    # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = opt.splits(mesh, layout_of(state.params, rest))
-    splits = splits if set(rest) <= set(tx.config.axes) else {}
-    structs, num_shards = full_structs(state.params), mesh_size(mesh, tx.axis_name)
-    plan = tx.plan(structs, num_shards, splits)
-    if set(splits) & set(cut_otherwise(plan, state.opt_state)):
-        plan = tx.plan(structs, num_shards, {})
-    check_blocks(plan, state.opt_state)
-    layout = plan.layout
-    params = state.params  # (stage 1 and 2 on Explicit axes: laid out whole, or in blocks)
-    params = each_laid_out(params, layout.leaf_specs(), mesh) if stage < 3 else params
-    return _to_optax_converter(tx, mesh, stage, layout)(params, state.opt_state)
+    built, mesh = layout_of_state(tx, state), mesh_of(state)
+    departure = Route.of(built.tx.config, stage_of(state.params)).departure
+    params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
+    params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
+    return _to_optax_converter(built, mesh, departure)(params, state.opt_state)
 
 
 @functools.lru_cache(maxsize=64)
 def _to_optax_converter(
-    tx: ShardedTransformation, mesh: jax.sharding.Mesh, stage: int, layout: Layout
+    built: StateLayout, mesh: jax.sharding.Mesh, departure: Any
 ) -> Callable[[PyTree, ShardedState], tuple[PyTree, PyTree]]:
-    """The jitted conversion of :func:`to_optax_state`, built once per optimizer, mesh,
-    stage and layout (a checkpoint save does not trace it again)."""
+    """The jitted conversion of :func:`to_optax_state`, built once per state layout,
+    mesh and way of holding the weights (a checkpoint save does not trace it again)."""
+    tx, plan, layout = built.tx, built.plan, built.layout
     num_shards, axis = layout.num_shards, tx.axis_name
-    plan = tx.plan(layout.full_structs(), num_shards, layout.splits)
-    departure = Route.of(tx.config, stage).departure
 
     def local(params: PyTree, opt_state: ShardedState) -> tuple[PyTree, PyTree]:
         pieces = plan.on_view.ungrouped(
@@ -319,7 +299,7 @@ def _to_optax_converter(
                 return to_logical(s, pieces[i], axis)
             if plan.master_dtypes[s.bucket] is not None:  # its owners keep them
                 return _owned_block(plan, opt_state.owned, ("master", i), axis)
-            if stage == 3:  # the parameters themselves, a piece on every device
+            if departure.pieces:  # the parameters themselves, a piece on every device
                 return to_logical(s, x.piece.reshape(-1), axis)
             return logical_block(x.astype(s.dtype), axis)
 
@@ -329,7 +309,7 @@ def _to_optax_converter(
         inner = [_state_to_logical(plan, opt_state.owned, k, x, axis) for k, x in enumerate(inner)]
         return layout.treedef.unflatten(master), plan.state_treedef.unflatten(inner)
 
-    specs = state_specs(tx, layout.full_structs(), num_shards, stage, layout.splits)
+    specs = built.specs(departure)
     in_specs = (specs.params, specs.opt_state)
     out_specs = _specs(logical_structs(plan, tx), num_shards, axis)
     convert = jax.shard_map(
@@ -381,42 +361,37 @@ def from_optax_state(
       ValueError: if ``opt_state`` does not have the shape ``tx.inner.init(params)``
         would give, naming the first mismatching leaf.
     """
-    opt = optimizer_of(tx)
-    check_mesh(opt.config, mesh, axis_name)
-    rest = opt.other_axes(mesh)
-    specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
-    own = keep_axes(specs, rest)
-    splits = opt.splits(mesh, own)
-    tx = tx.for_step(mesh)  # (over the mesh's other axes too)
-    axis_name = tx.axis_name
+    check_mesh(optimizer_of(tx).config, mesh, axis_name)
     if param_dtype is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(param_dtype)):
         param_dtype = jax.tree.map(lambda x: param_dtype or x.dtype, params)
     compute_structs = jax.tree.map(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
     )
-    num_shards = mesh_size(mesh, axis_name)
-    plan = tx.plan(compute_structs, num_shards, splits)
+    built = state_layout(tx, mesh, compute_structs, param_specs)  # (default: replicated)
+    departure = Route.of(built.tx.config, stage).departure
+    tx, plan, num_shards, axis_name = built.tx, built.plan, built.num_shards, built.axis_name
     params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
     _check_tree(opt_state, opt_structs, "optimizer state")
-    local = _from_logical_local(tx, plan, stage, jax.tree.leaves(opt_structs))
+    local = _from_logical_local(tx, plan, departure, jax.tree.leaves(opt_structs))
     in_specs = (*_specs((params_structs, opt_structs), num_shards, axis_name), P(), P(), P(), P())
-    out_specs = state_specs(tx, compute_structs, num_shards, stage, splits)
+    out_specs = built.specs(departure)
     if tx.config.loss_scale is not None and loss_scale is None:
         loss_scale = tx.config.loss_scale.init()
     counters = (jnp.asarray(step, jnp.int32), jnp.asarray(skipped, jnp.int32))
     args = (params, opt_state, *counters, loss_scale, model_state)
     state = run_on_mesh(local, mesh, axis_name, (in_specs, out_specs), *args)
-    return state if stage == 3 else laid_out_as(state, own, mesh)  # (pieces: cut so already)
+    # (pieces: cut so already)
+    return state if departure.pieces else laid_out_as(state, built.weight_specs, mesh)
 
 
 def _from_logical_local(
-    tx: ShardedTransformation, plan: Plan, stage: int, opt_leaves: list
+    tx: ShardedTransformation, plan: Plan, departure: Any, opt_leaves: list
 ) -> Callable[..., TrainState]:
     """The per-device body of :func:`from_optax_state`: this device's block of every
-    logical leaf -> its part of the sharded :class:`zeroshard.TrainState`."""
+    logical leaf -> its part of the sharded :class:`zeroshard.TrainState`, the weights
+    held as ``departure`` holds them."""
     layout, axis = plan.layout, tx.axis_name
-    departure = Route.of(optimizer_of(tx).config, stage).departure
 
     def local(params, opt_state, step, skipped, scale, model_state) -> TrainState:
         leaves = layout.treedef.flatten_up_to(params)
@@ -428,7 +403,7 @@ def _from_logical_local(
         fulls = [
             logical_gather(x, s.shape, axis) for x, s in zip(leaves, layout.slots, strict=True)
         ]
-        if stage == 3:
+        if departure.pieces:
             index = jax.lax.axis_index(axis)
             compute = to_shards(
                 layout,

@@ -36,12 +36,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.collectives import axes_of, mesh_size
+from zeroshard.comm import axes_of
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.mesh import own_layout
 from zeroshard.sharded import ShardedTransformation, sharded
+from zeroshard.state_layout import state_devices_on, state_layout
 from zeroshard.step import init_train_state, make_train_step
+from zeroshard.update import kept_apart
 
 # Per-parameter fp32 buffers each optimizer keeps (beyond the master weights).
 MOMENTS = {"sgd": 0, "momentum": 1, "lion": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
@@ -99,10 +101,14 @@ def _structs(params: PyTree, dtype: Any) -> PyTree:
 
 def _plan(params: PyTree, n: int, optimizer: Any, param_dtype: Any, master_dtype: Any):
     """``(tx, plan)``: ``optimizer`` as :func:`zeroshard.sharded` (wrapped unless it is
-    one) and its plan for ``params`` in ``param_dtype`` over ``n`` devices."""
+    one) and its plan for ``params`` in ``param_dtype`` over ``n`` devices (of its
+    ``axis_name``)."""
     if not isinstance(optimizer, ShardedTransformation):
         optimizer = sharded(optimizer, master_dtype=master_dtype)
-    return optimizer, optimizer.plan(_structs(params, param_dtype), n)
+    axes = optimizer.config.axes
+    mesh = jax.sharding.AbstractMesh((n, *[1] * (len(axes) - 1)), axes)
+    built = state_layout(optimizer, mesh, _structs(params, param_dtype))
+    return built.tx, built.plan
 
 
 def _optimizer_bytes(optimizer: Any) -> float:
@@ -162,28 +168,27 @@ def estimate_memory(
     Returns:
       A :class:`MemoryEstimate` in bytes (floats: counts may be fractional per device).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
+    state_apart, grads_apart, params_apart = kept_apart(stage)
     n = state_devices(num_devices, optimizer)
     psi = param_count(params_or_count)
     p = jnp.dtype(param_dtype).itemsize
     has_master = master_dtype is not None and p < jnp.dtype(master_dtype).itemsize
     m = jnp.dtype(master_dtype).itemsize if has_master else 0
-    shard = lambda per_param, from_stage: psi * per_param / (n if stage >= from_stage else 1)
-    params = psi * p / n if stage == 3 else psi * p
+    shard = lambda per_param, apart: psi * per_param / (n if apart else 1)
+    params = shard(p, params_apart)
     if isinstance(num_devices, Mapping) and not isinstance(params_or_count, (int, float)):
         params = _laid_out_bytes(params_or_count, p, num_devices, stage, optimizer, param_specs)
     if hasattr(optimizer, "init") and not isinstance(params_or_count, (int, float)):
-        if stage:
+        if state_apart:
             placed = _placed(params_or_count, n, param_dtype, master_dtype, optimizer)
-            return placed._replace(params=params, grads=shard(p, 2))
+            return placed._replace(params=params, grads=shard(p, grads_apart))
         # stage 0: plain optax's state, on every device
         dtype = master_dtype if has_master else param_dtype
         state = jax.eval_shape(_inner(optimizer).init, _structs(params_or_count, dtype))
         o = sum(_nbytes(x) for x in jax.tree.leaves(state))
     else:
-        o = shard(_optimizer_bytes(optimizer), 1)
-    return MemoryEstimate(params, shard(p, 2), o, shard(m, 1))
+        o = shard(_optimizer_bytes(optimizer), state_apart)
+    return MemoryEstimate(params, shard(p, grads_apart), o, shard(m, state_apart))
 
 
 def _laid_out_bytes(
@@ -194,10 +199,11 @@ def _laid_out_bytes(
     each leaf divided over the axes of its spec the batch is not split over (at stage
     0, plain data parallelism, over all of them)."""
     tx = tx if isinstance(tx, ShardedTransformation) else sharded(optax.identity())
-    if stage == 3:
+    state_apart, _, params_apart = kept_apart(stage)
+    if params_apart:
         return param_count(params) * itemsize / state_devices(shape, tx)
     specs = own_layout(params, shape) if specs is None else specs
-    batch = () if stage == 0 else tx.config.batch_axes
+    batch = tx.config.batch_axes if state_apart else ()
     split = lambda spec: math.prod(
         shape[a] for e in spec if e is not None for a in axes_of(e) if a not in batch
     )
@@ -223,7 +229,7 @@ def state_devices(num_devices: int | Mapping[str, int], optimizer: Any = None) -
     tx = optimizer if isinstance(optimizer, ShardedTransformation) else sharded(optax.identity())
     mesh = jax.sharding.AbstractMesh(tuple(num_devices.values()), tuple(num_devices))
     check_mesh_axes(mesh, tx.axis_name, tx.config.replica_axis)
-    return mesh_size(mesh, tx.for_step(mesh).axis_name)
+    return state_devices_on(tx, mesh)
 
 
 class StepMemory(NamedTuple):
@@ -299,7 +305,7 @@ def step_memory(
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
     step = make_train_step(loss_fn, tx, mesh, **options)
-    own = own_layout(params, step.rest)  # (read here: what eval_shape traces has no layout)
+    own = own_layout(params, mesh.axis_names)  # (read here: what eval_shape traces has none)
     init = lambda p: init_train_state(
         p, tx, mesh, param_dtype=param_dtype, stage=stage, param_specs=own
     )
@@ -308,9 +314,7 @@ def step_memory(
     on_mesh = lambda spec, tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
     )
-    specs = step.state_specs(shapes.params, step.splits(own))
-    if step.rest and stage < 3:  # (the parameters keep their own layout over those axes)
-        specs = specs._replace(params=own)
+    specs = step.layout_for(shapes.params, step.static_layout(own)).returned(step.route.departure)
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     stats = step.lower(state, abstract).compile().memory_analysis()

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.collectives import axes_of
+from zeroshard.comm import axes_of
 from zeroshard.config import ShardConfig, check_mesh_axes
 from zeroshard.layout import PyTree
 

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from zeroshard import canonical, step_io
 from zeroshard.checks import check_batch
-from zeroshard.collectives import all_gathered, vary
+from zeroshard.comm import all_gathered, vary
 from zeroshard.layout import PyTree, is_floating
+from zeroshard.stage3 import is_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,18 +35,18 @@ class OneBatch:
     """The device's rows in one forward and backward pass.
 
     Attributes:
-      stage: the step's ZeRO stage, as its gradients arrive: 3 too for a stage-2 step
-        whose loss gathers (its gradients arrive as stage 3's pieces:
-        :mod:`zeroshard.held`).
       axes: the batch axes: the replica axis, if any, then the sharding axis (one
         axis: its name).
       steps: the micro-batches of each device's rows.
+      each: whether each micro-batch's gradient arrives on its own, into a 1/N
+        accumulator (stages 2 and 3: :meth:`zeroshard.arrival.Arrival.part`); else
+        the full local gradient is summed and arrives once (stage 1).
       reduced: whether :meth:`run`'s loss, aux and model state are global already.
     """
 
-    stage: int
     axes: str | tuple[str, ...]
     steps: int = 1
+    each: bool = False
     reduced = False
 
     def check(self, num_devices: int) -> None:
@@ -70,8 +71,8 @@ class Accumulated(OneBatch):
     micro-batch; micro-batch ``i`` gets ``fold_in(key, i)``.
 
     Stage 1 carries the full local gradient in fp32 and reduce-scatters it once.
-    Stages 2 and 3 carry a 1/N fp32 accumulator of pieces, reduced per micro-batch,
-    so no full-size gradient buffer lives across micro-batches.
+    Stages 2 and 3 (:attr:`each`) carry a 1/N fp32 accumulator of pieces, reduced
+    per micro-batch, so no full-size gradient buffer lives across micro-batches.
     """
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
@@ -80,13 +81,9 @@ class Accumulated(OneBatch):
         # sharding alone: zeros_like drops it outside jax.set_mesh, and fails on the shape's
         # manual axis type where the mesh's other axes are Auto; typed varying by vary)
         zeros = lambda x: vary(jnp.zeros(x.shape, jnp.float32, out_sharding=x.sharding), axes)
-        # What a micro-batch adds: its gradient (stage 1), its reduce-scattered parts
-        # (stage 2), every leaf's piece (stage 3; the owned ones go to their owners once).
-        add = {
-            1: lambda grads: grads,
-            2: lambda grads: arrival.bring(plan, grads),
-            3: lambda grads: arrival.pieces(plan.layout, grads),
-        }[self.stage]
+        # What a micro-batch adds: its gradient (stage 1), or its part (stage 2's
+        # reduce-scattered parts, stage 3's pieces: the owned ones go to their owners once).
+        add = (lambda grads: arrival.part(plan, grads)) if self.each else (lambda grads: grads)
         accumulator = jax.tree.map(zeros, jax.eval_shape(add, params))
 
         def body(carry, xs):
@@ -103,9 +100,7 @@ class Accumulated(OneBatch):
         aux = jax.tree.map(lambda x: step_io.stacked_aux(x, rows), auxes)
         out = (jnp.mean(losses.astype(jnp.float32)), (aux, model_state))
         acc = jax.tree.map(lambda a: a / k, acc)
-        if self.stage == 1:
-            return out, arrival.bring(plan, acc)
-        return out, arrival.to_owners(plan, acc) if self.stage == 3 else acc
+        return out, arrival.parts(plan, acc) if self.each else arrival.bring(plan, acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,28 +146,27 @@ class InOrder(OneBatch):
         check_batch(batch, num_devices, self.axes, parts=(self.parts, what))
 
     def run(self, value_and_grad: Callable, params, batch, key, model_state, plan, arrival):
-        axis, stage = self.axes, self.stage  # (one batch axis)
+        axis, apart = self.axes, self.each  # (one batch axis)
         rounds, aux_of = self.parts // jax.lax.axis_size(axis), {}
         f32 = lambda x: x.astype(jnp.float32)
         micro, rows = step_io.split_rows(batch, rounds), step_io.local_rows(batch) // rounds
-        if stage == 3:  # the pieces' gradients summed in float32 (canonical.gathered)
-            params = jax.tree.map(f32, params)
-        order = canonical.LOW if stage == 1 else canonical.HIGH
+        # stage 3's pieces' gradients summed in float32 (canonical.gathered)
+        params = jax.tree.map(
+            lambda x: jax.tree.map(f32, x) if is_shard(x) else x, params, is_leaf=is_shard
+        )
+        order = canonical.HIGH if apart else canonical.LOW
         # (N, ...), in device order, the same on every device
         devices = lambda x: all_gathered(x, axis, to="invarying")
         across = lambda x: canonical.tree_sum(devices(f32(x)), order=order)
         # Per round: stage 1 keeps this device's values, stages 2 and 3 sum the devices'.
-        per_round = f32 if stage == 1 else across
+        per_round = across if apart else f32
 
         def one(i):
             index = jax.lax.axis_index(axis) * rounds + i  # its place in the global batch
             mb_key = None if key is None else jax.random.fold_in(key, index)
             mb = jax.tree.map(lambda x: x[i], micro)
             (loss, (aux, state)), grads = value_and_grad(params, mb, mb_key, model_state)
-            if stage > 1:
-                grads = (
-                    arrival.pieces(plan.layout, grads) if stage == 3 else arrival.bring(plan, grads)
-                )
+            grads = arrival.part(plan, grads) if apart else grads
             aux, aux_of["tree"] = jax.tree.flatten(aux)
             aux_of["each"] = each = [step_io.is_per_example(x, rows) for x in aux]
             state = jax.tree.map(lambda x: per_round(x) if is_floating(x) else x, state)
@@ -181,7 +175,7 @@ class InOrder(OneBatch):
             return (jax.tree.map(f32, grads), per_round(loss), scalar, state), rest
 
         (parts, loss, scalar, new_state), rest = canonical.in_order(one, rounds, order)
-        if stage == 1:  # the devices' sums of their rounds, summed in device order
+        if not apart:  # the devices' sums of their rounds, summed in device order
             parts, loss, scalar = (
                 arrival.bring(plan, parts),
                 across(loss),
@@ -189,15 +183,12 @@ class InOrder(OneBatch):
             )
         mean = lambda x: x / self.parts
         parts = jax.tree.map(mean, parts)
-        if stage == 3:
-            parts = arrival.to_owners(plan, parts)
+        parts = arrival.parts(plan, parts) if apart else parts
         ordered = lambda x: devices(x).reshape(-1, *x.shape[1:])  # in batch order
         scalar, rest = iter(map(mean, scalar)), iter(map(ordered, rest))
         aux = [next(rest) if e else next(scalar) for e in aux_of["each"]]
         state = lambda x, y: (
-            mean(across(x) if stage == 1 else x).astype(y.dtype)
-            if is_floating(y)
-            else devices(x)[0]
+            mean(x if apart else across(x)).astype(y.dtype) if is_floating(y) else devices(x)[0]
         )
         new_state = jax.tree.map(state, new_state, model_state)
         return (mean(loss), (aux_of["tree"].unflatten(aux), new_state)), parts

@@ -50,7 +50,7 @@ from zeroshard.analysis import (
     trace_update,
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
-from zeroshard.collectives import vary
+from zeroshard.comm import vary
 from zeroshard.layout import Layout, PyTree
 from zeroshard.lowbit import LowBit
 from zeroshard.rows import pack, unpack
@@ -682,7 +682,7 @@ def _groups(
             return False
         per_element = all(slot_of(kinds[k]) == i for k in own[i])
         shaped = sum(slot_of(x) == i for x in kinds) == len(own[i])
-        alone = s.owned or s.stacked or s.blocked or s.split or s.align or i in summed
+        alone = s.owned or s.stacked or s.blocked or s.split.blocks > 1 or s.align or i in summed
         return not alone and per_element and shaped
 
     groups = []
@@ -719,45 +719,16 @@ def _place(placement: Any, base: Layout, analysis: Analysis, blocked: dict[int, 
             )
     owned = (set(analysis.whole) | {i for i, p in forced.items() if p == "owned"}) - set(blocked)
     costs = {i: leaf_cost(base.slots[i], i in analysis.matrix) for i in owned}
-    leaves = base.full_structs()
-    if not costs:
-        return Layout.from_tree(
-            leaves,
-            base.num_shards,
-            base_dims(base),
-            blocked=blocked,
-            chunks=base.chunks,
-            splits=base.splits,
-            align=base.align,
-        )
     # A leaf whose layers meet through sums needs a layer on every device (each device
     # then runs the same sums): its layers are placed first; where some device still
     # holds none (fewer layers than devices), it is owned whole.
     layered, sums = analysis.layered & owned, analysis.layer_sums & owned
-    dims = {s.path: s.stacked for s in base.slots}  # the stacked layer axes, kept
-    place = lambda layered: Layout.from_tree(
-        leaves,
-        base.num_shards,
-        lambda path, _: dims[path],
-        costs,
-        layered,
-        sums & layered,
-        blocked,
-        chunks=base.chunks,
-        splits=base.splits,
-        align=base.align,
-    )
+    place = lambda layered: base.placed(costs, layered, sums & layered, blocked)
     layout = place(layered)
     held = lambda i: len(set(layout.slots[i].owners)) == base.num_shards
     if all(held(i) for i in sums & layered):
         return layout
     return place({i for i in layered if i not in sums or held(i)})
-
-
-def base_dims(base: Layout) -> Any:
-    """``stacked=`` for :meth:`Layout.from_tree` that keeps ``base``'s layer axes."""
-    dims = {s.path: s.stacked for s in base.slots}
-    return lambda path, _: dims[path]
 
 
 def _forced(placement: Any, base: Layout) -> dict[int, str]:

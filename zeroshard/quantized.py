@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroshard.collectives import all_gathered_parts, summed_parts
+from zeroshard.comm import all_gathered_parts, summed_parts
 
 BITS = {"int8": 8, "int4": 4}
 """The quantized formats, by name, and their bits per value."""

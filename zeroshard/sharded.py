@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.analysis import check_extra_args
 from zeroshard.annotations import annotated, check_layout, unboxed
 from zeroshard.branches import init_parts, owned_wholes
-from zeroshard.collectives import axes_of, mesh_size
+from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
@@ -80,21 +80,15 @@ class Sharded:
         reduce-scattered, and their weights all-gathered, over the batch axes only,
         within the device's block; the other leaves are gathered whole for the update.
         (The layout module keeps a split only for a leaf it can cut block by block.)"""
-        rest, config = self.other_axes(mesh), self.config
-        if not rest:
-            return {}
-        blocks, found = mesh_size(mesh, rest), {}
-        for i, spec in enumerate(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-            named = [(k, axes_of(e)) for k, e in enumerate(spec) if e is not None]
-            if len(named) == 1 and named[0][1] == rest:
-                found[i] = Split(named[0][0], named[0][1], blocks, config.axes)
-        return found
+        others, config = self.other_axes(mesh), self.config
+        specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        named = [[(k, axes_of(e)) for k, e in enumerate(spec) if e is not None] for spec in specs]
+        split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
+        return {i: split(n) for i, n in enumerate(named) if [a for _, a in n] == [others]}
 
-    def state_specs(
-        self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
-    ) -> ShardedState:
-        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
-        plan, axis = self.plan(params, num_shards, splits), self.config.axis_name
+    def specs_of(self, plan: Plan) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out."""
+        axis = self.config.axis_name
         specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
@@ -144,8 +138,17 @@ class Sharded:
             error.add_note(NO_MESH)
             raise
         opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
-        state = opt.init_global(params, mesh, splits=splits)
-        specs = opt.state_specs(params, mesh_size(mesh, opt.config.axis_name), splits)
+        plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
+        specs, leaves = opt.specs_of(plan), plan.layout.leaf_specs()
+        # (each leaf whole, or a split leaf's block; laid out so, or not placed)
+        init = jax.shard_map(
+            functools.partial(opt.init_local, plan=plan),
+            mesh=mesh,
+            in_specs=(leaves, P()),
+            out_specs=specs,
+            axis_names=set(mesh.axis_names),
+        )
+        state = jax.jit(init)(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
 
     def typed_splits(
@@ -192,36 +195,13 @@ class Sharded:
         zero = jnp.zeros((), jnp.float32)
         return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)
 
-    def init_global(
-        self,
-        params: PyTree,
-        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
-        master_params: PyTree | None = None,
-        splits: Mapping[int, Split] | None = None,
-    ) -> ShardedState:
-        """The global state (arrays sharded over the axis of ``mesh``), its leaves of
-        ``splits`` kept block by block (:meth:`splits`; their arrays laid out in
-        blocks or not placed, the others replicated or not placed)."""
-        plan = self.plan(params, mesh_size(mesh, self.config.axis_name), splits)
-        leaves = plan.layout.leaf_specs()  # (whole, or a split leaf's block)
-        specs = leaves, P() if master_params is None else leaves
-        init = jax.shard_map(
-            functools.partial(self.init_local, plan=plan),
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=self.state_specs(params, plan.layout.num_shards, splits),
-            axis_names=set(mesh.axis_names),
-        )
-        laid = lambda tree: each_laid_out(tree, leaves, mesh)
-        return jax.jit(init)(laid(params), None if master_params is None else laid(master_params))
-
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_global`). ``extra_args`` (e.g. ``value=``)
+        the mean gradient (:meth:`apply_mean`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
 
@@ -232,8 +212,11 @@ class Sharded:
         self.config.sum_order.check_drop_in()
         (state, reboxed), (params, like) = unboxed(state), unboxed(params)
         local = params is None or bound_axis_size(self.config.axis_name) is not None
-        apply = self.apply if local else self.apply_global
-        new, state = apply(unboxed(updates)[0], state, params, **extra_args)
+        grads = unboxed(updates)[0]
+        if local:
+            new, state = self.apply(grads, state, params, **extra_args)
+        else:
+            new, state = self.apply_mean(grads, state, params, extra_args)
         return like(jax.tree.map(lambda n, p: n - p, new, params)), reboxed(state)
 
     def apply(
@@ -245,16 +228,6 @@ class Sharded:
         route = Route.of(self.config, stage_of(params))
         return self._local_update(route, grads, state, params, extra_args)
 
-    def apply_global(
-        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
-    ) -> tuple[PyTree, ShardedState]:
-        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
-        ``grads`` is the mean gradient, already reduced by the program that computed
-        it; each device cuts its part out, updates it, and the new parameters are
-        all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
-        over every device (:meth:`spanning`)."""
-        return self.apply_mean(grads, state, params, extra_args)
-
     def apply_mean(
         self,
         grads: PyTree,
@@ -263,7 +236,11 @@ class Sharded:
         extra_args: dict,
         splits: Mapping[int, Split] | None = None,
     ) -> tuple[PyTree, ShardedState]:
-        """:meth:`apply_global`, for a state whose leaves of ``splits`` are kept block by
+        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
+        ``grads`` is the mean gradient, already reduced by the program that computed
+        it; each device cuts its part out, updates it, and the new parameters are
+        all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
+        over every device (:meth:`spanning`), its leaves of ``splits`` kept block by
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
@@ -271,8 +248,8 @@ class Sharded:
         opt = self.spanning(mesh)
         route = Route.of(opt.config, 1, mean=True)
         num_shards = mesh_size(mesh, opt.config.axis_name)
-        specs = opt.state_specs(params, num_shards, splits)
         plan = opt.plan(params, num_shards, splits)
+        specs = opt.specs_of(plan)
         check_blocks(plan, state)
         check_layout(state, specs)
         leaves = plan.layout.leaf_specs()
@@ -302,12 +279,15 @@ class Sharded:
     ) -> tuple[PyTree, ShardedState]:
         """The update flow inside ``shard_map``, for gradients arriving by ``route``
         (by ``plan``, or the plan of the arguments, checked)."""
-        plan = plan or self.checked_plan(state, params)
+        if plan is None:
+            self.check_arguments(state, params)
+            plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
+        self.check_state(plan, state)
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)
 
-    def checked_plan(self, state: ShardedState, params: PyTree) -> Plan:
-        """The plan for ``params`` inside ``shard_map``, after checking the arguments."""
+    def check_arguments(self, state: ShardedState, params: PyTree) -> None:
+        """Refuses ``tx.update`` without ``params``, or with another state."""
         if params is None:
             raise ValueError(
                 "zs.sharded(...).update needs `params` (the current full parameters): "
@@ -318,7 +298,9 @@ class Sharded:
                 f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
                 "returned by the same transformation's init."
             )
-        plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
+
+    def check_state(self, plan: Plan, state: ShardedState) -> None:
+        """Refuses a ``state`` made for other parameters than ``plan``'s."""
         master = jax.tree.structure(plan.master_tree([0] * len(plan.layout.slots)))
         mine = jax.tree.structure(state.master)
         if mine != master or len(state.owned) != len(plan.storage.dtypes):
@@ -326,7 +308,6 @@ class Sharded:
                 "zs.sharded: the optimizer state was made for other parameters: its master "
                 f"weights have the structure {mine}, these params need {master}."
             )
-        return plan
 
 
 NO_MESH = (
@@ -414,8 +395,8 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def state_specs(
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
     ) -> ShardedState:
-        """See :meth:`Sharded.state_specs`."""
-        return self.optimizer.state_specs(params, num_shards, splits)
+        """``PartitionSpec`` of every leaf of the global state, for ``jax.shard_map``."""
+        return self.optimizer.specs_of(self.plan(params, num_shards, splits))
 
 
 def check_blocks(plan: Plan, state: ShardedState) -> None:
@@ -431,7 +412,7 @@ def check_blocks(plan: Plan, state: ShardedState) -> None:
     if found:
         i, shape = next(iter(found.items()))
         s = plan.layout.slots[i]
-        how = "block by block" if s.split else "whole"
+        how = f"in {s.split.blocks} block(s)"
         raise ValueError(
             f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
             f"for the weights laid out otherwise than they are now: this layout "
@@ -452,10 +433,10 @@ def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]
         pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
     for i, x in pairs:
         s = slots[i]
-        x = x.scales if is_codes(x) else x  # (split as the pieces)
+        x, blocks = x.scales if is_codes(x) else x, s.split.blocks  # (scales: as the pieces)
         if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
             continue  # (a group's buffer, or pieces without a unit axis for blocks)
-        if x.shape[-2] != (s.split.blocks if s.split else 1):
+        if x.shape[-2] != blocks:
             found.setdefault(i, x.shape)
     return found
 

@@ -1,6 +1,6 @@
 """Stage 3: weights kept as 1/N pieces, gathered layer by layer just before use.
 
-In a stage-3 :class:`zeroshard.TrainState` every parameter is a :class:`Shard`: this
+In a stage-3 :class:`zeroshard.TrainState` every parameter is a :class:`Piece`: this
 device's piece of the raveled leaf (the same piece the optimizer state uses), plus the
 leaf's full shape and dtype as static data. A loss function calls :func:`gather` on
 one layer's parameters right before the layer. That is one ``all_gather`` per dtype
@@ -11,7 +11,7 @@ saved. Then no device ever holds all the weights at once.
 
 Example:
     >>> import jax.numpy as jnp, zeroshard as zs
-    >>> def loss_fn(params, batch):          # params: a tree of zs.Shard (stage 3)
+    >>> def loss_fn(params, batch):          # params: a tree of zs.Piece (stage 3)
     ...     x = batch["x"]
     ...     for p in params["layers"]:
     ...         x = zs.layer(lambda w, x: jnp.tanh(x @ w["w"] + w["b"]))(p, x)
@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
-from zeroshard.collectives import all_gathered_parts, axes_of, from_bits, is_identity
+from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.layout import Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
@@ -47,81 +47,71 @@ from zeroshard.scopes import GATHER, scope
 
 
 @jax.tree_util.register_pytree_node_class
-class Shard:
-    """This device's piece of a parameter, with the parameter's full shape and dtype.
+class Piece:
+    """This device's piece of a parameter, with the parameter's record.
 
     Attributes:
       piece: the piece, shaped ``(1, ..., 1, ceil(size / N))`` on a device (inside
         ``shard_map``), or ``(layers, 1, ..., width)`` for a stacked leaf; outside,
         the global array of all pieces.
+      leaf: the parameter's :class:`zeroshard.layout.Slot` (static): its full shape,
+        dtype, layer axes and geometry over the devices (a tensor-parallel
+        parameter's smaller block folded in).
       shape: the parameter's shape. For a stacked parameter scanned over (or
         indexed) along its layer axes, the shape of the layer the piece now holds.
-      dtype: the parameter's dtype (static).
-      stacked: the number of leading layer axes the piece still holds (static).
-      chunks: ``0``, or the canonical chunks each layer is cut into (static; see
-        :class:`zeroshard.layout.Slot`).
-      align: ``0``, or the elements its piece's width is a multiple of (static; see
-        :attr:`zeroshard.layout.Slot.align`).
-      split: ``None``, or how the leaf is split over the mesh's axes besides the
-        batch's, its piece being one of a block's (static; see
-        :class:`zeroshard.layout.Split`).
+      dtype: the parameter's dtype.
+      stacked: the number of leading layer axes the piece still holds.
     """
 
-    def __init__(
-        self,
-        piece: Any,
-        shape: tuple[int, ...],
-        dtype: Any,
-        stacked: int = 0,
-        chunks: int = 0,
-        align: int = 0,
-        split: Split | None = None,
-    ):
-        self.piece, self.dtype = piece, np.dtype(dtype)
-        self._shape, self._stacked, self.chunks = tuple(shape), int(stacked), int(chunks)
-        self.align, self._split = int(align), split
+    def __init__(self, piece: Any, leaf: Slot):
+        self.piece, self.leaf = piece, leaf
 
     @property
-    def _dropped(self) -> int:
-        """Leading axes taken off the piece (by a scan or an index) since it was laid out."""
-        ndim = getattr(self.piece, "ndim", None)
-        return 0 if ndim is None else len(self._shape) - max(ndim, 1) + (not self._shape)
+    def dtype(self) -> np.dtype:
+        return self.leaf.dtype
+
+    @property
+    def _taken(self) -> int:
+        """Leading layer axes taken off the piece (by a scan or an index) since it was
+        laid out (beyond them: ``-1``)."""
+        ndim, rank = getattr(self.piece, "ndim", None), len(self.leaf.shape)
+        dropped = 0 if ndim is None else rank - max(ndim, 1) + (not rank)
+        return dropped if 0 <= dropped <= self.leaf.stacked else -1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._shape[max(0, min(self._dropped, self._stacked)) :]
+        return self.leaf.shape[max(self._taken, 0) :]
 
     @property
     def stacked(self) -> int:
-        return self._stacked - max(0, min(self._dropped, self._stacked))
+        return self.leaf.stacked - max(self._taken, 0)
 
     @property
-    def split(self) -> Split | None:
-        """The leaf's split (see the attributes), its dimension counted in :attr:`shape`."""
-        taken = self._stacked - self.stacked  # (layer axes a scan or an index took off)
-        if self._split is None:
-            return None
-        return dataclasses.replace(self._split, dim=self._split.dim - taken)
+    def split(self) -> Split:
+        """The leaf's split, its dimension counted in :attr:`shape`."""
+        split = self.leaf.split
+        return dataclasses.replace(split, dim=max(split.dim - max(self._taken, 0), 0))
 
     def slot(self, num_shards: int) -> Slot:
-        """The piece's geometry over ``num_shards`` devices.
+        """The piece's geometry over ``num_shards`` devices (of the layer it holds,
+        where a scan or an index took layer axes off).
 
         Raises:
           ValueError: if the piece lost axes that are not stacked layer axes, or does
             not have the shape the layout gives it (e.g. it was scanned over, indexed
             or vmapped in a way the layout does not support).
         """
-        dropped = self._dropped
-        slot = Slot.of(self.shape, self.dtype, num_shards, self.stacked, self.chunks, self.align)
+        s = self.leaf
+        slot = Slot.of(self.shape, s.dtype, num_shards, self.stacked, s.chunks, s.align)
         slot = dataclasses.replace(slot, split=self.split)
-        if not 0 <= dropped <= self._stacked or tuple(self.piece.shape) != slot.piece_shape:
+        if self._taken < 0 or tuple(self.piece.shape) != slot.piece_shape:
             how = (
-                f"laid out with {self._stacked} stacked layer axes"
-                if self._stacked
+                f"laid out with {s.stacked} stacked layer axes"
+                if s.stacked
                 else "not laid out as stacked layers"
             )
             raise ValueError(
-                f"a stage-3 parameter of shape {self._shape} has a piece of shape "
+                f"a stage-3 parameter of shape {s.shape} has a piece of shape "
                 f"{tuple(self.piece.shape)} here, but it is {how}, so this piece cannot be "
                 "gathered (was it scanned over, indexed or vmapped?). To scan over stacked "
                 "layers, mark them: zs.sharded(inner, stacked=['<name of the stacked "
@@ -130,12 +120,11 @@ class Shard:
         return slot
 
     def tree_flatten(self):
-        aux = (self._shape, self.dtype, self._stacked, self.chunks, self.align, self._split)
-        return (self.piece,), aux
+        return (self.piece,), self.leaf
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        return cls(children[0], aux)
 
     def __jax_array__(self):
         raise TypeError(
@@ -146,13 +135,13 @@ class Shard:
     def __repr__(self) -> str:
         piece = getattr(self.piece, "shape", self.piece)
         stacked = f", stacked={self.stacked}" if self.stacked else ""
-        return f"Shard(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
+        return f"Piece(shape={self.shape}, dtype={self.dtype.name}, piece={piece}{stacked})"
 
 
 @jax.tree_util.register_pytree_node_class
-class Held(Shard):
+class Held(Piece):
     """A stage-2 parameter as a loss that gathers receives it (:mod:`zeroshard.held`):
-    this device's piece, laid out as a stage-3 :class:`Shard`'s, and the whole
+    this device's piece, laid out as a stage-3 :class:`Piece`'s, and the whole
     parameter, replicated. :func:`gather` returns the whole parameter with no
     collective; its transpose sends the cotangent to the piece as the transpose of the
     step's stage-3 gather does (a reduce-scatter per gather).
@@ -162,9 +151,8 @@ class Held(Shard):
         piece holds).
     """
 
-    def __init__(self, piece: Any, full: Any, *geometry: Any):
-        """``geometry``: a :class:`Shard`'s static data after its piece (:func:`geometry`)."""
-        super().__init__(piece, *geometry)
+    def __init__(self, piece: Any, full: Any, leaf: Slot):
+        super().__init__(piece, leaf)
         self.full = full
 
     def tree_flatten(self):
@@ -173,42 +161,40 @@ class Held(Shard):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        return cls(*children, aux)
 
     def __repr__(self) -> str:
-        return "Held" + super().__repr__().removeprefix("Shard")
+        return "Held" + super().__repr__().removeprefix("Piece")
 
 
 def is_shard(x: Any) -> bool:
-    return isinstance(x, Shard)
+    return isinstance(x, Piece)
 
 
 def stage_of(params: PyTree) -> int:
-    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Shard`
+    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Piece`
     pieces, else 1 (stages 1 and 2 hold the same whole parameters)."""
     return 3 if any(map(is_shard, jax.tree.leaves(params, is_leaf=is_shard))) else 1
 
 
 def full_structs(params: PyTree) -> PyTree:
-    """``ShapeDtypeStruct`` of the full parameters (``Shard`` leaves or arrays)."""
+    """``ShapeDtypeStruct`` of the full parameters (``Piece`` leaves or arrays)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)
 
 
 def to_shards(layout: Layout, pieces: list[jax.Array]) -> PyTree:
     """Stage-3 parameters: this device's 1-D piece of every leaf (owned ones too: their
-    owners gather them for the update) -> :class:`Shard` pieces, in the parameters'
+    owners gather them for the update) -> :class:`Piece` pieces, in the parameters'
     dtypes."""
     return layout.treedef.unflatten(
-        Shard(p.astype(s.dtype).reshape(s.piece_shape), *geometry(s))
+        Piece(p.astype(s.dtype).reshape(s.piece_shape), s)
         for p, s in zip(pieces, layout.slots, strict=True)
     )
 
 
 def shard_specs(layout: Layout, axis_name: str) -> PyTree:
-    """``PartitionSpec`` of every stage-3 parameter: a :class:`Shard` of its piece's spec."""
-    return layout.treedef.unflatten(
-        Shard(s.piece_spec(axis_name), *geometry(s)) for s in layout.slots
-    )
+    """``PartitionSpec`` of every stage-3 parameter: a :class:`Piece` of its piece's spec."""
+    return layout.treedef.unflatten(Piece(s.piece_spec(axis_name), s) for s in layout.slots)
 
 
 def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
@@ -216,27 +202,19 @@ def layout_of(params: PyTree, axes: Collection[str]) -> PyTree:
     a ``PartitionSpec`` per leaf: their arrays' (:func:`zeroshard.mesh.own_layout`),
     or for stage-3 pieces how they are cut: a split leaf's by its blocks
     (:class:`zeroshard.layout.Split`), ``P()`` for the others."""
-    if stage_of(params) < 3:
-        return own_layout(params, axes)
-    spec = lambda x: P() if x.split is None else x.split.leaf_spec(len(x.shape))
+    spec = lambda x: x.split.leaf_spec(len(x.shape)) if is_shard(x) else own_layout(x, axes)
     return jax.tree.map(spec, params, is_leaf=is_shard)
 
 
-def geometry(slot: Slot | Shard) -> tuple:
-    """What a :class:`Shard` keeps of ``slot`` (or of another ``Shard``), after its
-    piece: shape, dtype, stacked layer axes, canonical chunks, alignment and split."""
-    return slot.shape, slot.dtype, slot.stacked, slot.chunks, slot.align, slot.split
-
-
 def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
-    """Replaces every :class:`Shard` in ``tree`` by the full parameter.
+    """Replaces every :class:`Piece` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
     parameters' dtype. Inside ``shard_map`` over ``axis_name`` only. A stacked
     parameter gathers all its layers; inside a scan over its layer axis, one layer.
 
     Args:
-      tree: a pytree whose leaves are ``Shard`` (other leaves pass through).
+      tree: a pytree whose leaves are ``Piece`` (other leaves pass through).
       axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
         the zeroshard step whose loss calls it (:func:`zeroshard.make_train_step`, the
         Flax steps). In a hand-written ``shard_map``, name it.
@@ -279,7 +257,7 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
 
 
 def wholes(
-    shards: list[Shard], axis_name: str, rest: tuple[str, ...], gathered: Callable[..., list]
+    shards: list[Piece], axis_name: str, rest: tuple[str, ...], gathered: Callable[..., list]
 ) -> list[jax.Array]:
     """The full parameter of each of ``shards`` (one collective per dtype, by
     ``gathered``, over ``axis_name``); :class:`Held` ones with no collective
@@ -292,7 +270,7 @@ def wholes(
     slots = [x.slot(n) for x in shards]
     out: list[Any] = [None] * len(shards)
     # (the split leaves' pieces vary over rest, the others' gathered there do not: apart)
-    kind = lambda x: (x.dtype, is_held(x), bool(rest) and x.split is None)
+    kind = lambda x: (x.dtype, is_held(x), x.split.axes)
     for key in dict.fromkeys(map(kind, shards)):
         (dtype, whole, _), group = key, [k for k, x in enumerate(shards) if kind(x) == key]
         # (the pieces as given: float32 in a fixed-order step, so the gradients' sums
@@ -304,41 +282,36 @@ def wholes(
         else:
             raw = [within(p, slots[k], rest) for p, k in zip(raw, group, strict=True)]
             every = every_piece(raw, axis_name, dtype, gathered)
-            every = [uncut(x, slots[k]) for x, k in zip(every, group, strict=True)]
+            moved = [slots[k].moved for k in group]  # (a split leaf's block)
+            every = [
+                s.uncut(x.reshape(s.num_shards, -1)) for x, s in zip(every, moved, strict=True)
+            ]
         for k, x in zip(group, every, strict=True):
             out[k] = x
     return out
 
 
-def within(piece: jax.Array, slot: Slot, rest: tuple[str, ...]) -> jax.Array:
-    """What this device gathers over the batch axes of its 1-D ``piece``: the piece
-    of a split leaf's block, or every device's piece along ``rest``, gathered as the
-    same on each (its transpose slices the gradient there instead of summing it)."""
-    if not rest or slot.split is not None:
-        return piece
-    return jax.lax.all_gather(piece, rest, tiled=True, to="invarying")
-
-
-def uncut(pieces: jax.Array, slot: Slot) -> jax.Array:
-    """The full leaf (a split leaf's block) from what :func:`within` gave of every
-    device along the batch axes (``(devices, width)``, row ``d`` from device ``d``)."""
-    if slot.split is not None:
-        return slot.block_slot.uncut(pieces)
-    return slot.uncut(pieces.reshape(slot.num_shards, -1))
+def within(piece: jax.Array, slot: Slot, axes: tuple[str, ...]) -> jax.Array:
+    """What this device gathers over the batch axes of its 1-D ``piece``: its piece
+    with every device's along those of the state's other ``axes`` its block does not
+    span, gathered as the same on each (its transpose slices the gradient there
+    instead of summing it)."""
+    across = tuple(a for a in axes if a not in slot.split.axes)
+    return jax.lax.all_gather(piece, across, tiled=True, to="invarying") if across else piece
 
 
 def over_rest(
-    whole: Callable[[list], list], shards: list[Shard], axis_name: str, rest: tuple[str, ...]
+    whole: Callable[[list], list], shards: list[Piece], axis_name: str, rest: tuple[str, ...]
 ) -> Callable[[list], list]:
     """``whole`` run manual over the state's other axes ``rest`` too (in a step manual
     over the batch axes only): each of ``shards`` comes in as this device's piece,
     and leaves laid out over ``rest`` as the parameter is, a split leaf by its blocks,
     another replicated."""
-    entry = rest[0] if len(rest) == 1 else rest
-    split = lambda x: x.split is not None
-    piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - split(x)), entry, *(None,) * split(x))
+    entry = rest  # (a tuple of one axis is that axis)
+    spanned = lambda x: len(x.split.axes) > 0  # (a split leaf's blocks: its piece's unit axis)
+    piece = lambda x: P(*(None,) * (x.piece.ndim - 1 - spanned(x)), entry, *(None,) * spanned(x))
     specs = [jax.tree.map(lambda _, x=x: piece(x), x) for x in shards]  # (x's own aux)
-    outs = [P() if x.split is None else x.split.leaf_spec(len(x.shape)) for x in shards]
+    outs = [x.split.leaf_spec(len(x.shape)) for x in shards]
     mesh = jax.sharding.get_abstract_mesh()
     many = math.prod(mesh.shape[a] for a in (*axes_of(axis_name), *rest)) > 1
     return jax.shard_map(
@@ -408,7 +381,7 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
         the zeroshard step the layer runs in (see :func:`gather`).
 
     Returns:
-      ``wrapped(params, *args)`` taking the layer's ``Shard`` tree. Only the pieces
+      ``wrapped(params, *args)`` taking the layer's ``Piece`` tree. Only the pieces
       and ``args`` are kept for the backward pass. That pass gathers the weights again
       and differentiates ``fn``: the stage-3 trade of memory for bandwidth.
     """

@@ -1,4 +1,5 @@
-"""State: :class:`ShardedState`, what :func:`zeroshard.sharded` keeps per device."""
+"""State: :class:`ShardedState`, what :func:`zeroshard.sharded` keeps per device, and
+:class:`TrainState`, what one training step reads and writes."""
 
 from __future__ import annotations
 
@@ -46,3 +47,25 @@ class ShardedState(NamedTuple):
     skipped: jax.Array
     loss_scale: LossScaleState | None = None
     owned: tuple[jax.Array, ...] = ()
+
+
+class TrainState(NamedTuple):
+    """What one training step reads and writes.
+
+    Attributes:
+      step: number of steps taken (int32 scalar, replicated).
+      params: the parameters in the compute dtype: full and replicated over the
+        batch axes (stages 1 and 2; over the mesh's other axes, e.g. tensor
+        parallelism's ``"model"``, in their own layout), or a tree of
+        :class:`zeroshard.Piece` pieces (stage 3).
+      opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
+        per device.
+      model_state: non-trainable model state (e.g. ``{"batch_stats": ...}`` of a Linen
+        BatchNorm), replicated and averaged over the batch axes each step; ``None``
+        when the model has none.
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: ShardedState
+    model_state: PyTree = None

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,8 @@ from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
 from zeroshard.checks import check_stage
-from zeroshard.collectives import mesh_size
-from zeroshard.layout import PyTree, Split
+from zeroshard.comm import mesh_size
+from zeroshard.layout import PyTree
 from zeroshard.mesh import (
     StepContext,
     check_mesh,
@@ -40,53 +40,16 @@ from zeroshard.mesh import (
 )
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
-from zeroshard.sharded import ShardedState, ShardedTransformation, check_blocks, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, layout_of, shard_specs, to_shards
-from zeroshard.update import Route, updated
-
-
-class TrainState(NamedTuple):
-    """What one training step reads and writes.
-
-    Attributes:
-      step: number of steps taken (int32 scalar, replicated).
-      params: the parameters in the compute dtype: full and replicated over the
-        batch axes (stages 1 and 2; over the mesh's other axes, e.g. tensor
-        parallelism's ``"model"``, in their own layout), or a tree of
-        :class:`zeroshard.Shard` pieces (stage 3).
-      opt_state: the :class:`ShardedState`: optimizer state and master weights, 1/N
-        per device.
-      model_state: non-trainable model state (e.g. ``{"batch_stats": ...}`` of a Linen
-        BatchNorm), replicated and averaged over the batch axes each step; ``None``
-        when the model has none.
-    """
-
-    step: jax.Array
-    params: PyTree
-    opt_state: ShardedState
-    model_state: PyTree = None
-
+from zeroshard.sharded import ShardedTransformation, check_blocks, optimizer_of
+from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
+from zeroshard.state import TrainState
+from zeroshard.state_layout import StateLayout, state_layout
+from zeroshard.update import Route, held_route, updated
 
 Key = jax.Array | None
 """A step's random key (``None``: none)."""
 Result = tuple[TrainState, dict]
 """What a step returns: the new state and the metrics."""
-
-
-def state_specs(
-    tx: ShardedTransformation,
-    params: PyTree,
-    num_shards: int,
-    stage: int,
-    splits: Mapping[int, Split] | None = None,
-) -> TrainState:
-    """``PartitionSpec``s of a :class:`TrainState` for ``params`` (full or ``Shard``),
-    with the leaves of ``splits`` kept block by block (:meth:`zeroshard.Sharded.splits`;
-    their weights laid out in blocks, the others whole, at stages 1 and 2)."""
-    structs = full_structs(params)
-    layout = tx.plan(structs, num_shards, splits).layout
-    param_specs = layout.leaf_specs() if stage < 3 else shard_specs(layout, tx.axis_name)
-    return TrainState(P(), param_specs, tx.state_specs(structs, num_shards, splits), P())
 
 
 def init_train_state(
@@ -106,7 +69,7 @@ def init_train_state(
     compute copy is ``params`` cast to ``param_dtype``: replicated for stages 1 and 2
     (over the batch axes; over the mesh's other axes each leaf keeps the layout its
     array in ``params`` has, e.g. ``P(None, "model")``, and the step keeps it),
-    a tree of :class:`zeroshard.Shard` pieces (1/N per device) for stage 3.
+    a tree of :class:`zeroshard.Piece` pieces (1/N per device) for stage 3.
 
     Args:
       params: the initial parameters (any placement).
@@ -123,7 +86,7 @@ def init_train_state(
       param_specs: the parameters' layout over ``mesh``, a ``PartitionSpec`` per leaf
         (default: their arrays' ``NamedSharding``, ``P()`` for others); over the axes
         the batch is not split over, the state keeps it (see
-        :meth:`zeroshard.Sharded.splits`).
+        :meth:`zeroshard.sharded.Sharded.splits`).
 
     Returns:
       A :class:`TrainState` at step 0.
@@ -134,17 +97,14 @@ def init_train_state(
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
     check_stage(stage)
-    given, tx = tx, tx.for_step(mesh)  # (over the mesh's other axes too)
-    axis_name, num_shards = tx.axis_name, mesh_size(mesh, tx.axis_name)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
-    rest = optimizer_of(given).other_axes(mesh)
-    own = own_layout(params, rest) if param_specs is None else keep_axes(param_specs, rest)
-    splits = optimizer_of(given).splits(mesh, own)
-    specs = state_specs(tx, structs, num_shards, stage, splits)
-    plan = tx.plan(structs, num_shards, splits)
+    own = own_layout(params, mesh.axis_names) if param_specs is None else param_specs
+    built = state_layout(tx, mesh, structs, own)  # (over the mesh's other axes too)
+    departure = Route.of(built.tx.config, stage).departure
+    tx, plan, axis_name, specs = built.tx, built.plan, built.axis_name, built.specs(departure)
     copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-    if stage == 3:  # (never the whole model on every device: see _stage3_parts)
+    if departure.pieces:  # (never the whole model on every device: see _stage3_parts)
         parts, part_specs = _stage3_parts(plan.layout, params, mesh, axis_name)
 
         def local_parts(parts: list, model_state: PyTree) -> TrainState:
@@ -174,7 +134,7 @@ def init_train_state(
     # the parameters keep their own layout over the state's other axes (the step does).
     in_specs = (specs.params, P())
     state = run_on_mesh(local_init, mesh, axis_name, (in_specs, specs), params, model_state)
-    return laid_out_as(state, own, mesh)
+    return laid_out_as(state, built.weight_specs, mesh)
 
 
 def laid_out_as(state: TrainState, specs: PyTree, mesh: jax.sharding.Mesh) -> TrainState:
@@ -253,14 +213,11 @@ class TrainStep:
         self.state_tx = self.tx.for_step(self.mesh)
         self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
         self.rest = self.opt.other_axes(self.mesh)
-        self.route = Route.of(self.state_tx.config, stage, accum_steps=k)
-        # With other axes, the micro-batches run over the batch axes and the gradients
+        # The micro-batches run over the batch axes; with other axes, the gradients
         # arrive manual over those axes too (nested; so does the update).
+        loop = Route.of(self.opt.config, stage, accum_steps=k).loop
+        self.route = Route.of(self.state_tx.config, stage, accum_steps=k)._replace(loop=loop)
         self.nested = Nested(self.route.arrival, self.rest) if self.rest else None
-        if self.rest:
-            self.route = self.route._replace(
-                loop=Route.of(self.opt.config, stage, accum_steps=k).loop
-            )
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
@@ -268,25 +225,22 @@ class TrainStep:
         self.per_device_loss = (
             self.per_device_loss
             and type(self.route.loop) is OneBatch
-            and stage < 3
+            and not self.route.departure.pieces
             and len(axes) < 2
         )
-        # Stage 2 with a loss that gathers (zeroshard.held; the fixed-order sums of
-        # deterministic= keep the plain stage-2 step)
-        held = stage == 2 and not self.per_device_loss and self.opt.config.sum_order.any_order
-        held = held and not self.rest  # (its pieces are over the batch axes)
-        self.held_route = Route.of(self.opt.config, 2, accum_steps=k, held=True) if held else None
+        # Stage 2 with a loss that gathers (its pieces are over the batch axes)
+        held = not (self.per_device_loss or self.nested)
+        self.held_route = held_route(self.opt.config, stage, k) if held else None
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
 
-    def _local_step(self, state: TrainState, batch: PyTree, key: Key, layout: PyTree) -> Result:
+    def _local_step(
+        self, state: TrainState, batch: PyTree, key: Key, layout: PyTree, built: StateLayout
+    ) -> Result:
         """One step on this device: the loss and gradients of its rows, then the one
-        update flow of :mod:`zeroshard.update`."""
-        splits = self.splits(layout)
-        if self.rest:  # (the plan over every axis of the state, of which some are not manual here)
-            plan = self.state_tx.plan(state.params, self.num_shards, splits)
-        else:
-            plan = self.opt.checked_plan(state.opt_state, state.params)
+        update flow of :mod:`zeroshard.update`, on the state laid out as ``built``
+        says (over every axis of the state, of which some may not be manual here)."""
+        plan = built.plan
         scale = state.opt_state.loss_scale
         value_and_grad = self._value_and_grad(scale)
         route, params = self.route, self._varying(state.params)
@@ -311,8 +265,8 @@ class TrainStep:
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        params, opt_state = self._update(plan, route, parts, state, extra, splits)
-        params = params if layout is None or self.stage == 3 else laid_out(params, layout)
+        params, opt_state = self._update(built, route, parts, state, extra)
+        params = params if layout is None or route.departure.pieces else laid_out(params, layout)
         states = (state.opt_state, opt_state)
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
@@ -322,24 +276,21 @@ class TrainStep:
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _update(
-        self, plan: Any, route: Route, parts: Any, state: TrainState, extra: dict, splits: dict
+        self, built: StateLayout, route: Route, parts: Any, state: TrainState, extra: dict
     ) -> Any:
         """The new parameters and optimizer state (:func:`zeroshard.update.updated`) for
         gradient ``parts`` that came by ``route``, manual over the state's other axes
-        too (:attr:`rest`), if any, laid out as the step's ``splits`` (those the plan was
-        made for: its layout keeps only the sliced leaves' splits, and planning again
-        for those inside the step would trace the blocked probes under the step's
-        mesh)."""
-        opt = optimizer_of(self.state_tx)
+        too (:attr:`rest`), if any."""
+        opt, plan = built.tx.optimizer, built.plan
 
         def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
             return updated(opt.inner, opt.config, plan, route, parts, opt_state, params, **extra)
 
         if self.nested is None:
             return update(parts, state.opt_state, state.params, extra)
-        specs = keep_axes(self.state_specs(state.params, splits), self.rest)
+        specs = keep_axes(built.specs(route.departure), self.rest)
         params = state.params
-        if self.stage < 3:  # (whole, or a split leaf's block; at stage 3, the pieces)
+        if not route.departure.pieces:  # (whole, or a split leaf's block)
             params = each_laid_out(params, specs.params)
         run = jax.shard_map(
             update,
@@ -350,16 +301,20 @@ class TrainStep:
         )
         return run(parts, state.opt_state, params, extra)
 
-    def state_specs(self, params: PyTree, splits: Mapping[int, Split] | None = None) -> TrainState:
+    def state_specs(self, params: PyTree, layout: tuple | None = None) -> TrainState:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
-        (over every axis of the state), with the leaves of ``splits`` kept block by
-        block (:meth:`splits`)."""
-        return state_specs(self.state_tx, params, self.num_shards, self.stage, splits)
+        (see :meth:`layout_for`)."""
+        return self.layout_for(params, layout).specs(self.route.departure)
 
-    def splits(self, layout: PyTree) -> dict[int, Split]:
-        """The leaves whose state this step keeps block by block, for the parameters'
-        ``layout`` over the mesh's other axes (:meth:`zeroshard.Sharded.splits`)."""
-        return {} if layout is None else self.opt.splits(self.mesh, layout)
+    def layout_for(self, params: PyTree, layout: tuple | None = None) -> StateLayout:
+        """The state's layout (:class:`zeroshard.state_layout.StateLayout`) for
+        ``params`` with the weights laid out over the mesh's other axes as ``layout``
+        (a ``PartitionSpec`` per leaf; ``None``: replicated), built once per
+        structure, shapes and layout (:func:`zeroshard.state_layout.state_layout`)."""
+        structs = full_structs(params)
+        treedef = jax.tree.structure(structs)
+        weights = treedef.unflatten(layout or [P()] * treedef.num_leaves)
+        return state_layout(self.tx, self.mesh, structs, weights)
 
     def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
         """Whether this stage-2 step hands its loss :class:`zeroshard.stage3.Held` leaves
@@ -398,7 +353,8 @@ class TrainStep:
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
         over the replica axis, if any, not)."""
         axes = self.opt.config.batch_axes  # (the replica axis, if any, then the sharding axis)
-        axes = axes if self.stage < 3 else tuple(a for a in axes if a not in self.opt.config.axes)
+        if self.route.departure.pieces:
+            axes = tuple(a for a in axes if a not in self.opt.config.axes)
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
     def _global_step(
@@ -406,17 +362,18 @@ class TrainStep:
     ) -> Result:
         self.route.loop.check_batch(batch, self.batch_parts)
         leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
-        if any(is_shard(x) != (self.stage == 3) for x in leaves):
+        pieces = self.route.departure.pieces
+        if any(is_shard(x) != pieces for x in leaves):
             raise ValueError(
                 f"this is a stage-{self.stage} step, but the state's params are "
-                f"{'pieces (stage 3)' if self.stage < 3 else 'replicated (stage 1/2)'}: build "
+                f"{'replicated (stage 1/2)' if pieces else 'pieces (stage 3)'}: build "
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
-        splits = self.splits(layout)
-        if self.rest:  # (a state cut for the weights' layout: a split leaf's by blocks)
-            plan = self.state_tx.plan(state.params, self.num_shards, splits)
-            check_blocks(plan, state.opt_state)
-        specs = keep_axes(self.state_specs(state.params, splits), self.opt.config.batch_axes)
+        built = self.layout_for(state.params, layout)
+        # (a state cut for the weights' layout: a split leaf's by blocks; made for them)
+        check_blocks(built.plan, state.opt_state)
+        self.opt.check_state(built.plan, state.opt_state)
+        specs = keep_axes(built.specs(self.route.departure), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)
         if self.per_device_loss:
@@ -426,7 +383,7 @@ class TrainStep:
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
         step = jax.shard_map(
-            partial(self._local_step, layout=layout),
+            partial(self._local_step, layout=layout, built=built),
             mesh=self.mesh,
             in_specs=(specs, batch_specs, P()),
             out_specs=(specs, P()),
@@ -450,14 +407,16 @@ class TrainStep:
             )
         return jax.device_put(batch, rows)
 
-    def _layout(self, state: TrainState) -> tuple[P, ...] | None:
-        """The parameters' own layout over the state's other axes (tensor parallelism
-        over ``"model"``, say), which the step keeps: a static argument of the jitted
-        step (one compilation per layout), ``None`` where there are no such axes."""
+    def static_layout(self, specs: PyTree) -> tuple[P, ...] | None:
+        """``specs`` (a ``PartitionSpec`` per leaf; the weights' own layout, which the
+        step keeps) over the state's other axes (tensor parallelism's ``"model"``, say),
+        as the jitted step's static ``layout`` argument (one compilation per layout;
+        ``None`` where there are no such axes)."""
         if not self.rest:
             return None
-        specs = layout_of(state.params, self.rest)
-        return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+        return tuple(
+            jax.tree.leaves(keep_axes(specs, self.rest), is_leaf=lambda x: isinstance(x, P))
+        )
 
     @property
     def jitted(self) -> Any:
@@ -480,14 +439,12 @@ class TrainStep:
 
     def _shardings(self, state: TrainState, layout: tuple | None) -> TrainState:
         """The ``NamedSharding`` of each leaf of ``state`` as the step returns it."""
-        params = jax.tree.structure(state.params).unflatten(layout)
-        specs = self.state_specs(state.params, self.splits(params))
-        specs = specs if self.stage == 3 else specs._replace(params=params)
+        specs = self.layout_for(state.params, layout).returned(self.route.departure)
         named = lambda spec: NamedSharding(self.mesh, spec)
         return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        layout = self._layout(state)
+        layout = self.static_layout(layout_of(state.params, self.rest))
         step = self._jitted_for(state, layout)
         state, metrics = step(state, self._place(batch), key, layout)
         return state, step_io.plain_outputs(metrics, self.mesh)
@@ -496,7 +453,7 @@ class TrainStep:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
-        layout = self._layout(state)
+        layout = self.static_layout(layout_of(state.params, self.rest))
         return self._jitted_for(state, layout).lower(state, self._place(batch), key, layout)
 
 
@@ -538,7 +495,7 @@ def make_train_step(
 
     Stage 3 keeps the weights as 1/N pieces too (a state from
     ``init_train_state(..., stage=3)``): ``loss_fn`` receives a tree of
-    :class:`zeroshard.Shard` and gathers each layer's weights right before use with
+    :class:`zeroshard.Piece` and gathers each layer's weights right before use with
     :func:`zeroshard.gather` or :func:`zeroshard.layer` (which also re-gathers them in the
     backward pass instead of keeping them). The gather's transpose reduce-scatters
     the gradients, so they arrive as pieces, and no all-gather closes the step.

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from zeroshard.collectives import is_identity
+from zeroshard.comm import is_identity
 from zeroshard.layout import PyTree, is_floating
 from zeroshard.scopes import METRICS, MODEL_STATE, scope
 
@@ -44,7 +44,7 @@ def device_key(key: jax.Array | None, axes: Axes) -> jax.Array | None:
 
 def pmean(x: Any, axes: Axes) -> Any:
     """``jax.lax.pmean``, left out where it is the identity (one device, see
-    :func:`zeroshard.collectives.is_identity`)."""
+    :func:`zeroshard.comm.is_identity`)."""
     return x if is_identity(x, axes) else jax.lax.pmean(x, axes)
 
 

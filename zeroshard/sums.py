@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
-from zeroshard.collectives import varies, vary
+from zeroshard.comm import varies, vary
 from zeroshard.layout import Slot
 
 # Evaluated on invariant operands, these give the same value on every device.

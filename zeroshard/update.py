@@ -12,7 +12,7 @@ Inside ``shard_map`` over the sharding axis, one step of the sharded optimizer i
    (a 1/N piece of every sliced leaf and the whole of each leaf it owns), with the
    moments and master weights kept here;
 3. the parameters *leave* by the :class:`zeroshard.departure.Departure` chosen with
-   the arrival: all-gathered whole, or as :class:`zeroshard.Shard` pieces again.
+   the arrival: all-gathered whole, or as :class:`zeroshard.Piece` pieces again.
 
 ``tx.update`` in a user's ``shard_map`` or ``jax.jit``, :func:`zeroshard.make_train_step`
 (stages 1-3, with and without accumulation) and the Flax steps all call :func:`updated`;
@@ -50,6 +50,7 @@ from zeroshard.arrival import (
     ReduceScatter,
 )
 from zeroshard.blocks import to_pieces
+from zeroshard.checks import check_stage
 from zeroshard.config import ShardConfig
 from zeroshard.departure import AllGather, Departure, QuantizedAllGather, ToPieces
 from zeroshard.layout import PyTree
@@ -106,11 +107,10 @@ class Route(NamedTuple):
         grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
         axes, gather = config.batch_axes, exact_gather
         axes = axes if len(axes) > 1 else axes[0]
-        arrives = 3 if held else stage  # (how the loop accumulates: stage 3's pieces)
-        loop = OneBatch(arrives, axes)
-        loop = loop if accum_steps == 1 else Accumulated(arrives, axes, accum_steps)
+        each = stage > 1 or held  # (each micro-batch's gradient arrives on its own)
+        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, each)
         if parts is not None:
-            loop = InOrder(stage, axes, parts=parts, accum_steps=accum_steps)
+            loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
@@ -137,6 +137,27 @@ class Route(NamedTuple):
         return cls(arrival, all_gathered, loop, gather)
 
 
+def kept_apart(stage: int) -> tuple[bool, bool, bool]:
+    """What ZeRO ``stage`` (0: plain data parallelism) keeps 1/N per device: the
+    optimizer state and master weights (stages 1 to 3), the gradients (2 and 3), the
+    weights (3).
+
+    Raises:
+      ValueError: for a stage other than 0 to 3.
+    """
+    check_stage(stage, lowest=0)
+    return stage >= 1, stage >= 2, stage >= 3
+
+
+def held_route(config: ShardConfig, stage: int, accum_steps: int = 1) -> Route | None:
+    """Stage 2's route through a loss that gathers (:mod:`zeroshard.held`): stage-3
+    pieces in, all-gathered weights out; ``None`` at other stages, and where the
+    fixed-order sums of ``deterministic=`` keep the plain stage-2 step."""
+    if stage != 2 or not config.sum_order.any_order:
+        return None
+    return Route.of(config, 2, accum_steps=accum_steps, held=True)
+
+
 def updated(
     inner: optax.GradientTransformationExtraArgs,
     config: ShardConfig,
@@ -148,7 +169,7 @@ def updated(
     **extra_args: Any,
 ) -> tuple[PyTree, ShardedState]:
     """The sharded update of this device's part: returns the new parameters, laid out
-    as ``params`` (whole, or stage-3 :class:`zeroshard.Shard` pieces), and state.
+    as ``params`` (whole, or stage-3 :class:`zeroshard.Piece` pieces), and state.
 
     Args:
       inner: the inner optimizer.

@@ -21,7 +21,7 @@ from zeroshard.analysis.groups import input_names, leaf_forms
 from zeroshard.analysis.jaxprs import open_jaxpr, primitives
 from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
-from zeroshard.collectives import axis_env
+from zeroshard.comm import axis_env
 from zeroshard.layout import PyTree
 
 _FIX = (

@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import KEEPS_SHAPE, PASS_THROUGH, RESHAPING, has_matmul, walk
-from zeroshard.collectives import axes_of
+from zeroshard.comm import axes_of
 from zeroshard.layout import Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4

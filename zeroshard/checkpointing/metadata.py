@@ -59,7 +59,7 @@ from zeroshard.checkpointing.integrity import (
     read_or_refuse,
     record,
 )
-from zeroshard.collectives import mesh_size
+from zeroshard.comm import mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.logical import (
     describe,
@@ -73,6 +73,7 @@ from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import check_mesh, mesh_of, own_layout
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs
+from zeroshard.state_layout import state_layout
 from zeroshard.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def restore_item(
       read: reads the item into a tree of ``ShapeDtypeStruct`` (an orbax restore).
       tx: the optimizer to restore for.
       mesh: the mesh to read onto (any device count).
-      like: the parameters (arrays, ``Shard`` pieces or ``ShapeDtypeStruct``) in their
+      like: the parameters (arrays, ``Piece`` pieces or ``ShapeDtypeStruct``) in their
         compute dtypes.
       model_state: the model state's tree, or ``None``.
       stage: the ZeRO stage to lay the state out for (3: params as pieces).
@@ -277,7 +278,8 @@ def restore_item(
     """
     given, like, model_state = like, full_structs(like), full_structs(model_state)
     check_mesh(optimizer_of(tx).config, mesh, tx.axis_name)
-    logical = logical_structs(tx.plan(like, mesh_size(mesh, tx.axis_name)), tx)
+    built = state_layout(tx, mesh, like, own_layout(given, mesh.axis_names))
+    logical = logical_structs(built.plan, built.tx)
     check_matches(saved, where, like, logical, model_state)
     params, opt_state = logical
     item = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
@@ -310,7 +312,7 @@ def restore_item(
         skipped=saved.get("skipped_steps", 0),
         loss_scale=scale,
         model_state=restored.get("model_state"),
-        param_specs=own_layout(given, optimizer_of(tx).other_axes(mesh)),
+        param_specs=built.weight_specs,
     )
     return state, restored.get("extra", {})
 

@@ -105,9 +105,9 @@ def _split(state: Any, tx: ShardedTransformation | None) -> tuple[str, Parts]:
         model, optimizer = state
         tx = optimizer.tx if tx is None else tx
         params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-        rest = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+        others = nnx.as_pure(nnx.state(model, nnx.Not(optimizer.wrt)))
         core = TrainState(optimizer.step[...], params, nnx.as_pure(optimizer.opt_state))
-        extra = {"model": rest} if _has_leaves(rest) else {}
+        extra = {"model": others} if _has_leaves(others) else {}
     optimizer_of(tx)  # a TypeError with the fix for a plain optax optimizer
     return kind, Parts(core, extra, tx)
 
@@ -157,7 +157,7 @@ def target_parts(
 ) -> tuple[Parts, jax.sharding.Mesh, int]:
     """What a restore reads into: the target's parts (the extra leaves as
     ``ShapeDtypeStruct``, placed where the target has them, else replicated), its mesh
-    and its stage (3 where its params are ``Shard`` pieces).
+    and its stage (3 where its params are ``Piece`` pieces).
 
     Args:
       target: a state of the kind to restore (arrays or ``jax.ShapeDtypeStruct``).

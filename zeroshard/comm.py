@@ -1,4 +1,4 @@
-"""Collectives: when one is the identity and is left out.
+"""Comm: the collectives zeroshard runs, and when one is the identity and is left out.
 
 The collectives themselves belong to the kinds of arrival (:mod:`zeroshard.arrival`)
 and departure (:mod:`zeroshard.departure`) and to stage 3's gather

@@ -1,0 +1,163 @@
+"""State layout: where one optimizer's state lies, worked out once per entry point.
+
+A :class:`StateLayout` is built once per optimizer, mesh and layout of the
+parameters over the mesh, and carried: :func:`zeroshard.init_train_state`,
+:func:`zeroshard.make_train_step` (once per layout of the weights it is called
+with), :func:`zeroshard.to_optax_state` / :func:`zeroshard.from_optax_state`, the
+checkpoints, :func:`zeroshard.step_memory` / :func:`zeroshard.estimate_memory` and
+the Flax adapters each build one here and read everything from it. It holds the
+optimizer over the state's axes (the batch's, and the mesh's others but the
+replica axis: :meth:`zeroshard.sharded.Sharded.for_step`) and its plan, whose
+record of each leaf is its logical shape and dtype, its geometry over those axes
+(a tensor-parallel leaf's block, cut over the batch axes, folded in:
+:class:`zeroshard.layout.Split`), its placement, its state leaves with their kinds,
+dtypes and low-bit coding, its master dtype and its group
+(:class:`zeroshard.placement.Plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.comm import mesh_size
+from zeroshard.layout import Layout, PyTree
+from zeroshard.mesh import keep_axes, mesh_of
+from zeroshard.placement import Plan
+from zeroshard.sharded import (
+    ShardedTransformation,
+    check_blocks,
+    cut_otherwise,
+    optimizer_of,
+    state_axes,
+)
+from zeroshard.stage3 import full_structs, layout_of
+from zeroshard.state import ShardedState, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How one optimizer's state lies on a mesh, for one layout of the parameters.
+
+    Attributes:
+      tx: the optimizer over the state's axes.
+      plan: every leaf's record (see the module's description).
+      weights: the parameters' own layout over :attr:`rest`, a ``PartitionSpec``
+        per leaf (tensor parallelism's ``P(None, "model")``, say), which the steps
+        keep; a tuple, in leaf order.
+      rest: the state's axes besides the batch's.
+      splits: the leaves split over :attr:`rest` the plan was made for
+        (:meth:`zeroshard.sharded.Sharded.splits`: the weights' layout says so; the
+        plan keeps those it can cut block by block), as ``(index, split)`` pairs.
+    """
+
+    tx: ShardedTransformation
+    plan: Plan = dataclasses.field(compare=False, hash=False)
+    weights: tuple[P, ...]
+    rest: tuple[str, ...]
+    layout: Layout
+    splits: tuple = ()
+
+    @property
+    def num_shards(self) -> int:
+        """The devices the state is split over."""
+        return self.layout.num_shards
+
+    @property
+    def axis_name(self) -> str | tuple[str, ...]:
+        """The state's axes, as one ``axis_name``."""
+        return self.tx.axis_name
+
+    @property
+    def weight_specs(self) -> PyTree:
+        """:attr:`weights` as a tree like the parameters."""
+        return self.layout.treedef.unflatten(self.weights)
+
+    @functools.cached_property
+    def state_specs(self) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global optimizer state."""
+        return self.tx.optimizer.specs_of(self.plan)
+
+    def returned(self, departure: Any) -> TrainState:
+        """:meth:`specs`, the weights (but stage 3's pieces) in their own layout over
+        :attr:`rest`: the state as a step returns it."""
+        specs = self.specs(departure)
+        return specs if departure.pieces else specs._replace(params=self.weight_specs)
+
+    def specs(self, departure: Any) -> TrainState:
+        """``PartitionSpec`` of every leaf of a global :class:`zeroshard.TrainState`
+        whose weights are held as ``departure`` holds them
+        (:attr:`zeroshard.update.Route.departure`)."""
+        return TrainState(
+            P(), departure.param_specs(self.layout, self.axis_name), self.state_specs, P()
+        )
+
+
+def state_layout(
+    tx: ShardedTransformation, mesh: Any, params: PyTree, weights: PyTree = None
+) -> StateLayout:
+    """The layout of zeroshard's step's state on ``mesh`` for ``params`` (arrays,
+    ``ShapeDtypeStruct`` or stage-3 pieces, in the compute dtypes), their own layout
+    over the mesh's axes besides the batch's being ``weights`` (a ``PartitionSpec``
+    per leaf; default: read from ``params``, :func:`zeroshard.stage3.layout_of`)."""
+    opt = optimizer_of(tx)
+    rest = opt.other_axes(mesh)
+    weights = layout_of(params, rest) if weights is None else keep_axes(weights, rest)
+    state_tx = tx.for_step(mesh)
+    splits = opt.splits(mesh, weights)
+    return _built(state_tx, mesh_size(mesh, state_tx.axis_name), params, weights, rest, splits)
+
+
+def drop_in_is_step(tx: ShardedTransformation, mesh: Any) -> bool:
+    """Whether the one-line drop-in lays ``tx``'s state out on ``mesh`` over the axes,
+    in the order, zeroshard's step does."""
+    opt = optimizer_of(tx)
+    return opt.spanning(mesh).config.axes == opt.for_step(mesh).config.axes
+
+
+def state_devices_on(tx: ShardedTransformation, mesh: Any) -> int:
+    """The devices of ``mesh`` zeroshard's step splits ``tx``'s state over."""
+    return mesh_size(mesh, tx.for_step(mesh).axis_name)
+
+
+def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout:
+    """The layout a global ``state`` was made with, on its mesh: over the axes its
+    arrays are split over (a step's, or the one-line drop-in's), a tensor-parallel
+    leaf's state block by block where its arrays hold it so.
+
+    Raises:
+      ValueError: if the state was made for the weights laid out otherwise
+        (:func:`zeroshard.sharded.check_blocks`).
+    """
+    opt, mesh = optimizer_of(tx), mesh_of(state)
+    tx = tx.over(state_axes(state.opt_state, state.params))
+    rest = opt.other_axes(mesh)
+    weights = layout_of(state.params, rest)
+    # (kept block by block where the state is over those axes: none where nothing is kept,
+    # nor where the state holds them whole, as the drop-in does on Auto axes)
+    splits = {
+        i: x for i, x in opt.splits(mesh, weights).items() if set(x.axes) <= set(tx.config.axes)
+    }
+    n = mesh_size(mesh, tx.axis_name)
+    built = _built(tx, n, state.params, weights, rest, splits)
+    if set(splits) & set(cut_otherwise(built.plan, state.opt_state)):
+        built = _built(tx, n, state.params, weights, rest, {})
+    check_blocks(built.plan, state.opt_state)
+    return built
+
+
+def _built(tx, num_shards, params, weights, rest, splits) -> StateLayout:
+    structs = jax.tree.flatten(full_structs(params))
+    specs = tuple(jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, P)))
+    key = (structs[1], tuple(structs[0]), specs, tuple(rest), tuple(splits.items()))
+    return _cached(tx, num_shards, *key)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(tx, num_shards, treedef, structs, weights, rest, splits) -> StateLayout:
+    plan = tx.plan(treedef.unflatten(structs), num_shards, dict(splits))
+    return StateLayout(tx, plan, weights, rest, plan.layout, splits)
