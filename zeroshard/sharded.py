@@ -27,6 +27,7 @@ from zeroshard.annotations import annotated, check_layout, unboxed
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
+from zeroshard.jit_pieces import apply_pieces, shard_params
 from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.lowbit import is_codes
@@ -252,7 +253,10 @@ class Sharded:
         ``grads`` is the mean gradient, already reduced by the program that computed
         it; each device cuts its part out, updates it, and the new parameters are
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
-        over every device (:meth:`spanning`)."""
+        over every device (:meth:`spanning`). At ``stage=3`` the weights are pieces
+        and stay so (:mod:`zeroshard.jit_pieces`)."""
+        if self.config.stage == 3:
+            return apply_pieces(self, grads, state, params, extra_args)
         return self.apply_mean(grads, state, params, extra_args)
 
     def apply_mean(
@@ -408,6 +412,13 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         :meth:`Sharded.over`); e.g. ``tx.over(state_axes(opt_state))``."""
         opt = self.optimizer.over(axes)
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
+
+    def shard_params(self, params: PyTree) -> PyTree:
+        """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each
+        leaf split over the mesh's batch axis along its first dimension after its
+        stacked layer axes (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
+        traced function, constrained. Call it once on the parameters you start from."""
+        return shard_params(self.optimizer, params)
 
     def plan(
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import is_marking, mark
+from zeroshard import jit_gather
 from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.layout import Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
@@ -233,6 +234,8 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
         parameter not marked stacked was scanned over); if ``axis_name`` is ``None``
         outside a zeroshard step.
     """
+    if jit_gather.in_users_jit(tree, is_shard):  # (the drop-in's stage 3)
+        return jit_gather.gather(tree, axis_name)
     axis_name = axis_of_step(axis_name, "zs.gather")
     with scope(GATHER):
         return _gather(tree, axis_name)
@@ -387,6 +390,8 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
     """
 
     def run(params: PyTree, *args: Any) -> Any:
+        if jit_gather.in_users_jit(params, is_shard):
+            return fn(jit_gather.gather(params, axis_name), *args)
         return fn(gather(params, axis_of_step(axis_name, "zs.layer")), *args)
 
     @jax.custom_vjp

@@ -1,0 +1,153 @@
+"""Stage 3 of the one-line drop-in: the weights as 1/N pieces of global arrays.
+
+``zs.sharded(inner, stage=3)`` in the user's own ``jax.jit`` step keeps every
+parameter as a global array split over the batch axis along its first dimension
+after its stacked layer axes (:func:`weight_spec`; lay them out once with
+``tx.shard_params(params)``). Each device's block, raveled, is exactly the piece of
+the leaf that the optimizer state keeps (the layout cuts each layer's raveled values
+into N equal runs), so ``tx.update`` runs the stage-3 update where the pieces lie:
+the gradient's piece in, the new weights' piece out, no collective. The program still
+sees whole parameters; the loss gathers each layer's weights where it runs
+(``zs.layer`` around the scan body: :mod:`zeroshard.jit_gather`), and a parameter
+read elsewhere (an embedding) is gathered whole where it is used, by the compiler or
+by ``zs.gather``.
+
+Why a mark and not the traced loss: in the user's own step ``jax.grad`` is theirs,
+and zeroshard never sees the loss to read its gather points. Without the mark the
+compiler places the gathers, hoists them out of the scan and keeps the gathered stack
+alive (GSPMD FSDP, with any ``jax.checkpoint`` policy); ``zs.layer`` gathers inside
+the scan body, gathers again in the backward pass, and ties each gather to its layer.
+The numbers are plain optax's either way.
+
+What this path refuses (at trace time, naming the option): a mesh with axes besides
+the batch axis (tensor parallelism), ``replica_axis``, ``quantize_grads``,
+``quantize_weights``, ``state_bits``, ``deterministic``, and a leaf whose first
+dimension after its layer axes the N devices do not divide.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.arrival import Pieces
+from zeroshard.comm import mesh_size
+from zeroshard.config import ShardConfig
+from zeroshard.layout import PyTree, Slot
+from zeroshard.mesh import find_mesh
+from zeroshard.placement import Plan
+from zeroshard.stage3 import Piece
+from zeroshard.update import Route, updated
+
+class MeanPieces(Pieces):
+    """Stage 3 in the user's ``jax.jit``: each piece's gradient arrives as the piece of
+    the mean gradient (``jax.grad`` of the mean loss reduced it), not as the sum
+    zeroshard's own gather's transpose gives: nothing to divide."""
+
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        return [g.piece.reshape(-1) for g in plan.layout.treedef.flatten_up_to(grads)]
+
+
+def check_options(config: ShardConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> None:
+    """Refuses what stage 3 in the user's ``jax.jit`` does not do yet.
+
+    Raises:
+      ValueError: naming the option (or the mesh's other axes) and what to do instead.
+    """
+    options = {
+        "replica_axis": config.replica_axis,
+        "quantize_grads": config.quantize_grads,
+        "quantize_weights": config.quantize_weights,
+        "state_bits": config.state_bits,
+        "deterministic": config.deterministic,
+    }
+    given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
+    if len(mesh.axis_names) != 1:
+        given.append(f"a mesh of axes {mesh.axis_names} (tensor parallelism)")
+    if given:
+        raise ValueError(
+            f"zs.sharded(..., stage=3) in your own jax.jit does not support {', '.join(given)} "
+            "yet: it runs on a mesh of one (batch) axis, with exact collectives and "
+            "float32 state. Leave it out, or train with zs.make_train_step(..., stage=3)."
+        )
+
+
+def weight_spec(slot: Slot, axis_name: str) -> P:
+    """Where the weight of ``slot`` lies at stage 3: split over ``axis_name`` along its
+    first dimension after its layer axes, so that each device's block, raveled, is its
+    piece.
+
+    Raises:
+      ValueError: if the devices do not divide that dimension, naming the leaf.
+    """
+    k, n = slot.stacked, slot.num_shards
+    if len(slot.shape) <= k or slot.shape[k] % n or slot.width * n != slot.size // slot.layers:
+        raise ValueError(
+            f"zs.sharded(..., stage=3) in your own jax.jit cuts each weight along its first "
+            f"dimension after its {k} layer axes, and {slot.path or 'a leaf'} of shape "
+            f"{slot.shape} cannot be cut in {n} there. Pad that dimension to a multiple of "
+            f"{n}, or train with zs.make_train_step(..., stage=3), which cuts any shape."
+        )
+    return P(*(None,) * k, axis_name)
+
+
+def weight_specs(plan: Plan, axis_name: str) -> PyTree:
+    """:func:`weight_spec` of every leaf of ``plan``, as a tree like the parameters."""
+    return plan.layout.treedef.unflatten(weight_spec(s, axis_name) for s in plan.layout.slots)
+
+
+def shard_params(opt: object, params: PyTree) -> PyTree:
+    """``params`` laid out as stage 3 in the user's ``jax.jit`` keeps them (eagerly:
+    placed; traced: constrained), for the :class:`zeroshard.sharded.Sharded` ``opt``."""
+    mesh = find_mesh(opt.config, params, any_axes=True)
+    check_options(opt.config, mesh)
+    opt = opt.spanning(mesh)
+    plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name))
+
+    def place(x: jax.Array, spec: P) -> jax.Array:
+        if isinstance(x, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
+        return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
+
+    return jax.tree.map(place, params, weight_specs(plan, opt.config.axis_name))
+
+
+def apply_pieces(
+    opt: object, grads: PyTree, state: object, params: PyTree, extra_args: dict
+) -> tuple[PyTree, object]:
+    """``tx.update``'s new weights and state at stage 3 in the user's ``jax.jit``: one
+    ``shard_map`` manual over the mesh, each device updating the pieces it holds of
+    ``grads`` (the mean gradient) and ``params`` with its state; the new weights stay
+    pieces, laid out as :func:`weight_specs` says."""
+    mesh = find_mesh(opt.config, state, any_axes=True)
+    check_options(opt.config, mesh)
+    opt = opt.spanning(mesh)
+    axis = opt.config.axis_name
+    plan = opt.plan(params, mesh_size(mesh, axis))
+    slots, treedef = plan.layout.slots, plan.layout.treedef
+    specs, weights = opt.specs_of(plan), weight_specs(plan, axis)
+    route = Route.of(opt.config, 3)._replace(arrival=MeanPieces(opt.config))
+
+    def local(grads: PyTree, state: object, params: PyTree, extra_args: dict) -> tuple:
+        opt.check_state(plan, state)
+        pieces = lambda tree: treedef.unflatten(
+            Piece(x.reshape(s.piece_shape), s)
+            for x, s in zip(treedef.flatten_up_to(tree), slots, strict=True)
+        )
+        parts = route.arrival.bring(plan, pieces(grads))
+        new, state = updated(opt.inner, opt.config, plan, route, parts, state, pieces(params), **extra_args)
+        blocks = treedef.flatten_up_to(params)
+        new = [x.piece.reshape(b.shape) for x, b in zip(treedef.flatten_up_to(new), blocks)]
+        return treedef.unflatten(new), state
+
+    step = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(weights, specs, weights, P()),
+        out_specs=(weights, specs),
+        axis_names=set(mesh.axis_names),
+        check_vma=plan.layout.num_shards > 1,
+    )
+    return step(grads, state, params, extra_args)
