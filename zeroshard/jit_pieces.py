@@ -40,6 +40,7 @@ from zeroshard.placement import Plan
 from zeroshard.stage3 import Piece
 from zeroshard.update import Route, updated
 
+
 class MeanPieces(Pieces):
     """Stage 3 in the user's ``jax.jit``: each piece's gradient arrives as the piece of
     the mean gradient (``jax.grad`` of the mean loss reduced it), not as the sum
@@ -98,14 +99,17 @@ def weight_specs(plan: Plan, axis_name: str) -> PyTree:
 
 
 def shard_params(opt: object, params: PyTree) -> PyTree:
-    """``params`` laid out as stage 3 in the user's ``jax.jit`` keeps them (eagerly:
-    placed; traced: constrained), for the :class:`zeroshard.sharded.Sharded` ``opt``."""
+    """``params`` laid out as stage 3 in the user's ``jax.jit`` keeps them, for the
+    :class:`zeroshard.sharded.Sharded` ``opt``: arrays placed, traced values
+    constrained, ``jax.ShapeDtypeStruct`` leaves given the sharding."""
     mesh = find_mesh(opt.config, params, any_axes=True)
     check_options(opt.config, mesh)
     opt = opt.spanning(mesh)
     plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name))
 
     def place(x: jax.Array, spec: P) -> jax.Array:
+        if isinstance(x, jax.ShapeDtypeStruct):  # (to lower a step on abstract values)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
         if isinstance(x, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
         on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
@@ -126,28 +130,39 @@ def apply_pieces(
     opt = opt.spanning(mesh)
     axis = opt.config.axis_name
     plan = opt.plan(params, mesh_size(mesh, axis))
-    slots, treedef = plan.layout.slots, plan.layout.treedef
-    specs, weights = opt.specs_of(plan), weight_specs(plan, axis)
+    slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
+    weight_specs(plan, axis)  # (refuses a leaf that cannot be held so)
     route = Route.of(opt.config, 3)._replace(arrival=MeanPieces(opt.config))
+    # Each leaf as the global array of every device's piece, (..., 1, N * width): a
+    # reshape that moves no data (the split dimension is the major part of the merged
+    # one), the gradients in the inner optimizer's dtype already (cast in the update,
+    # the compiler kept two float32 copies of each stacked gradient alive).
+    wide = lambda x, s: x.reshape(*s.piece_shape[:-1], n * s.piece_shape[-1])
+    grads = [wide(g, s).astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
+    params = [wide(x, s) for x, s in _with(params, plan)]
+    pieces = [s.piece_spec(axis) for s in slots]
 
-    def local(grads: PyTree, state: object, params: PyTree, extra_args: dict) -> tuple:
+    def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         opt.check_state(plan, state)
-        pieces = lambda tree: treedef.unflatten(
-            Piece(x.reshape(s.piece_shape), s)
-            for x, s in zip(treedef.flatten_up_to(tree), slots, strict=True)
+        held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
+        parts = route.arrival.bring(plan, held(grads))
+        new, state = updated(
+            opt.inner, opt.config, plan, route, parts, state, held(params), **extra_args
         )
-        parts = route.arrival.bring(plan, pieces(grads))
-        new, state = updated(opt.inner, opt.config, plan, route, parts, state, pieces(params), **extra_args)
-        blocks = treedef.flatten_up_to(params)
-        new = [x.piece.reshape(b.shape) for x, b in zip(treedef.flatten_up_to(new), blocks)]
-        return treedef.unflatten(new), state
+        return [x.piece for x in treedef.flatten_up_to(new)], state
 
     step = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(weights, specs, weights, P()),
-        out_specs=(weights, specs),
+        in_specs=(pieces, opt.specs_of(plan), pieces, P()),
+        out_specs=(pieces, opt.specs_of(plan)),
         axis_names=set(mesh.axis_names),
-        check_vma=plan.layout.num_shards > 1,
+        check_vma=n > 1,
     )
-    return step(grads, state, params, extra_args)
+    new, state = step(grads, state, params, extra_args)
+    return treedef.unflatten(x.reshape(s.shape) for x, s in zip(new, slots, strict=True)), state
+
+
+def _with(tree: PyTree, plan: Plan) -> list[tuple[jax.Array, Slot]]:
+    """Each leaf of ``tree`` with its record in ``plan``."""
+    return list(zip(plan.layout.treedef.flatten_up_to(tree), plan.layout.slots, strict=True))

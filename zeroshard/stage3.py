@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.analysis.reads import is_marking, mark
 from zeroshard import jit_gather
+from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.layout import Layout, PyTree, Slot, Split
 from zeroshard.mesh import axis_of_step, current_step, own_layout
