@@ -53,6 +53,7 @@ VARIANTS = (
     "jit-sharded",
     "gspmd-fsdp",
     "dropin",
+    "dropin-2",
     "dropin-3",
     "zeroshard-1",
     "zeroshard-2",
@@ -73,6 +74,7 @@ def formula(variant: str, n: int) -> float | None:
         "zeroshard-3": 16 / n,
         "gspmd-fsdp": 16 / n,
         "dropin-3": 16 / n,
+        "dropin-2": 2 + 14 / n,
         "dropin": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
     }.get(variant)
@@ -214,11 +216,11 @@ def variant_step(
         step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
         lower = lambda s, b: step.jitted.lower(s, b, None)
         return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
-    if name.startswith("dropin"):  # (dropin-3: the weights as pieces, zs.layer in the scan)
-        stage = 3 if name == "dropin-3" else 1
+    if name.startswith("dropin"):  # (dropin-2, -3: zs.layer in the scan; 3: weights as pieces)
+        stage = int(name[-1]) if name[-1].isdigit() else 1
         tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
-        params = tx.shard_params(params) if stage == 3 else params
+        params = tx.shard_params(params)
 
         def dropin(p, s, b):
             updates, s = tx.update(jax.grad(loss(stage))(p, b), s, p)
@@ -308,7 +310,7 @@ def make_mesh(name: str, devices: int) -> Any:
     import jax
     from jax.sharding import AxisType
 
-    auto = name in ("gspmd-fsdp", "dropin", "dropin-3")
+    auto = name in ("gspmd-fsdp", "dropin", "dropin-2", "dropin-3")
     return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
@@ -349,7 +351,9 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
     structs, batch = shapes(args.width, layers, args.vocab), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
-    estimated = {"replicated": 0, "gspmd-fsdp": 3, "dropin-3": 3}.get(name, stage or 1)
+    estimated = {"replicated": 0, "gspmd-fsdp": 3, "dropin-2": 2, "dropin-3": 3}.get(
+        name, stage or 1
+    )
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         loss = transformer_loss(gathering(stage), max(1, args.width // 64))
@@ -471,12 +475,12 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | 
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
     if name.startswith("dropin"):
-        stage = 3 if name == "dropin-3" else 1
+        stage = int(name[-1]) if name[-1].isdigit() else 1
         tx = zs.sharded(
             optax.adam(1e-4), mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage
         )
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
-        bf16 = tx.shard_params(bf16) if stage == 3 else bf16
+        bf16 = tx.shard_params(bf16)
         return bf16, tx.init(bf16)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     start = lambda p: (

@@ -1,4 +1,4 @@
-"""Stage 3 in the user's own ``jax.jit``: ``zs.sharded(inner, stage=3)``, ``zs.layer`` in the scan.
+"""Stages 2 and 3 in the user's own ``jax.jit``: ``zs.sharded(inner, stage=...)``, ``zs.layer``.
 
 The program is a stacked (scan-over-layers) model with an embedding and a head, trained
 by the user's own jitted step on 8 devices (Auto axes, the batch split over ``"data"``).
@@ -86,23 +86,35 @@ def dropin(tx, mesh, params, data):
     return params, opt_state, losses
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize(
     "inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)], ids=["sgd", "adam"]
 )
-def test_stage3_in_your_own_jit_gives_plain_optax(inner):
+def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     params, data, mesh = make_params(4), batches(6), auto_mesh()
     expected, expected_losses = reference(inner, params, data)
-    tx = zs.sharded(inner, stacked=["blocks"], stage=3)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
     got, opt_state, losses = dropin(tx, mesh, params, data)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert_trees_close(got, expected, rtol=1e-5)
-    # The weights are pieces: each device holds 1/8 of every leaf, cut along its first
-    # dimension after the layer axis; the state is 1/8 per device as well.
-    for x in jax.tree.leaves(got):
-        assert x.addressable_shards[0].data.size * 8 == x.size
+    # At stage 3 the weights are pieces: each device holds 1/8 of every leaf, cut along
+    # its first dimension after the layer axis; at stage 2 they are whole. The state
+    # is 1/8 per device.
     total = sum(x.nbytes for x in jax.tree.leaves(params))
-    assert zs.state_bytes_per_device(got) == total / 8
+    assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_explicit_axes_too(stage):
+    """jax's default mesh (Explicit axes): the weights' types carry their layout, and
+    the gather reshards them."""
+    inner, params, data = optax.sgd(0.5, momentum=0.9), make_params(2), batches(3)
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
+    got, _, losses = dropin(tx, jax.make_mesh((8,), ("data",)), params, data)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
 
 
 def test_the_gather_gives_the_gradient_not_n_times_it():
@@ -120,11 +132,12 @@ def test_the_gather_gives_the_gradient_not_n_times_it():
     assert grads["blocks"]["w"].sharding.spec == P(None, "data")
 
 
-def compiled_step(layers, inner=None, loss=None):
-    """The drop-in stage-3 step of ``loss`` (default: ``zs.layer`` in the scan) compiled
-    on abstract values for ``layers`` layers; one sequence of 8 tokens per device."""
+def compiled_step(layers, inner=None, loss=None, stage=3):
+    """The drop-in step of ``loss`` (default: ``zs.layer`` in the scan) at ``stage``
+    compiled on abstract values for ``layers`` layers; one sequence of 8 tokens per
+    device."""
     mesh, inner = auto_mesh(), inner or optax.adam(1e-3)
-    tx = zs.sharded(inner, stacked=["blocks"], stage=3, mesh=mesh)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage, mesh=mesh)
     structs = jax.eval_shape(lambda: make_params(layers))
     params = tx.shard_params(structs)
     specs = tx.state_specs(params, 8)
@@ -172,10 +185,25 @@ def test_stage3_bytes_on_the_wire():
     assert (gathered + reduced) / (2 * 7 / 8 * weights) <= 2.0
 
 
+def test_stage2_reduces_each_layer_in_the_backward_pass():
+    """Stage 2: the weights whole (zs.layer gathers nothing), each layer's gradient
+    reduced to pieces as the backward pass makes it (an all-reduce per layer, the
+    scan unrolled), the new weights all-gathered: the bytes of stage 1 with the model
+    unmarked."""
+    ring = {}
+    for stage, layer in ((1, lambda f: f), (2, zs.layer)):
+        loss = make_loss(layer, unroll=True)
+        found = zs.compiled_collectives(compiled_step(4, optax.sgd(0.1), loss, stage).as_text(), 8)
+        ring[stage] = zs.summarize(found)
+    assert ring[2]["all-reduce"]["count"] >= 4 > ring[1]["all-reduce"]["count"], ring
+    total = lambda r: sum(k["ring_bytes"] for k in r.values())
+    assert total(ring[2]) == pytest.approx(total(ring[1]), rel=0.01), ring
+
+
 def test_what_stage3_in_your_jit_refuses():
     params = make_params(2)
-    with pytest.raises(ValueError, match="stage must be 1 or 3"):
-        zs.sharded(optax.sgd(0.1), stage=2)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        zs.sharded(optax.sgd(0.1), stage=4)
     mesh = auto_mesh()
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3, quantize_grads="int8")
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="quantize_grads='int8'"):

@@ -76,7 +76,7 @@ class ShardConfig:
       state_bits: ``8``, ``4`` or ``None``: the bits the inner optimizer's
         per-element state of matrices is stored in between steps
         (:mod:`zeroshard.lowbit`).
-      stage: ``1`` or ``3``: the ZeRO stage of ``tx.update`` in the user's own
+      stage: ``1``, ``2`` or ``3``: the ZeRO stage of ``tx.update`` in the user's own
         ``jax.jit`` (:mod:`zeroshard.jit_pieces`).
 
     Raises:
@@ -87,7 +87,7 @@ class ShardConfig:
         quantized format or block is unknown, ``quantize_grads`` comes with a
         ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``;
         if ``deterministic`` is not a power of two or comes with a replica axis or
-        quantized collectives; if ``stage`` is not 1 or 3.
+        quantized collectives; if ``stage`` is not 1, 2 or 3.
     """
 
     axis_name: str | tuple[str, ...] = "data"
@@ -109,10 +109,10 @@ class ShardConfig:
     stage: int = 1
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 3):
+        if self.stage not in (1, 2, 3):
             raise ValueError(
-                f"stage must be 1 or 3 (the ZeRO stage of tx.update in your own jax.jit), got "
-                f"{self.stage!r}; zs.make_train_step(..., stage=2) trains stage 2."
+                f"stage must be 1, 2 or 3 (the ZeRO stage of tx.update in your own jax.jit), "
+                f"got {self.stage!r}."
             )
         _check_axes(self.axis_name, self.replica_axis)
         lowbit(self.state_bits)  # (checks it)

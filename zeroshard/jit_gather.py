@@ -1,18 +1,21 @@
-"""The stage-3 gather in the user's own ``jax.jit``: weights that are global arrays cut 1/N.
+"""The gather in the user's own ``jax.jit``: the drop-in's stages 2 and 3.
 
-At ``zs.sharded(inner, stage=3)`` (:mod:`zeroshard.jit_pieces`) every parameter is a
-global array split over the batch axis along its first dimension after its stacked
-layer axes. To the program it is still the whole parameter; each device holds 1/N of
-it. :func:`zeroshard.layer` and :func:`zeroshard.gather`, called in a plain
-``jax.jit`` (no zeroshard step and no ``shard_map`` around them), gather such weights
-here: one ``all_gather`` per leaf, in a small ``shard_map``, right where the layer
-runs (inside a scan over stacked layers, the layer of this iteration). Its
-``custom_vjp`` returns the cotangent laid out as the piece: ``jax.grad`` of the mean
-loss has reduced it over the batch already, so it is the gradient itself, and the
-compiler moves it as all-reduce + slice (or a reduce-scatter, where its passes fuse
-the pair). A ``psum_scatter`` there would sum N copies of the reduced gradient: N
-times the gradient, silently. Under :func:`zeroshard.layer` the layer's weights are
-gathered again in the backward pass instead of being kept.
+:func:`zeroshard.layer` and :func:`zeroshard.gather`, called in a plain ``jax.jit``
+(no zeroshard step and no ``shard_map`` around them), gather here. Each floating leaf
+is made whole on every device right where the layer runs (inside a scan over stacked
+layers, this iteration's layer): at ``zs.sharded(inner, stage=3)`` its weights are
+global arrays cut 1/N over the batch axis (:mod:`zeroshard.jit_pieces`), and this is
+the compiler's all-gather of one layer; at stage 2 they are whole already, and it
+moves nothing. The ``custom_vjp`` returns the cotangent laid out as the piece:
+``jax.grad`` of the mean loss has reduced it over the batch already, so it is the
+gradient itself, and the compiler moves it as all-reduce + slice (or a
+reduce-scatter, where its passes fuse the pair) as the backward pass makes each
+layer's (over Explicit axes a whole weight's type is whole, and so must its
+cotangent's be: there stage 2's gradients stay whole until the update). A
+``psum_scatter`` there would sum N copies of the reduced gradient: N times
+the gradient, silently. Under :func:`zeroshard.layer` each layer's weights are
+gathered again in the backward pass instead of being kept, and each gather is tied to
+its layer's input, so the compiler can neither hoist it out of the scan nor keep it.
 """
 
 from __future__ import annotations
@@ -59,27 +62,15 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     axis = axis_name or _only_axis(mesh)
     if x.ndim == 0 or x.shape[0] % mesh.shape[axis]:
         return x
-    piece = NamedSharding(mesh, P(axis))
     explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
-    all_gather = jax.shard_map(
-        lambda p: jax.lax.all_gather(p, axis, tiled=True),
-        mesh=mesh,
-        in_specs=P(axis),
-        out_specs=P(),
-        check_vma=False,
-    )
-
-    @jax.custom_vjp
-    def whole(x: jax.Array) -> jax.Array:
-        return all_gather(x)
-
-    def backward(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
-        # (reduced over the batch already: the device keeps its piece of it)
-        if explicit:
-            return (jax.sharding.reshard(cotangent, piece),)
-        return (jax.lax.with_sharding_constraint(cotangent, piece),)
-
-    whole.defvjp(lambda x: (all_gather(x), None), backward)
+    if explicit and not any(jax.typeof(x).sharding.spec):
+        return x  # (whole in its type, as its cotangent must be: no piece to give it)
+    lay = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    gathered = lambda x: lay(x, NamedSharding(mesh, P()))
+    # (the cotangent is reduced over the batch already: the device keeps its piece)
+    piece = lambda _, cotangent: (lay(cotangent, NamedSharding(mesh, P(axis))),)
+    whole = jax.custom_vjp(gathered)
+    whole.defvjp(lambda x: (gathered(x), None), piece)
     return whole(x)
 
 

@@ -1,4 +1,4 @@
-"""Stage 3 of the one-line drop-in: the weights as 1/N pieces of global arrays.
+"""Stages 2 and 3 of the one-line drop-in: the gradients, and the weights, as 1/N pieces.
 
 ``zs.sharded(inner, stage=3)`` in the user's own ``jax.jit`` step keeps every
 parameter as a global array split over the batch axis along its first dimension
@@ -10,7 +10,9 @@ the gradient's piece in, the new weights' piece out, no collective. The program 
 sees whole parameters; the loss gathers each layer's weights where it runs
 (``zs.layer`` around the scan body: :mod:`zeroshard.jit_gather`), and a parameter
 read elsewhere (an embedding) is gathered whole where it is used, by the compiler or
-by ``zs.gather``.
+by ``zs.gather``. At ``stage=2`` the weights stay whole; the same mark reduces each
+layer's gradient to its pieces as the backward pass makes it, and ``tx.update``
+all-gathers the new weights.
 
 Why a mark and not the traced loss: in the user's own step ``jax.grad`` is theirs,
 and zeroshard never sees the loss to read its gather points. Without the mark the
@@ -28,14 +30,14 @@ dimension after its layer axes the N devices do not divide.
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.arrival import Pieces
 from zeroshard.comm import mesh_size
 from zeroshard.config import ShardConfig
 from zeroshard.layout import PyTree, Slot
-from zeroshard.mesh import find_mesh
+from zeroshard.mesh import each_laid_out, find_mesh
 from zeroshard.placement import Plan
 from zeroshard.stage3 import Piece
 from zeroshard.update import Route, updated
@@ -99,9 +101,10 @@ def weight_specs(plan: Plan, axis_name: str) -> PyTree:
 
 
 def shard_params(opt: object, params: PyTree) -> PyTree:
-    """``params`` laid out as stage 3 in the user's ``jax.jit`` keeps them, for the
-    :class:`zeroshard.sharded.Sharded` ``opt``: arrays placed, traced values
-    constrained, ``jax.ShapeDtypeStruct`` leaves given the sharding."""
+    """``params`` laid out as the :class:`zeroshard.sharded.Sharded` ``opt`` keeps
+    them in the user's ``jax.jit`` (stage 3: :func:`weight_specs`; below: whole):
+    arrays placed, traced values constrained, ``jax.ShapeDtypeStruct`` leaves given
+    the sharding."""
     mesh = find_mesh(opt.config, params, any_axes=True)
     check_options(opt.config, mesh)
     opt = opt.spanning(mesh)
@@ -115,52 +118,73 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
         return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
 
-    return jax.tree.map(place, params, weight_specs(plan, opt.config.axis_name))
+    leaves, treedef = plan.layout.treedef.flatten_up_to(params), plan.layout.treedef
+    specs = treedef.flatten_up_to(weight_specs(plan, opt.config.axis_name))
+    specs = specs if opt.config.stage == 3 else [P()] * len(leaves)  # (below 3: whole)
+    return treedef.unflatten(map(place, leaves, specs))
 
 
 def apply_pieces(
     opt: object, grads: PyTree, state: object, params: PyTree, extra_args: dict
 ) -> tuple[PyTree, object]:
-    """``tx.update``'s new weights and state at stage 3 in the user's ``jax.jit``: one
-    ``shard_map`` manual over the mesh, each device updating the pieces it holds of
-    ``grads`` (the mean gradient) and ``params`` with its state; the new weights stay
-    pieces, laid out as :func:`weight_specs` says."""
+    """``tx.update``'s new weights and state at stages 2 and 3 in the user's
+    ``jax.jit``: one ``shard_map`` manual over the mesh, each device updating its
+    pieces of ``grads`` (the mean gradient, laid out as :func:`weight_specs` says)
+    and of ``params`` with its state. At stage 3 the new weights stay pieces; at
+    stage 2 they are all-gathered whole."""
     mesh = find_mesh(opt.config, state, any_axes=True)
     check_options(opt.config, mesh)
     opt = opt.spanning(mesh)
     axis = opt.config.axis_name
     plan = opt.plan(params, mesh_size(mesh, axis))
     slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
-    weight_specs(plan, axis)  # (refuses a leaf that cannot be held so)
-    route = Route.of(opt.config, 3)._replace(arrival=MeanPieces(opt.config))
+    three = opt.config.stage == 3
+    route = Route.of(opt.config, 3 if three else 2, held=not three)
+    route = route._replace(arrival=MeanPieces(opt.config))
+    weight_specs(plan, axis)  # (refuses a leaf that cannot be cut so)
     # Each leaf as the global array of every device's piece, (..., 1, N * width): a
     # reshape that moves no data (the split dimension is the major part of the merged
-    # one), the gradients in the inner optimizer's dtype already (cast in the update,
-    # the compiler kept two float32 copies of each stacked gradient alive).
-    wide = lambda x, s: x.reshape(*s.piece_shape[:-1], n * s.piece_shape[-1])
-    grads = [wide(g, s).astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
-    params = [wide(x, s) for x, s in _with(params, plan)]
+    # one), the gradients in the inner optimizer's dtype already. (Reshaped and cast
+    # in the update instead, the compiler kept two more float32 copies of each
+    # stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries, not 57.)
     pieces = [s.piece_spec(axis) for s in slots]
+    wide = lambda x, s: reshaped(x, (*s.piece_shape[:-1], n * s.width), s.piece_spec(axis), mesh)
+    grads = [wide(g, s).astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
+    params = [wide(x, s) if three else x for x, s in _with(params, plan)]
+    weights = pieces if three else treedef.flatten_up_to(plan.layout.leaf_specs())
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         opt.check_state(plan, state)
         held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
         parts = route.arrival.bring(plan, held(grads))
-        new, state = updated(
-            opt.inner, opt.config, plan, route, parts, state, held(params), **extra_args
-        )
-        return [x.piece for x in treedef.flatten_up_to(new)], state
+        whole = held(params) if three else treedef.unflatten(params)
+        new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
+        return [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)], state
 
     step = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(pieces, opt.specs_of(plan), pieces, P()),
-        out_specs=(pieces, opt.specs_of(plan)),
+        in_specs=(pieces, opt.specs_of(plan), weights, P()),
+        out_specs=(weights, opt.specs_of(plan)),
         axis_names=set(mesh.axis_names),
         check_vma=n > 1,
     )
-    new, state = step(grads, state, params, extra_args)
-    return treedef.unflatten(x.reshape(s.shape) for x, s in zip(new, slots, strict=True)), state
+    laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
+    new, state = step(laid(grads, pieces), state, laid(params, weights), extra_args)
+    if three:
+        new = [
+            reshaped(x, s.shape, weight_spec(s, axis), mesh)
+            for x, s in zip(new, slots, strict=True)
+        ]
+    return treedef.unflatten(new), state
+
+
+def reshaped(x: jax.Array, shape: tuple[int, ...], spec: P, mesh: object) -> jax.Array:
+    """``x`` reshaped to ``shape``, laid out as ``spec`` (over Explicit axes jax asks
+    for the layout of a reshape that merges a split dimension)."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, spec))
+    return x.reshape(shape)
 
 
 def _with(tree: PyTree, plan: Plan) -> list[tuple[jax.Array, Slot]]:

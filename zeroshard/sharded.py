@@ -255,7 +255,7 @@ class Sharded:
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
         over every device (:meth:`spanning`). At ``stage=3`` the weights are pieces
         and stay so (:mod:`zeroshard.jit_pieces`)."""
-        if self.config.stage == 3:
+        if self.config.stage > 1:
             return apply_pieces(self, grads, state, params, extra_args)
         return self.apply_mean(grads, state, params, extra_args)
 
