@@ -46,9 +46,10 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     A leaf whose first dimension ``axis_name`` does not divide is left as it is (the
     compiler gathers it where it is used).
 
+    Arrays on no mesh (one device) are whole already.
+
     Raises:
-      ValueError: if no mesh is known (the arrays carry none and none is set with
-        ``jax.set_mesh``), or ``axis_name`` is ``None`` on a mesh of several axes.
+      ValueError: if ``axis_name`` is ``None`` on a mesh of several axes.
     """
     with scope(GATHER):
         return jax.tree.map(lambda x: _gathered(x, axis_name), tree)
@@ -59,6 +60,8 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
         return x
     mesh = getattr(jax.typeof(x).sharding, "mesh", None)
     mesh = mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # (on one device, laid out over no mesh: whole already)
+        return x
     axis = axis_name or _only_axis(mesh)
     if x.ndim == 0 or x.shape[0] % mesh.shape[axis]:
         return x
@@ -75,13 +78,6 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
 
 
 def _only_axis(mesh: Any) -> str:
-    if mesh.empty:
-        raise ValueError(
-            "zs.gather / zs.layer in a jax.jit outside any zeroshard step gather the "
-            "weights over their mesh, and none is known here: lay the parameters out "
-            "with tx.shard_params(params) (zs.sharded(inner, stage=3)), or call under "
-            "`with jax.set_mesh(mesh):`."
-        )
     if len(mesh.axis_names) != 1:
         raise ValueError(
             f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "

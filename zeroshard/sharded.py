@@ -663,6 +663,12 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         scalars, matrices with fewer elements per layer than a block, and owned or
         blocked leaves keep their state exact; the master weights stay float32
         (:mod:`zeroshard.lowbit`). ``None``: as the inner optimizer keeps it.
+      stage: the ZeRO stage of ``update`` in your own ``jax.jit`` (zeroshard's step
+        takes its own ``stage=``): ``1`` (default); ``2``, the gradients reduced to
+        1/N pieces layer by layer in the backward pass; ``3``, the weights kept as
+        global arrays cut 1/N too (lay them out once with
+        ``tx.shard_params(params)``). Both with ``zs.layer`` around the scan body of
+        each layer stack (:mod:`zeroshard.jit_pieces`, which says what they refuse).
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``

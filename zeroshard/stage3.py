@@ -211,7 +211,10 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     """Replaces every :class:`Piece` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
-    parameters' dtype. Inside ``shard_map`` over ``axis_name`` only. A stacked
+    parameters' dtype. Inside ``shard_map`` over ``axis_name``; in a plain
+    ``jax.jit`` (the drop-in's ``zs.sharded(inner, stage=3)``, whose weights are
+    global arrays cut 1/N), it makes each array whole where it is called
+    (:mod:`zeroshard.jit_gather`). A stacked
     parameter gathers all its layers; inside a scan over its layer axis, one layer.
 
     Args:
