@@ -88,7 +88,14 @@ def dropin(tx, mesh, params, data):
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize(
-    "inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)], ids=["sgd", "adam"]
+    "inner",
+    [
+        optax.sgd(0.5, momentum=0.9),
+        optax.adam(1e-2),
+        optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),  # a norm over pieces
+        optax.adafactor(1e-2, min_dim_size_to_factor=32),  # factored: owned or blocked leaves
+    ],
+    ids=["sgd", "adam", "clip_adamw", "adafactor"],
 )
 def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     params, data, mesh = make_params(4), batches(6), auto_mesh()

@@ -34,13 +34,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.arrival import Pieces
-from zeroshard.comm import mesh_size
-from zeroshard.config import ShardConfig
 from zeroshard.layout import PyTree, Slot
-from zeroshard.mesh import each_laid_out, find_mesh
+from zeroshard.mesh import each_laid_out
 from zeroshard.placement import Plan
 from zeroshard.stage3 import Piece
-from zeroshard.update import Route, updated
+from zeroshard.update import Route, kept_apart, updated
 
 
 class MeanPieces(Pieces):
@@ -50,30 +48,6 @@ class MeanPieces(Pieces):
 
     def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
         return [g.piece.reshape(-1) for g in plan.layout.treedef.flatten_up_to(grads)]
-
-
-def check_options(config: ShardConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> None:
-    """Refuses what stage 3 in the user's ``jax.jit`` does not do yet.
-
-    Raises:
-      ValueError: naming the option (or the mesh's other axes) and what to do instead.
-    """
-    options = {
-        "replica_axis": config.replica_axis,
-        "quantize_grads": config.quantize_grads,
-        "quantize_weights": config.quantize_weights,
-        "state_bits": config.state_bits,
-        "deterministic": config.deterministic,
-    }
-    given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
-    if len(mesh.axis_names) != 1:
-        given.append(f"a mesh of axes {mesh.axis_names} (tensor parallelism)")
-    if given:
-        raise ValueError(
-            f"zs.sharded(..., stage=3) in your own jax.jit does not support {', '.join(given)} "
-            "yet: it runs on a mesh of one (batch) axis, with exact collectives and "
-            "float32 state. Leave it out, or train with zs.make_train_step(..., stage=3)."
-        )
 
 
 def weight_spec(slot: Slot, axis_name: str) -> P:
@@ -105,10 +79,7 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
     them in the user's ``jax.jit`` (stage 3: :func:`weight_specs`; below: whole):
     arrays placed, traced values constrained, ``jax.ShapeDtypeStruct`` leaves given
     the sharding."""
-    mesh = find_mesh(opt.config, params, any_axes=True)
-    check_options(opt.config, mesh)
-    opt = opt.spanning(mesh)
-    plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name))
+    opt, plan, mesh = opt.in_jit(params, params)
 
     def place(x: jax.Array, spec: P) -> jax.Array:
         if isinstance(x, jax.ShapeDtypeStruct):  # (to lower a step on abstract values)
@@ -120,7 +91,7 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
 
     leaves, treedef = plan.layout.treedef.flatten_up_to(params), plan.layout.treedef
     specs = treedef.flatten_up_to(weight_specs(plan, opt.config.axis_name))
-    specs = specs if opt.config.stage == 3 else [P()] * len(leaves)  # (below 3: whole)
+    specs = specs if kept_apart(opt.config.stage)[2] else [P()] * len(leaves)  # (or whole)
     return treedef.unflatten(map(place, leaves, specs))
 
 
@@ -132,13 +103,10 @@ def apply_pieces(
     pieces of ``grads`` (the mean gradient, laid out as :func:`weight_specs` says)
     and of ``params`` with its state. At stage 3 the new weights stay pieces; at
     stage 2 they are all-gathered whole."""
-    mesh = find_mesh(opt.config, state, any_axes=True)
-    check_options(opt.config, mesh)
-    opt = opt.spanning(mesh)
+    opt, plan, mesh = opt.in_jit(state, params)
     axis = opt.config.axis_name
-    plan = opt.plan(params, mesh_size(mesh, axis))
     slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
-    three = opt.config.stage == 3
+    three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
     route = Route.of(opt.config, 3 if three else 2, held=not three)
     route = route._replace(arrival=MeanPieces(opt.config))
     weight_specs(plan, axis)  # (refuses a leaf that cannot be cut so)

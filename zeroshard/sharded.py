@@ -36,7 +36,7 @@ from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import SlicedState
-from zeroshard.update import Route, updated
+from zeroshard.update import Route, kept_apart, updated
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +255,18 @@ class Sharded:
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
         over every device (:meth:`spanning`). At ``stage=3`` the weights are pieces
         and stay so (:mod:`zeroshard.jit_pieces`)."""
-        if self.config.stage > 1:
+        if kept_apart(self.config.stage)[1]:  # (the gradients as pieces)
             return apply_pieces(self, grads, state, params, extra_args)
         return self.apply_mean(grads, state, params, extra_args)
+
+    def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
+        """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
+        the mesh (``tree``'s, see :func:`zeroshard.mesh.find_mesh`), at stages 2 and
+        3 (:mod:`zeroshard.jit_pieces`; what they refuse: :meth:`ShardConfig.check_in_jit`)."""
+        mesh = find_mesh(self.config, tree, any_axes=True)
+        self.config.check_in_jit(mesh.axis_names)
+        opt = self.spanning(mesh)
+        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 
     def apply_mean(
         self,
