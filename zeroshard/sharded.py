@@ -261,8 +261,9 @@ class Sharded:
 
     def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
         """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
-        the mesh (``tree``'s, see :func:`zeroshard.mesh.find_mesh`), at stages 2 and
-        3 (:mod:`zeroshard.jit_pieces`; what they refuse: :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
+        the mesh (``tree``'s, see :func:`zeroshard.mesh.find_mesh`), at stages 2
+        and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
+        :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
         self.config.check_in_jit(mesh.axis_names)
         opt = self.spanning(mesh)
