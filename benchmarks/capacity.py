@@ -48,8 +48,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("replicated", "jit-sharded", "dropin", "zeroshard-1", "zeroshard-2", "zeroshard-3")
+VARIANTS = (
+    "replicated",
+    "jit-sharded",
+    "gspmd-fsdp",
+    "dropin",
+    "dropin-2",
+    "dropin-3",
+    "zeroshard-1",
+    "zeroshard-2",
+    "zeroshard-3",
+)
 MiB = 2**20
+# gspmd-fsdp's block: jax.checkpoint with the policy that gave it the lowest peak (16
+# and 32 layers, jax 0.12; see docs/benchmarks.md).
+REMAT_POLICY = "nothing_saveable"
 
 
 def formula(variant: str, n: int) -> float | None:
@@ -59,6 +72,9 @@ def formula(variant: str, n: int) -> float | None:
         "zeroshard-1": 4 + 12 / n,
         "zeroshard-2": 2 + 14 / n,
         "zeroshard-3": 16 / n,
+        "gspmd-fsdp": 16 / n,
+        "dropin-3": 16 / n,
+        "dropin-2": 2 + 14 / n,
         "dropin": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
     }.get(variant)
@@ -88,6 +104,9 @@ def parse_args() -> argparse.Namespace:
         default=[],
         choices=(8, 4),
         help="zeroshard's variants again with the state in these bits (state_bits=)",
+    )
+    parser.add_argument(
+        "--remat", default=REMAT_POLICY, help="gspmd-fsdp's jax.checkpoint_policies name"
     )
     parser.add_argument("--budgets", type=int, nargs="*", default=[], help="MiB per device")
     parser.add_argument("--real", action="store_true", help="one real step at each largest")
@@ -189,7 +208,7 @@ def variant_step(
     whole = NamedSharding(mesh, P())
     placed = lambda tree, sharding: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
-    )
+    )  # (one array and its sharding, or a tree and a tree of them)
     if name.startswith("zeroshard-"):
         stage = int(name[-1])
         tx = zs.sharded(inner, stacked=["blocks"], state_bits=bits)
@@ -197,18 +216,31 @@ def variant_step(
         step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
         lower = lambda s, b: step.jitted.lower(s, b, None)
         return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
-    if name == "dropin":
-        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"], state_bits=bits)
+    if name.startswith("dropin"):  # (dropin-2, -3: zs.layer in the scan; 3: weights as pieces)
+        stage = int(name[-1]) if name[-1].isdigit() else 1
+        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
+        params = tx.shard_params(params)
 
         def dropin(p, s, b):
-            updates, s = tx.update(jax.grad(loss(1))(p, b), s, p)
+            updates, s = tx.update(jax.grad(loss(stage))(p, b), s, p)
             return optax.apply_updates(p, updates), s
 
         step = jax.jit(dropin, donate_argnums=(0, 1))
-        state = (params, on(mesh, jax.eval_shape(tx.init, params)))
+        specs = tx.state_specs(params, mesh.shape["data"])  # (Auto axes: the types say none)
+        state = (
+            params,
+            jax.tree.map(
+                lambda x, spec: placed(x, NamedSharding(mesh, spec)),
+                jax.eval_shape(tx.init, params),
+                specs,
+            ),
+        )
         return (lambda s, b: step(*s, b)), state, (lambda s, b: step.lower(*s, b))
-    step, state = mixed_precision_step(name, loss(1), inner, structs, mesh)
+    remat = getattr(jax.checkpoint_policies, args.remat) if name == "gspmd-fsdp" else None
+    step, state = mixed_precision_step(
+        name, transformer_loss(1, heads, remat), inner, structs, mesh
+    )
     return step, state, step.lower
 
 
@@ -219,7 +251,8 @@ def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mes
     ``replicated``: ``shard_map`` + ``pmean``, everything on every device;
     ``jit-sharded``: ``jax.jit`` with the master and the moments split over ``"data"``
     (each leaf along its first dimension that divides, as flax's
-    ``optimizer_sharding`` and MaxText lay them out). The step donates its state."""
+    ``optimizer_sharding`` and MaxText lay them out); ``gspmd-fsdp``: the parameters
+    too (XLA gathers them where used). The step donates its state."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -246,7 +279,8 @@ def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mes
     abstract = jax.eval_shape(
         lambda p: (jax.tree.map(lambda x: x.astype(bf16), p), p, inner.init(p)), structs
     )
-    shardings = (jax.tree.map(lambda _: whole, abstract[0]), *jax.tree.map(spread, abstract[1:]))
+    params = jax.tree.map(spread if name == "gspmd-fsdp" else lambda _: whole, abstract[0])
+    shardings = (params, *jax.tree.map(spread, abstract[1:]))
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
     )
@@ -264,6 +298,20 @@ def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mes
     return jax.jit(
         step, in_shardings=(shardings, rows), out_shardings=shardings, donate_argnums=0
     ), state
+
+
+def make_mesh(name: str, devices: int) -> Any:
+    """The 1-D ``"data"`` mesh of ``name``: Auto axes for the drop-in and GSPMD FSDP
+    (with its weights split over ``"data"`` the model as written multiplies them with
+    batch-split activations, which Explicit axes refuse without a reshard at every
+    use; on jax 0.12 Explicit axes also fail the loss's own gradient in ``dropin``:
+    a ``ShardingTypeError`` in the cross-entropy's scatter), else jax's default
+    (Explicit)."""
+    import jax
+    from jax.sharding import AxisType
+
+    auto = name in ("gspmd-fsdp", "dropin", "dropin-2", "dropin-3")
+    return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
 def on(mesh: Any, tree: Any) -> Any:
@@ -299,10 +347,13 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
 
     import zeroshard as zs
 
-    mesh = jax.make_mesh((args.devices,), ("data",))
+    mesh = make_mesh(name, args.devices)
     structs, batch = shapes(args.width, layers, args.vocab), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
+    estimated = {"replicated": 0, "gspmd-fsdp": 3, "dropin-2": 2, "dropin-3": 3}.get(
+        name, stage or 1
+    )
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         loss = transformer_loss(gathering(stage), max(1, args.width // 64))
@@ -322,7 +373,7 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
     row |= {"peak": stats.peak, "compile_s": time.perf_counter() - start}
     # The model-state estimate (zs.estimate_memory: params, grads, state, master; no
     # temporaries), to say how far it is from the compiled peak.
-    analytic = zs.estimate_memory(count, args.devices, stage=stage or int(name != "replicated"))
+    analytic = zs.estimate_memory(count, args.devices, stage=estimated)
     return row | {"model_state": analytic.total}
 
 
@@ -386,7 +437,7 @@ def real_step(args: argparse.Namespace, name: str, layers: int, bits: int | None
     import numpy as np
     from jax.sharding import NamedSharding
 
-    mesh = jax.make_mesh((args.devices,), ("data",))
+    mesh = make_mesh(name, args.devices)
     structs = shapes(args.width, layers, args.vocab)
     run, abstract, _ = variant_step(args, name, structs, mesh, bits)
     start = time.perf_counter()
@@ -412,7 +463,7 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | 
 
     import zeroshard as zs
 
-    if name == "zeroshard-3":  # made split over the devices (whole, it would not fit)
+    if name in ("zeroshard-3", "dropin-3", "gspmd-fsdp"):  # made split (whole, it would not fit)
         n = mesh.shape["data"]
         dim = lambda x: next((k for k, d in enumerate(x.shape) if d % n == 0), None)
         spec = lambda x: P() if dim(x) is None else P(*(None,) * dim(x), "data")
@@ -423,9 +474,13 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | 
     if name.startswith("zeroshard-"):
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
-    if name == "dropin":
-        tx = zs.sharded(optax.adam(1e-4), mesh=mesh, stacked=["blocks"], state_bits=bits)
+    if name.startswith("dropin"):
+        stage = int(name[-1]) if name[-1].isdigit() else 1
+        tx = zs.sharded(
+            optax.adam(1e-4), mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage
+        )
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
+        bf16 = tx.shard_params(bf16)
         return bf16, tx.init(bf16)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     start = lambda p: (

@@ -303,9 +303,10 @@ def embed_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
     return Model(params, make_loss, batch, None, None, (1, 3))
 
 
-def transformer_loss(stage: int, heads: int) -> Any:
+def transformer_loss(stage: int, heads: int, remat: Any = None) -> Any:
     """The stacked model's loss; in stage 3 it gathers the embedding and the head whole
-    and each block inside the scan (one layer per iteration)."""
+    and each block inside the scan (one layer per iteration); with a ``remat`` policy,
+    the block under ``jax.checkpoint(block, policy=remat)``."""
     import jax
     import optax
 
@@ -313,6 +314,7 @@ def transformer_loss(stage: int, heads: int) -> Any:
 
     block = functools.partial(transformer_block, heads=heads)
     block = zs.layer(block) if stage == 3 else block
+    block = block if remat is None else jax.checkpoint(block, policy=remat)
     whole = zs.gather if stage == 3 else lambda p: p
 
     def loss_fn(params, batch):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroshard.canonical import FixedOrder
+from zeroshard.checks import check_stage
 from zeroshard.comm import axes_of
 from zeroshard.layout import Stacked
 from zeroshard.loss_scale import DynamicLossScale
@@ -76,6 +77,8 @@ class ShardConfig:
       state_bits: ``8``, ``4`` or ``None``: the bits the inner optimizer's
         per-element state of matrices is stored in between steps
         (:mod:`zeroshard.lowbit`).
+      stage: ``1``, ``2`` or ``3``: the ZeRO stage of ``tx.update`` in the user's own
+        ``jax.jit`` (:mod:`zeroshard.jit_pieces`).
 
     Raises:
       TypeError: if an axis name is not a string or ``loss_scale`` is not a
@@ -85,7 +88,7 @@ class ShardConfig:
         quantized format or block is unknown, ``quantize_grads`` comes with a
         ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``;
         if ``deterministic`` is not a power of two or comes with a replica axis or
-        quantized collectives.
+        quantized collectives; if ``stage`` is not 1, 2 or 3.
     """
 
     axis_name: str | tuple[str, ...] = "data"
@@ -104,8 +107,10 @@ class ShardConfig:
     quantize_block: int = 256
     deterministic: int | None = None
     state_bits: int | None = None
+    stage: int = 1
 
     def __post_init__(self) -> None:
+        check_stage(self.stage)
         _check_axes(self.axis_name, self.replica_axis)
         lowbit(self.state_bits)  # (checks it)
         _check_quantized(self)
@@ -131,6 +136,31 @@ class ShardConfig:
         :class:`zeroshard.canonical.FixedOrder` with ``deterministic``): chosen here,
         once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
+
+    def check_in_jit(self, axis_names: tuple[str, ...]) -> None:
+        """Refuses what stages 2 and 3 of ``update`` in the user's own ``jax.jit`` do
+        not do yet, on a mesh of ``axis_names`` (:mod:`zeroshard.jit_pieces`).
+
+        Raises:
+          ValueError: naming the options (or the mesh's axes) and what to do instead.
+        """
+        options = {
+            "replica_axis": self.replica_axis,
+            "quantize_grads": self.quantize_grads,
+            "quantize_weights": self.quantize_weights,
+            "state_bits": self.state_bits,
+            "deterministic": self.deterministic,
+        }
+        given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
+        if len(axis_names) != 1:
+            given.append(f"a mesh of axes {tuple(axis_names)} (tensor parallelism)")
+        if given:
+            raise ValueError(
+                f"zs.sharded(..., stage={self.stage}) in your own jax.jit does not support "
+                f"{', '.join(given)} yet: it runs on a mesh of one (batch) axis, with exact "
+                "collectives and float32 state. Leave it out, or train with "
+                f"zs.make_train_step(..., stage={self.stage})."
+            )
 
     def master_dtype_of(self, dtype: Any) -> np.dtype | None:
         """The dtype of the master weights kept for parameters of ``dtype``, or

@@ -27,6 +27,7 @@ from zeroshard.annotations import annotated, check_layout, unboxed
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
+from zeroshard.jit_pieces import apply_pieces, shard_params
 from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.lowbit import is_codes
@@ -35,7 +36,7 @@ from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
 from zeroshard.state import ShardedState
 from zeroshard.state_kinds import SlicedState
-from zeroshard.update import Route, updated
+from zeroshard.update import Route, kept_apart, updated
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_mean`). ``extra_args`` (e.g. ``value=``)
+        the mean gradient (:meth:`apply_mean`; at ``stage=2`` and ``3`` pieces of it,
+        :mod:`zeroshard.jit_pieces`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
 
@@ -215,6 +217,8 @@ class Sharded:
         grads = unboxed(updates)[0]
         if local:
             new, state = self.apply(grads, state, params, **extra_args)
+        elif kept_apart(self.config.stage)[1]:  # (stages 2 and 3: the gradients as pieces)
+            new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
         return like(jax.tree.map(lambda n, p: n - p, new, params)), reboxed(state)
@@ -227,6 +231,16 @@ class Sharded:
         the new state out."""
         route = Route.of(self.config, stage_of(params))
         return self._local_update(route, grads, state, params, extra_args)
+
+    def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
+        """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
+        the mesh (``tree``'s, see :func:`zeroshard.mesh.find_mesh`), at stages 2
+        and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
+        :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
+        mesh = find_mesh(self.config, tree, any_axes=True)
+        self.config.check_in_jit(mesh.axis_names)
+        opt = self.spanning(mesh)
+        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 
     def apply_mean(
         self,
@@ -385,6 +399,13 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         :meth:`Sharded.over`); e.g. ``tx.over(state_axes(opt_state))``."""
         opt = self.optimizer.over(axes)
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
+
+    def shard_params(self, params: PyTree) -> PyTree:
+        """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each
+        leaf split over the mesh's batch axis along its first dimension after its
+        stacked layer axes (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
+        traced function, constrained. Call it once on the parameters you start from."""
+        return shard_params(self.optimizer, params)
 
     def plan(
         self, params: PyTree, num_shards: int, splits: Mapping[int, Split] | None = None
@@ -629,6 +650,12 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         scalars, matrices with fewer elements per layer than a block, and owned or
         blocked leaves keep their state exact; the master weights stay float32
         (:mod:`zeroshard.lowbit`). ``None``: as the inner optimizer keeps it.
+      stage: the ZeRO stage of ``update`` in your own ``jax.jit`` (zeroshard's step
+        takes its own ``stage=``): ``1`` (default); ``2``, the gradients reduced to
+        1/N pieces layer by layer in the backward pass; ``3``, the weights kept as
+        global arrays cut 1/N too (lay them out once with
+        ``tx.shard_params(params)``). Both with ``zs.layer`` around the scan body of
+        each layer stack (:mod:`zeroshard.jit_pieces`, which says what they refuse).
 
     Returns:
       A :class:`ShardedTransformation`: an ``optax.GradientTransformationExtraArgs``

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zeroshard import jit_gather
 from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.layout import Layout, PyTree, Slot, Split
@@ -210,7 +211,10 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     """Replaces every :class:`Piece` in ``tree`` by the full parameter.
 
     One ``all_gather`` per dtype for the whole tree (call it once per layer), in the
-    parameters' dtype. Inside ``shard_map`` over ``axis_name`` only. A stacked
+    parameters' dtype. Inside ``shard_map`` over ``axis_name``; in a plain
+    ``jax.jit`` (the drop-in's ``zs.sharded(inner, stage=3)``, whose weights are
+    global arrays cut 1/N), it makes each array whole where it is called
+    (:mod:`zeroshard.jit_gather`). A stacked
     parameter gathers all its layers; inside a scan over its layer axis, one layer.
 
     Args:
@@ -233,6 +237,8 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
         parameter not marked stacked was scanned over); if ``axis_name`` is ``None``
         outside a zeroshard step.
     """
+    if jit_gather.in_users_jit(tree, is_shard):  # (the drop-in's stage 3)
+        return jit_gather.gather(tree, axis_name)
     axis_name = axis_of_step(axis_name, "zs.gather")
     with scope(GATHER):
         return _gather(tree, axis_name)
@@ -387,6 +393,8 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
     """
 
     def run(params: PyTree, *args: Any) -> Any:
+        if jit_gather.in_users_jit(params, is_shard):
+            return fn(jit_gather.gather(params, axis_name), *args)
         return fn(gather(params, axis_of_step(axis_name, "zs.layer")), *args)
 
     @jax.custom_vjp

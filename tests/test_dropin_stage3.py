@@ -1,0 +1,224 @@
+"""Stages 2 and 3 in the user's own ``jax.jit``: ``zs.sharded(inner, stage=...)``, ``zs.layer``.
+
+The program is a stacked (scan-over-layers) model with an embedding and a head, trained
+by the user's own jitted step on 8 devices (Auto axes, the batch split over ``"data"``).
+Its only changes from plain optax: the optimizer line, ``tx.shard_params`` once on the
+starting weights, and ``zs.layer`` around the scan body. The reference is plain optax
+on one device on the global batch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+
+WIDTH, VOCAB = 64, 32
+
+
+def auto_mesh(shape=(8,), names=("data",)):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def make_params(layers, seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    normal = lambda key, *shape: jax.random.normal(key, shape) * shape[-2] ** -0.5
+    return {
+        "embed": normal(k[0], VOCAB, WIDTH),
+        "blocks": {"w": normal(k[1], layers, WIDTH, WIDTH), "b": jnp.zeros((layers, WIDTH))},
+        "head": normal(k[2], WIDTH, VOCAB),
+    }
+
+
+def make_loss(layer, whole=lambda p: p, unroll=1):
+    """The model as written; ``layer`` wraps the scan body (``zs.layer``, or nothing),
+    ``whole`` the embedding and the head where they are used."""
+
+    def loss(params, batch):
+        x = jax.nn.one_hot(batch["tokens"], VOCAB) @ whole(params["embed"])
+        block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
+        x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll)
+        logits = x @ whole(params["head"])
+        return optax.losses.softmax_cross_entropy_with_integer_labels(
+            logits, batch["targets"]
+        ).mean()
+
+    return loss
+
+
+def batches(steps, seed=1):
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, (steps, 16, 9), dtype=np.int32)
+    return [{"tokens": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+def reference(inner, params, data):
+    loss, state, losses = make_loss(lambda f: f), inner.init(params), []
+    for batch in data:
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, state = inner.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(value))
+    return params, losses
+
+
+def dropin(tx, mesh, params, data):
+    """The user's own loop: jitted step, weights laid out once with tx.shard_params."""
+    loss = make_loss(zs.layer)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with jax.set_mesh(mesh):
+        params = tx.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+        opt_state, losses = tx.init(params), []
+        for batch in data:
+            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            params, opt_state, value = step(params, opt_state, batch)
+            losses.append(float(value))
+    return params, opt_state, losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.sgd(0.5, momentum=0.9),
+        optax.adam(1e-2),
+        optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),  # a norm over pieces
+        optax.adafactor(1e-2, min_dim_size_to_factor=32),  # factored: owned or blocked leaves
+    ],
+    ids=["sgd", "adam", "clip_adamw", "adafactor"],
+)
+def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
+    params, data, mesh = make_params(4), batches(6), auto_mesh()
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
+    got, opt_state, losses = dropin(tx, mesh, params, data)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+    # At stage 3 the weights are pieces: each device holds 1/8 of every leaf, cut along
+    # its first dimension after the layer axis; at stage 2 they are whole. The state
+    # is 1/8 per device.
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
+    assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_explicit_axes_too(stage):
+    """jax's default mesh (Explicit axes): the weights' types carry their layout, and
+    the gather reshards them."""
+    inner, params, data = optax.sgd(0.5, momentum=0.9), make_params(2), batches(3)
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
+    got, _, losses = dropin(tx, jax.make_mesh((8,), ("data",)), params, data)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+
+
+def test_the_gather_gives_the_gradient_not_n_times_it():
+    """The gather's backward keeps the device's piece of the cotangent that jax.grad
+    reduced already; a psum_scatter there would give 8x the gradient (SGD would see
+    it; Adam would not)."""
+    params, batch, mesh = make_params(2), batches(1)[0], auto_mesh()
+    expected = jax.grad(make_loss(lambda f: f))(params, batch)
+    tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
+    with jax.set_mesh(mesh):
+        pieces = tx.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        grads = jax.jit(jax.grad(make_loss(zs.layer)))(pieces, batch)
+    assert_trees_close(grads, expected, rtol=1e-5)
+    assert grads["blocks"]["w"].sharding.spec == P(None, "data")
+
+
+def compiled_step(layers, inner=None, loss=None, stage=3):
+    """The drop-in step of ``loss`` (default: ``zs.layer`` in the scan) at ``stage``
+    compiled on abstract values for ``layers`` layers; one sequence of 8 tokens per
+    device."""
+    mesh, inner = auto_mesh(), inner or optax.adam(1e-3)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage, mesh=mesh)
+    structs = jax.eval_shape(lambda: make_params(layers))
+    params = tx.shard_params(structs)
+    specs = tx.state_specs(params, 8)
+    on = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    opt_state = jax.tree.map(on, jax.eval_shape(tx.init, structs), specs)
+    rows = jax.ShapeDtypeStruct((8, 8), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    loss = loss or make_loss(zs.layer)
+
+    def step(params, opt_state, batch):
+        updates, opt_state = tx.update(jax.grad(loss)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    batch = {"tokens": rows, "targets": rows}
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile()
+
+
+def test_stage3_temporaries_grow_by_pieces_not_layers():
+    temp = lambda n, **kw: compiled_step(n, **kw).memory_analysis().temp_size_in_bytes
+    layer = (WIDTH * WIDTH + WIDTH) * 4  # one layer's full weights, float32
+    # Each layer adds its saved input (8 x 64 activations per device) and its pieces
+    # (1/8 of the layer: the residual and the gradient), never its whole weights.
+    grown = temp(8) - temp(4)
+    assert grown <= 4 * (8 * WIDTH * 4 + 2 * layer / 8), grown
+    # Gathered by zs.gather alone (no second gather in the backward pass), each
+    # layer's whole weights are kept for it: a layer per layer.
+    kept = make_loss(lambda f: lambda w, x: f(zs.gather(w), x))
+    assert temp(8, loss=kept) - temp(4, loss=kept) >= 4 * layer
+
+
+def test_stage3_bytes_on_the_wire():
+    """Each weight all-gathered forward (the blocks again in the backward pass), the
+    gradient reduced to pieces: at most 2x one all-reduce of the weights. XLA's CPU
+    pipeline reduces as all-reduce + dynamic-slice; GPU and TPU fuse the pair into a
+    reduce-scatter. (The scan unrolled, so that each layer's collectives are in the
+    program text once per layer.)"""
+    loss = make_loss(zs.layer, zs.gather, unroll=True)
+    found = zs.compiled_collectives(compiled_step(4, optax.sgd(0.1), loss).as_text(), 8)
+    structs = jax.eval_shape(lambda: make_params(4))
+    weights = sum(x.size * 4 for x in jax.tree.leaves(structs))
+    blocks = sum(x.size * 4 for x in jax.tree.leaves(structs["blocks"]))
+    ring = zs.summarize(found)
+    gathered, reduced = ring["all-gather"]["ring_bytes"], ring["all-reduce"]["ring_bytes"]
+    assert gathered == pytest.approx(7 / 8 * (weights + blocks), rel=0.01), ring
+    assert reduced == pytest.approx(2 * 7 / 8 * weights, rel=0.01), ring
+    assert (gathered + reduced) / (2 * 7 / 8 * weights) <= 2.0
+
+
+def test_stage2_reduces_each_layer_in_the_backward_pass():
+    """Stage 2: the weights whole (zs.layer gathers nothing), each layer's gradient
+    reduced to pieces as the backward pass makes it (an all-reduce per layer, the
+    scan unrolled), the new weights all-gathered: the bytes of stage 1 with the model
+    unmarked."""
+    ring = {}
+    for stage, layer in ((1, lambda f: f), (2, zs.layer)):
+        loss = make_loss(layer, unroll=True)
+        found = zs.compiled_collectives(compiled_step(4, optax.sgd(0.1), loss, stage).as_text(), 8)
+        ring[stage] = zs.summarize(found)
+    assert ring[2]["all-reduce"]["count"] >= 4 > ring[1]["all-reduce"]["count"], ring
+    total = lambda r: sum(k["ring_bytes"] for k in r.values())
+    assert total(ring[2]) == pytest.approx(total(ring[1]), rel=0.01), ring
+
+
+def test_what_stage3_in_your_jit_refuses():
+    params = make_params(2)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        zs.sharded(optax.sgd(0.1), stage=4)
+    mesh = auto_mesh()
+    tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3, quantize_grads="int8")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="quantize_grads='int8'"):
+        tx.shard_params(params)
+    tp = auto_mesh((4, 2), ("data", "model"))
+    tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
+    with jax.set_mesh(tp), pytest.raises(ValueError, match="tensor parallelism"):
+        tx.shard_params(params)
+    odd = params | {"bias": jnp.zeros((10,))}
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"\['bias'\] of shape \(10,\)"):
+        tx.shard_params(odd)

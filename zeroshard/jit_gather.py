@@ -1,0 +1,86 @@
+"""The gather in the user's own ``jax.jit``: the drop-in's stages 2 and 3.
+
+:func:`zeroshard.layer` and :func:`zeroshard.gather`, called in a plain ``jax.jit``
+(no zeroshard step and no ``shard_map`` around them), gather here. Each floating leaf
+is made whole on every device right where the layer runs (inside a scan over stacked
+layers, this iteration's layer): at ``zs.sharded(inner, stage=3)`` its weights are
+global arrays cut 1/N over the batch axis (:mod:`zeroshard.jit_pieces`), and this is
+the compiler's all-gather of one layer; at stage 2 they are whole already, and it
+moves nothing. The ``custom_vjp`` returns the cotangent laid out as the piece:
+``jax.grad`` of the mean loss has reduced it over the batch already, so it is the
+gradient itself, and the compiler moves it as all-reduce + slice (or a
+reduce-scatter, where its passes fuse the pair) as the backward pass makes each
+layer's (over Explicit axes a whole weight's type is whole, and so must its
+cotangent's be: there stage 2's gradients stay whole until the update). A
+``psum_scatter`` there would sum N copies of the reduced gradient: N times
+the gradient, silently. Under :func:`zeroshard.layer` each layer's weights are
+gathered again in the backward pass instead of being kept, and each gather is tied to
+its layer's input, so the compiler can neither hoist it out of the scan nor keep it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.layout import PyTree
+from zeroshard.mesh import current_step
+from zeroshard.scopes import GATHER, scope
+
+
+def in_users_jit(tree: PyTree, is_piece: Any) -> bool:
+    """Whether a gather of ``tree`` runs in the user's own ``jax.jit``: outside any
+    zeroshard step and ``shard_map``, on arrays (no zeroshard pieces, ``is_piece``)."""
+    if current_step() is not None or jax.sharding.get_abstract_mesh().manual_axes:
+        return False
+    return not any(map(is_piece, jax.tree.leaves(tree, is_leaf=is_piece)))
+
+
+def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
+    """Every floating leaf of ``tree`` whole on every device (see the module).
+
+    A leaf whose first dimension ``axis_name`` does not divide is left as it is (the
+    compiler gathers it where it is used).
+
+    Arrays on no mesh (one device) are whole already.
+
+    Raises:
+      ValueError: if ``axis_name`` is ``None`` on a mesh of several axes.
+    """
+    with scope(GATHER):
+        return jax.tree.map(lambda x: _gathered(x, axis_name), tree)
+
+
+def _gathered(x: Any, axis_name: str | None) -> Any:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return x
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    mesh = mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # (on one device, laid out over no mesh: whole already)
+        return x
+    axis = axis_name or _only_axis(mesh)
+    if x.ndim == 0 or x.shape[0] % mesh.shape[axis]:
+        return x
+    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+    if explicit and not any(jax.typeof(x).sharding.spec):
+        return x  # (whole in its type, as its cotangent must be: no piece to give it)
+    lay = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    gathered = lambda x: lay(x, NamedSharding(mesh, P()))
+    # (the cotangent is reduced over the batch already: the device keeps its piece)
+    piece = lambda _, cotangent: (lay(cotangent, NamedSharding(mesh, P(axis))),)
+    whole = jax.custom_vjp(gathered)
+    whole.defvjp(lambda x: (gathered(x), None), piece)
+    return whole(x)
+
+
+def _only_axis(mesh: Any) -> str:
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "
+            "the axis the pieces are cut over, e.g. zs.layer(fn, axis_name='data')."
+        )
+    return mesh.axis_names[0]
