@@ -11,6 +11,9 @@ layers, a layer or a few; of a large matrix, a run of its blocks), one after the
 other in a loop: its gradient, weights and state decoded for that piece only, the
 inner update run on them, the new state coded again. The rest of the tree (its other
 leaves, the counts) is updated by one more call with the pieced leaves left empty.
+Where a step with a non-finite gradient is skipped, that call is in a conditional
+and the loop runs no piece: the loop is not in the conditional, whose outputs are
+buffers of their own (a second copy of the leaves' weights and codes).
 
 A block's codes depend on its values only and the update is elementwise, so every
 element gets the value, and every block the codes, the whole update would give. An
@@ -20,6 +23,7 @@ device's whole slice, as it must.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -53,41 +57,70 @@ def pieced(plan: Plan) -> dict[int, tuple[int, ...]]:
 
 
 def updated(
-    plan: Plan, apply: Apply, grads: PyTree, state: PyTree, params: PyTree, prepare: Any
+    plan: Plan,
+    apply: Apply,
+    grads: PyTree,
+    state: PyTree,
+    params: PyTree,
+    prepare: Any,
+    finite: jax.Array | None = None,
 ) -> tuple:
     """``apply(grads, state, params) -> (new params, new state)``, the inner update on
-    float32 state, run on ``state`` whose coded leaves are :class:`Codes`: the new
-    parameters and the new state, coded again. The gradients of the :func:`pieced`
-    leaves are as they arrived: ``prepare(i, g)`` makes leaf ``i``'s piece ``g`` the
-    inner optimizer's."""
+    float32 state (its new state typed varying where the old is), run on ``state``
+    whose coded leaves are :class:`Codes`: the new parameters and the new state, coded
+    again. The gradients of the :func:`pieced` leaves are as they arrived:
+    ``prepare(i, g)`` makes leaf ``i``'s piece ``g`` the inner optimizer's. With
+    ``finite``, only where it is true: else all is kept as it was."""
     if not plan.coded:
         return apply(grads, state, params)
     treedef, pieces = plan.layout.treedef, pieced(plan)
     leaves = plan.state_treedef.flatten_up_to(state)
     g, p = treedef.flatten_up_to(grads), treedef.flatten_up_to(params)
-    # The rest at once: the pieced leaves empty, any other coded leaves decoded whole.
     done = {k for ks in pieces.values() for k in ks}
-    rest = [_empty(x) if k in done else plan.read(k, x) for k, x in enumerate(leaves)]
+
+    def rest(g: list, leaves: list, p: list) -> tuple:
+        # The pieced leaves empty, any other coded leaves decoded whole.
+        state = plan.state_treedef.unflatten(
+            [x if k in done else plan.read(k, x) for k, x in enumerate(leaves)]
+        )
+        new, out = apply(treedef.unflatten(g), state, treedef.unflatten(p))
+        out = plan.state_treedef.flatten_up_to(out)
+        return treedef.flatten_up_to(new), [
+            x if k in done else plan.stored(k, x) for k, x in enumerate(out)
+        ]
+
+    kept = lambda g, leaves, p: (p, leaves)
     g_rest = [prepare(i, _empty(x)) if i in pieces else x for i, x in enumerate(g)]
     p_rest = [_empty(x) if i in pieces else x for i, x in enumerate(p)]
-    state_rest = plan.state_treedef.unflatten(rest)
-    new, out = apply(treedef.unflatten(g_rest), state_rest, treedef.unflatten(p_rest))
-    new, out = treedef.flatten_up_to(new), plan.state_treedef.flatten_up_to(out)
-    out = [x if k in done else plan.stored(k, x) for k, x in enumerate(out)]
+    s_rest = [_empty(x) if k in done else x for k, x in enumerate(leaves)]
+    run = rest if finite is None else functools.partial(jax.lax.cond, finite, rest, kept)
+    new, out = run(g_rest, s_rest, p_rest)
     for i, ks in pieces.items():
-        new[i], coded = _in_pieces(plan, apply, i, ks, g, p, leaves, prepare)
+        new[i], coded = _in_pieces(plan, apply, i, ks, g, p, leaves, prepare, finite)
         out = [coded.get(k, x) for k, x in enumerate(out)]
     return treedef.unflatten(new), plan.state_treedef.unflatten(out)
 
 
 def _in_pieces(
-    plan: Plan, apply: Apply, i: int, ks: tuple, g: list, p: list, state: list, prepare: Any
+    plan: Plan,
+    apply: Apply,
+    i: int,
+    ks: tuple,
+    g: list,
+    p: list,
+    state: list,
+    prepare: Any,
+    finite: jax.Array | None,
 ) -> tuple:
     """Leaf ``i``'s new weights and coded state leaves ``ks``, a piece at a time (the
-    other leaves empty; its gradient made the inner optimizer's by ``prepare``)."""
+    other leaves empty; its gradient made the inner optimizer's by ``prepare``), all
+    pieces where ``finite`` is true or ``None``, none where it is false."""
     store, shape, trees = plan.store, p[i].shape, (plan.layout.treedef, plan.state_treedef)
-    n = _count(math.prod(shape) // store.block, PIECE // store.block)
-    rows = lambda x: x.reshape(n, -1)
+    n = _count(math.prod(shape) // store.block, PIECE // store.block, shape[0])
+    # Piece c: elements [c, c + 1) * size / n of each array, cut from its leading axis
+    # where that divides (a stacked leaf's layers; reshaped, XLA may lay an array out
+    # otherwise and copy it whole), else from its rows of size / n.
+    rows = lambda x: x if x.shape[0] % n == 0 else x.reshape(n, -1)
     one = (*(1,) * (len(shape) - 1), -1)  # (a piece has the leaf's rank)
     replicated = lambda k: type(plan.state_kinds[k]) is ReplicatedState
     rest = [x if replicated(k) else _empty(x) for k, x in enumerate(state)]
@@ -106,9 +139,11 @@ def _in_pieces(
         return new, [(c.codes.reshape(-1), c.scales.reshape(-1)) for c in coded]
 
     def at(c: jax.Array, carry: tuple) -> tuple:  # (piece c read, and written in its place)
-        row = lambda x: jax.lax.dynamic_index_in_dim(x, c, keepdims=False)
-        put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, c, 0)
-        zero = lambda x: jnp.zeros_like(x[0])
+        row = lambda x: jax.lax.dynamic_slice_in_dim(x, c * (len(x) // n), len(x) // n)
+        put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(
+            x, y.reshape(len(x) // n, *x.shape[1:]), c * (len(x) // n), 0
+        )
+        zero = lambda x: jnp.zeros_like(x[: len(x) // n])
         # The piece is read in a conditional (its outputs are buffers of their own, XLA
         # fuses no read of the whole arrays past it), so that every read comes before
         # every write in place: else XLA copies the arrays in every iteration.
@@ -119,17 +154,22 @@ def _in_pieces(
         return jax.tree.map(put, carry, piece(*read))
 
     grads, codes = rows(g[i]), [(rows(state[k].codes), rows(state[k].scales)) for k in ks]
-    new, coded = jax.lax.fori_loop(0, n, at, (rows(p[i]), codes))
+    count = n if finite is None else jnp.where(finite, n, 0)
+    new, coded = jax.lax.fori_loop(0, count, at, (rows(p[i]), codes))
     return new.reshape(shape), {
         k: Codes(c.reshape(state[k].codes.shape), s.reshape(state[k].scales.shape), store.bits)
         for k, (c, s) in zip(ks, coded, strict=True)
     }
 
 
-def _count(blocks: int, most: int) -> int:
+def _count(blocks: int, most: int, lead: int) -> int:
     """The fewest pieces of whole blocks, all alike, that cut ``blocks`` blocks into
-    pieces of at most ``most`` blocks."""
-    return next(n for n in range(-(-blocks // most), blocks + 1) if blocks % n == 0)
+    pieces of at most ``most`` blocks: of whole rows of the leading axis (of ``lead``)
+    where some such count does."""
+    counts = range(-(-blocks // most), blocks + 1)
+    return next((n for n in counts if blocks % n == 0 and lead % n == 0), None) or next(
+        n for n in counts if blocks % n == 0
+    )
 
 
 def _empty(x: Any) -> Any:

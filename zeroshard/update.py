@@ -294,26 +294,28 @@ def _branch_update(
             updates, new_state = plan.updates_and_state(
                 inner, grads, state, params, axis, **extra_args
             )
-            return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), new_state
+            new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+            return new, branches.varying_like(new_state, state, axis)
 
-        def step(inner_state, params, grads):
+        def step(inner_state, params, grads, finite=None):
             # The hidden leaves are absent (None) from the conditional's operands: an
             # operand costs XLA's partitioner even when empty. Where the inner
             # optimizer needs them present, their zero-element pieces are made here.
             full, state = plan.on_view.filled(params, axis), plan.on_state.filled(inner_state, axis)
             # (coded state decoded, updated and coded again, a piece at a time)
             grads = plan.on_view.filled(grads, axis)
-            new, new_state = piecewise.updated(plan, apply, grads, state, full, prepare)
+            new, new_state = piecewise.updated(plan, apply, grads, state, full, prepare, finite)
             new_state = plan.on_state.compact(new_state)
             return plan.on_view.compact(new), branches.varying_like(new_state, inner_state, axis)
 
-        if config.skip_nonfinite:
+        if config.skip_nonfinite and not piecewise.pieced(plan):
             # One conditional, not a select per element: the update runs in place, with
             # no copy of the old state kept alive until the verdict.
             unchanged = lambda inner_state, params, _: (params, inner_state)
             new, new_state = jax.lax.cond(finite, step, unchanged, inner_state, params, grads)
-        else:
-            new, new_state = step(inner_state, params, grads)
+        else:  # (with leaves updated a piece at a time, zeroshard.piecewise skips)
+            verdict = finite if config.skip_nonfinite else None
+            new, new_state = step(inner_state, params, grads, verdict)
         new = to_pieces(layout.slots, layout.treedef.flatten_up_to(new), axis)
         rows = layout.per_owned_bucket(
             lambda k, _: departure.row(layout, new, device, k, plan.inner_dtypes[k])
