@@ -274,6 +274,16 @@ def quantized_replica_mean(config: ShardConfig, parts: GradParts) -> GradParts:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeanPieces(Pieces):
+    """Stages 2 and 3 in the user's ``jax.jit``: each piece's gradient arrives as the
+    piece of the mean gradient (``jax.grad`` of the mean loss reduced it), not as the
+    sum zeroshard's own gather's transpose gives: nothing to divide."""
+
+    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
+        return [g.piece.reshape(-1) for g in plan.layout.treedef.flatten_up_to(grads)]
+
+
+@dataclasses.dataclass(frozen=True)
 class CutMean(Arrival):
     """The mean gradient itself (invariant over the axis: reduced already, as
     ``jax.grad`` in a ``jax.jit`` over a sharded batch reduces it): each device cuts

@@ -33,21 +33,11 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.arrival import Pieces
 from zeroshard.layout import PyTree, Slot
 from zeroshard.mesh import each_laid_out
 from zeroshard.placement import Plan
 from zeroshard.stage3 import Piece
 from zeroshard.update import Route, kept_apart, updated
-
-
-class MeanPieces(Pieces):
-    """Stage 3 in the user's ``jax.jit``: each piece's gradient arrives as the piece of
-    the mean gradient (``jax.grad`` of the mean loss reduced it), not as the sum
-    zeroshard's own gather's transpose gives: nothing to divide."""
-
-    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        return [g.piece.reshape(-1) for g in plan.layout.treedef.flatten_up_to(grads)]
 
 
 def weight_spec(slot: Slot, axis_name: str) -> P:
@@ -107,8 +97,7 @@ def apply_pieces(
     axis = opt.config.axis_name
     slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = Route.of(opt.config, 3 if three else 2, held=not three)
-    route = route._replace(arrival=MeanPieces(opt.config))
+    route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
     weight_specs(plan, axis)  # (refuses a leaf that cannot be cut so)
     # Each leaf as the global array of every device's piece, (..., 1, N * width): a
     # reshape that moves no data (the split dimension is the major part of the merged

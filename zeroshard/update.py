@@ -44,6 +44,7 @@ from zeroshard.arrival import (
     CanonicalReduceScatter,
     CutMean,
     GradParts,
+    MeanPieces,
     Pieces,
     QuantizedPieces,
     QuantizedReduceScatter,
@@ -95,10 +96,11 @@ class Route(NamedTuple):
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
-        ``jax.jit``); with ``held`` (stage 2, a loss that gathers:
-        :mod:`zeroshard.held`), stage-3 pieces in and all-gathered weights out. Each
-        quantized, or summed in a fixed order, where ``config`` says so; the
-        micro-batches as ``accum_steps`` and the order of sums say.
+        ``jax.jit``; at stages 2 and 3 there, its pieces as they arrive); with
+        ``held`` (stage 2, a loss that gathers: :mod:`zeroshard.held`), stage-3
+        pieces in and all-gathered weights out. Each quantized, or summed in a fixed
+        order, where ``config`` says so; the micro-batches as ``accum_steps`` and the
+        order of sums say.
 
         Raises:
           ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
@@ -116,7 +118,9 @@ class Route(NamedTuple):
             gather = functools.partial(quantized_gather, weights, grads)
         all_gathered = (QuantizedAllGather if weights else AllGather)(config)
         if stage == 3 or held:  # (stage 3's weights are quantized in its gathers)
-            arrival = (CanonicalPieces if parts else QuantizedPieces if grads else Pieces)(config)
+            # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
+            pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
+            arrival = (MeanPieces if mean else pieces)(config)
             # (a held gather sends no weights: they leave all-gathered, as in stage 2)
             return cls(arrival, all_gathered if held else ToPieces(config), loop, gather)
         if mean and grads is not None:
