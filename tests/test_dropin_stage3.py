@@ -124,6 +124,27 @@ def test_on_explicit_axes_too(stage):
     assert_trees_close(got, expected, rtol=1e-5)
 
 
+def test_stage3_init_reads_the_pieces_never_a_whole_weight():
+    """tx.init from the weights laid out as pieces (bfloat16, so that the float32
+    master weights are made from their values): the compiled init reads each device's
+    block of every weight and holds no whole one, so a model whose weights fit no one
+    device starts; the state is stage 1's, made from the whole weights."""
+    mesh = auto_mesh()
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params(8))
+    whole = sum(x.size * 4 for x in jax.tree.leaves(bf16))  # the weights in float32
+    tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], stage=3, mesh=mesh)
+    pieces = tx.shard_params(jax.eval_shape(lambda: bf16))
+    memory = jax.jit(tx.init).lower(pieces).compile().memory_analysis()
+    assert memory.argument_size_in_bytes == whole / 2 / 8  # (the bfloat16 pieces)
+    assert memory.temp_size_in_bytes <= whole / 8, memory  # (whole weights: 11x this)
+    with jax.set_mesh(mesh):
+        state = tx.init(tx.shard_params(bf16))
+        expected = zs.sharded(optax.adam(1e-3), stacked=["blocks"]).init(bf16)
+    assert jax.tree.structure(state) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_the_gather_gives_the_gradient_not_n_times_it():
     """The gather's backward keeps the device's piece of the cotangent that jax.grad
     reduced already; a psum_scatter there would give 8x the gradient (SGD would see

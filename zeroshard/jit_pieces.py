@@ -29,10 +29,13 @@ dimension after its layer axes the N devices do not divide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.branches import owned_wholes
 from zeroshard.layout import PyTree, Slot
 from zeroshard.mesh import each_laid_out
 from zeroshard.placement import Plan
@@ -83,6 +86,22 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
     specs = treedef.flatten_up_to(weight_specs(plan, opt.config.axis_name))
     specs = specs if kept_apart(opt.config.stage)[2] else [P()] * len(leaves)  # (or whole)
     return treedef.unflatten(map(place, leaves, specs))
+
+
+def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
+    """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights' layout it reads
+    (:func:`weight_specs`) and its function on each device, whose block of a weight,
+    raveled, is its piece. No weight is whole on any device (an owned leaf is, for
+    its owner), so a model whose weights fit no one device starts."""
+    opt.config.check_in_jit(mesh.axis_names)
+    layout, axis = plan.layout, opt.config.axis_name
+    specs = [P() if s.owned else weight_spec(s, axis) for s in layout.slots]
+
+    def local(params: PyTree, _: None) -> object:
+        pieces = layout.sliced(lambda s, x: x.reshape(-1), layout.treedef.flatten_up_to(params))
+        return opt.init_parts(plan, pieces, owned_wholes(plan, params))
+
+    return layout.treedef.unflatten(specs), local
 
 
 def apply_pieces(
