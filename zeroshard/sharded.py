@@ -241,7 +241,7 @@ class Sharded:
         and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
-        self.config.check_in_jit(mesh.axis_names)
+        self.config.check_in_jit(mesh)
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 
