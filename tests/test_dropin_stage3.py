@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+import zeroshard.flax as zf
 
 WIDTH, VOCAB = 64, 32
 
@@ -285,3 +286,155 @@ def test_what_stage3_in_your_jit_refuses():
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
     with jax.set_mesh(tp), pytest.raises(ValueError, match="tensor parallelism"):
         tx.shard_params(params)
+
+
+# Flax models as written, in their own steps: nnx.Optimizer and Linen's TrainState.
+
+
+def minigpt_run(tx, mesh, batches, marked=False):
+    """The miniGPT example (the suite's port) through nnx.Optimizer in its own nnx.jit
+    step, dropout off; at stage 3 its weights laid out once by tx.shard_params and,
+    ``marked``, its embeddings, blocks and head gathering their own weights."""
+    from flax import nnx
+    from test_flax_programs import MiniGPT, gpt_loss
+
+    with jax.set_mesh(mesh):
+        model = MiniGPT(rngs=nnx.Rngs(0))
+        model.eval()
+        if marked:
+            zf.nnx_gathered(model.token_emb, model.pos_emb, model.output_layer)
+            zf.nnx_gathered(*model.transformer_blocks.layers)
+        if getattr(tx, "config", None) is not None and tx.config.stage == 3:
+            nnx.update(model, tx.shard_params(nnx.state(model, nnx.Param)))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, optimizer, batch):
+            (loss, _), grads = nnx.value_and_grad(gpt_loss, has_aux=True)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [
+            float(train_step(model, optimizer, jax.device_put(b, P("data")))) for b in batches
+        ]
+        return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize(
+    "inner, axes, marked",
+    [
+        (optax.sgd(0.1, momentum=0.9), AxisType.Explicit, True),
+        (optax.adam(1e-2), AxisType.Explicit, True),
+        (optax.sgd(0.1, momentum=0.9), AxisType.Auto, False),  # (the compiler gathers)
+    ],
+    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
+)
+def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
+    """The miniGPT example at stage 3 through nnx.Optimizer gives plain optax's numbers
+    (one device, the global batch), on its ("data", "model") mesh with one model
+    device (a model axis of more is tensor parallelism, which stage 3 in your own jit
+    refuses). Its leaves that 8 does not cut along their first dimension (attention's
+    (2, 8) biases, (2, 8, 16) output kernels) stay whole."""
+    from test_flax_programs import token_batches
+
+    batches = token_batches(rng)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+    expected_losses, expected = minigpt_run(inner, one, batches)  # (unmarked)
+    mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(axes, axes))
+    tx = zs.sharded(inner, stage=3)
+    losses, got = minigpt_run(tx, mesh, batches, marked)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for tree in (got, expected):  # attention's key bias has a zero gradient: rounding only
+        for block in range(2):
+            tree["transformer_blocks"]["layers"][block]["mha"]["key"].pop("bias")
+    assert_trees_close(got, expected, rtol=1e-5)
+    # 1/8 of every leaf per device, but those whose first dimension 8 does not divide
+    cut = lambda x: x.nbytes / 8 if x.shape[0] % 8 == 0 else x.nbytes
+    assert zs.state_bytes_per_device(got) == sum(map(cut, jax.tree.leaves(got)))
+
+
+def test_a_marked_module_that_changes_its_state_is_refused(rng):
+    from flax import nnx
+    from test_flax_programs import MiniGPT, gpt_loss, token_batches
+
+    with jax.set_mesh(jax.make_mesh((8, 1), ("data", "model"))):
+        model = MiniGPT(rngs=nnx.Rngs(0))  # (training: its dropout draws)
+        zf.nnx_gathered(*model.transformer_blocks.layers)
+        with pytest.raises(ValueError, match="TransformerBlock's call changes its own state"):
+            nnx.jit(nnx.grad(gpt_loss, has_aux=True))(model, token_batches(rng)[0])
+
+
+def linen_run(tx, mesh, batches, marked=False):
+    """A Linen model as written (``nn.scan`` over a block, a dense head) through
+    flax's TrainState in its own jitted step; ``marked``: its block and head are
+    zf.linen_gathered (their own names kept)."""
+    import flax.linen as nn
+    from flax.training import train_state
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return jnp.tanh(nn.Dense(WIDTH)(x)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block, dense = (
+                (zf.linen_gathered(Block), zf.linen_gathered(nn.Dense))
+                if marked
+                else (Block, nn.Dense)
+            )
+            scan = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            return dense(VOCAB, name="head")(scan(name="blocks")(x, None)[0])
+
+    model = Model()
+    with jax.set_mesh(mesh):
+        params = model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        if getattr(tx, "config", None) is not None and tx.config.stage == 3:
+            params = tx.shard_params(params)
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+        @jax.jit
+        def step(state, batch):
+            def loss(params):
+                x = jax.nn.one_hot(batch["tokens"], WIDTH)
+                logits = state.apply_fn({"params": params}, x)
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch["targets"]
+                ).mean()
+
+            value, grads = jax.value_and_grad(loss)(state.params)
+            return state.apply_gradients(grads=grads), value
+
+        losses = []
+        for batch in batches:
+            state, value = step(state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+            losses.append(float(value))
+    return losses, state.params
+
+
+@pytest.mark.parametrize(
+    "inner, axes, marked",
+    [
+        (optax.sgd(0.5, momentum=0.9), AxisType.Explicit, True),
+        (optax.adam(1e-2), AxisType.Explicit, True),
+        (optax.sgd(0.5, momentum=0.9), AxisType.Auto, False),  # (the compiler gathers)
+    ],
+    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
+)
+def test_linen_scan_through_train_state_at_stage3(inner, axes, marked):
+    """A Linen nn.scan model through TrainState at stage 3 gives plain optax's numbers
+    (one device, the global batch), its weights 1/8 per device."""
+    data = batches(4)
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    expected_losses, expected = linen_run(inner, one, data)  # (unmarked)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axes,))
+    tx = zs.sharded(inner, stacked=["blocks"], stage=3)
+    losses, got = linen_run(tx, mesh, data, marked)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(got))
+    assert zs.state_bytes_per_device(got) == total / 8
