@@ -568,7 +568,7 @@ def nnx_gathered(*modules: nnx.Module, axis_name: str | None = None) -> None:
         module.__class__ = _gathering(type(module), axis_name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gathering(cls: type, axis_name: str | None) -> type:
     """``cls`` whose call gathers its weights (see :func:`nnx_gathered`)."""
     base = next(c for c in cls.__mro__ if "_zeroshard_gathers" not in vars(c))

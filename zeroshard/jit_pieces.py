@@ -21,10 +21,11 @@ alive (GSPMD FSDP, with any ``jax.checkpoint`` policy); ``zs.layer`` gathers ins
 the scan body, gathers again in the backward pass, and ties each gather to its layer.
 The numbers are plain optax's either way.
 
-What this path refuses (at trace time, naming the option): a mesh with axes besides
-the batch axis (tensor parallelism), ``replica_axis``, ``quantize_grads``,
-``quantize_weights``, ``state_bits``, ``deterministic``, and a leaf whose first
-dimension after its layer axes the N devices do not divide.
+What this path refuses (at trace time, naming the option): a mesh with a second
+axis of more than one device (tensor parallelism), ``replica_axis``,
+``quantize_grads``, ``quantize_weights``, ``state_bits``, ``deterministic``. A leaf
+whose first dimension after its layer axes the N devices do not divide is kept
+whole, as at stage 2.
 """
 
 from __future__ import annotations
@@ -55,14 +56,9 @@ def weight_spec(slot: Slot, axis_name: str) -> P:
     return P(*(None,) * k, axis_name)
 
 
-def weight_specs(plan: Plan, axis_name: str) -> PyTree:
-    """:func:`weight_spec` of every leaf of ``plan``, as a tree like the parameters."""
-    return plan.layout.treedef.unflatten(weight_spec(s, axis_name) for s in plan.layout.slots)
-
-
 def shard_params(opt: object, params: PyTree) -> PyTree:
     """``params`` laid out as the :class:`zeroshard.sharded.Sharded` ``opt`` keeps
-    them in the user's ``jax.jit`` (stage 3: :func:`weight_specs`; below: whole):
+    them in the user's ``jax.jit`` (stage 3: :func:`weight_spec`; below: whole):
     arrays placed, traced values constrained, ``jax.ShapeDtypeStruct`` leaves given
     the sharding."""
     opt, plan, mesh = opt.in_jit(params, params)
@@ -75,15 +71,16 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
         return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
 
-    leaves, treedef = plan.layout.treedef.flatten_up_to(params), plan.layout.treedef
-    specs = treedef.flatten_up_to(weight_specs(plan, opt.config.axis_name))
-    specs = specs if kept_apart(opt.config.stage)[2] else [P()] * len(leaves)  # (or whole)
-    return treedef.unflatten(map(place, leaves, specs))
+    three, axis = kept_apart(opt.config.stage)[2], opt.config.axis_name  # (or whole)
+    specs = [weight_spec(s, axis) if three else P() for s in plan.layout.slots]
+    return plan.layout.treedef.unflatten(
+        map(place, plan.layout.treedef.flatten_up_to(params), specs)
+    )
 
 
 def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
     """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights' layout it reads
-    (:func:`weight_specs`) and its function on each device, whose block of a weight,
+    (:func:`weight_spec`) and its function on each device, whose block of a weight,
     raveled, is its piece. No weight is whole on any device (an owned leaf is, for
     its owner), so a model whose weights fit no one device starts."""
     opt.config.check_in_jit(mesh)
@@ -104,7 +101,7 @@ def apply_pieces(
 ) -> tuple[PyTree, object]:
     """``tx.update``'s new weights and state at stages 2 and 3 in the user's
     ``jax.jit``: one ``shard_map`` manual over the mesh, each device updating its
-    pieces of ``grads`` (the mean gradient, laid out as :func:`weight_specs` says)
+    pieces of ``grads`` (the mean gradient, laid out as :func:`weight_spec` says)
     and of ``params`` with its state. At stage 3 the new weights stay pieces; at
     stage 2 they are all-gathered whole."""
     opt, plan, mesh = opt.in_jit(state, params)

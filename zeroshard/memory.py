@@ -343,24 +343,23 @@ def _own_step_memory(
             "accum_steps= and has_aux= are zeroshard's step's options (your step's stage "
             "is its optimizer's, zs.sharded(inner, stage=)). Leave them out."
         )
-    on = lambda x, sharding, dtype=None: jax.ShapeDtypeStruct(
-        x.shape, dtype or x.dtype, sharding=getattr(x, "sharding", None) or sharding
-    )  # (its own layout, else ``sharding``)
-    params = jax.tree.map(lambda x: on(x, NamedSharding(mesh, P()), dtype), params)
-    batch = jax.tree.map(lambda x: on(x, NamedSharding(mesh, P(tx.config.batch_axes))), batch)
-    opt = tx.optimizer.spanning(mesh)
+    own = lambda x: x if isinstance(x, NamedSharding) else None
+    laid = lambda x, spec, dtype=None: jax.ShapeDtypeStruct(
+        x.shape,
+        dtype or x.dtype,
+        sharding=own(getattr(x, "sharding", 0)) or NamedSharding(mesh, spec),
+    )  # (its own layout on a mesh, else ``spec``)
+    params = jax.tree.map(lambda x: laid(x, P(), dtype), params)
+    batch = jax.tree.map(lambda x: laid(x, P(tx.config.batch_axes)), batch)
+    drop_in = tx.spanning(mesh)  # (its state over every axis of the mesh)
     with jax.set_mesh(mesh):
-        params = tx.shard_params(params) if tx.config.stage > 1 else params
-        plan = opt.plan(
-            params, mesh_size(mesh, opt.config.axis_name), opt.typed_splits(mesh, params)
+        params = tx.shard_params(params) if kept_apart(tx.config.stage)[1] else params
+        splits = drop_in.optimizer.typed_splits(mesh, params)
+        specs = drop_in.state_specs(params, mesh_size(mesh, drop_in.axis_name), splits)
+        on = lambda x, spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
         )
-        state = jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
-            ),
-            jax.eval_shape(tx.init, params),
-            opt.specs_of(plan),
-        )
+        state = jax.tree.map(on, jax.eval_shape(tx.init, params), specs)
         step = step if hasattr(step, "lower") else jax.jit(step, donate_argnums=(0, 1))
         return _memory_of(step.lower(params, state, batch))
 
