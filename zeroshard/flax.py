@@ -36,7 +36,11 @@ their own weights:
 
 where the first argument is that layer's ``Piece`` subtree of the state's params.
 Each gathers the layer's weights (one all-gather per dtype) and gathers them again
-in the backward pass.
+in the backward pass. In your own ``nnx.jit`` / ``jax.jit`` step (the one-line
+drop-in at ``zs.sharded(inner, stage=3)``, with ``nnx.Optimizer`` or Linen's
+``TrainState``) the model is marked instead, its code as written:
+:func:`nnx_gathered` marks NNX modules in place, :func:`linen_gathered` wraps a Linen
+module class.
 """
 
 from __future__ import annotations
