@@ -291,6 +291,19 @@ def test_what_stage3_in_your_jit_refuses():
 # Flax models as written, in their own steps: nnx.Optimizer and Linen's TrainState.
 
 
+# Marked on Explicit axes (the model's own sharding calls need whole weights there);
+# unmarked on Auto ones, where the compiler gathers.
+FLAX_CASES = pytest.mark.parametrize(
+    "inner, axes, marked",
+    [
+        (optax.sgd(0.1, momentum=0.9), AxisType.Explicit, True),
+        (optax.adam(1e-2), AxisType.Explicit, True),
+        (optax.sgd(0.1, momentum=0.9), AxisType.Auto, False),
+    ],
+    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
+)
+
+
 def minigpt_run(tx, mesh, batches, marked=False):
     """The miniGPT example (the suite's port) through nnx.Optimizer in its own nnx.jit
     step, dropout off; at stage 3 its weights laid out once by tx.shard_params and,
@@ -320,15 +333,7 @@ def minigpt_run(tx, mesh, batches, marked=False):
         return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-@pytest.mark.parametrize(
-    "inner, axes, marked",
-    [
-        (optax.sgd(0.1, momentum=0.9), AxisType.Explicit, True),
-        (optax.adam(1e-2), AxisType.Explicit, True),
-        (optax.sgd(0.1, momentum=0.9), AxisType.Auto, False),  # (the compiler gathers)
-    ],
-    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
-)
+@FLAX_CASES
 def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     """The miniGPT example at stage 3 through nnx.Optimizer gives plain optax's numbers
     (one device, the global batch), on its ("data", "model") mesh with one model
@@ -416,15 +421,7 @@ def linen_run(tx, mesh, batches, marked=False):
     return losses, state.params
 
 
-@pytest.mark.parametrize(
-    "inner, axes, marked",
-    [
-        (optax.sgd(0.5, momentum=0.9), AxisType.Explicit, True),
-        (optax.adam(1e-2), AxisType.Explicit, True),
-        (optax.sgd(0.5, momentum=0.9), AxisType.Auto, False),  # (the compiler gathers)
-    ],
-    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
-)
+@FLAX_CASES
 def test_linen_scan_through_train_state_at_stage3(inner, axes, marked):
     """A Linen nn.scan model through TrainState at stage 3 gives plain optax's numbers
     (one device, the global batch), its weights 1/8 per device."""
