@@ -36,12 +36,17 @@ their own weights:
 
 where the first argument is that layer's ``Piece`` subtree of the state's params.
 Each gathers the layer's weights (one all-gather per dtype) and gathers them again
-in the backward pass.
+in the backward pass. In your own ``nnx.jit`` / ``jax.jit`` step (the one-line
+drop-in at ``zs.sharded(inner, stage=3)``, with ``nnx.Optimizer`` or Linen's
+``TrainState``) the model is marked instead, its code as written:
+:func:`nnx_gathered` marks NNX modules in place, :func:`linen_gathered` wraps a Linen
+module class.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.errors import TraceContextError
 from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
@@ -59,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import layer
+from zeroshard.stage3 import gather, layer
 from zeroshard.state_layout import drop_in_is_step, state_layout
 from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import auto_twin, output_mesh, plain_outputs, step_metrics
@@ -513,6 +519,18 @@ def linen_layer(module: Any, axis_name: str | None = None) -> Callable[..., Any]
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
 
 
+def linen_gathered(module: type[nn.Module], axis_name: str | None = None) -> type[nn.Module]:
+    """A Linen module class (a block, e.g. inside ``nn.scan``, or ``nn.Dense``) that
+    gathers its weights right before it runs and again in the backward pass, for
+    stage 3 in your own ``jax.jit`` step (``zs.sharded(inner, stage=3)``, the weights
+    laid out by ``tx.shard_params``): ``nn.remat`` of ``nn.map_variables`` with
+    :func:`zeroshard.gather` on its ``"params"``. Give it an explicit ``name=``
+    where the parameters' names must stay those of ``module``."""
+    gathered = lambda params: gather(params, axis_name)
+    mapped = nn.map_variables(module, "params", trans_in_fn=gathered, init=True)
+    return nn.remat(mapped, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[..., Any]:
     """``fn(layer_params, *args)``: runs an NNX module on gathered weights (stage 3).
 
@@ -534,3 +552,45 @@ def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[...,
         return nnx.merge(graphdef, nnx.State(params), rest)(*args)
 
     return layer(apply, axis_name)
+
+
+def nnx_gathered(*modules: nnx.Module, axis_name: str | None = None) -> None:
+    """Marks NNX modules, in place, for stage 3 in your own ``nnx.jit`` step
+    (``zs.sharded(inner, stage=3)``, the weights laid out by ``tx.shard_params``):
+    each call of a marked module gathers its weights right before it runs and again
+    in the backward pass (:func:`zeroshard.layer`). Its code and state stay as they
+    are (its class becomes a subclass whose ``__call__`` does this). Mark each block
+    of a list of blocks, and the modules used outside them (the embeddings, the
+    head): an unmarked one's weights are gathered by the compiler on Auto axes, and
+    refused by jax's Explicit ones.
+
+    Raises:
+      ValueError: when a marked call changes the module's own state (a ``Dropout``'s
+        random stream in training, ``BatchNorm``'s statistics): they would be lost.
+    """
+    for module in modules:
+        module.__class__ = _gathering(type(module), axis_name)
+
+
+@functools.cache
+def _gathering(cls: type, axis_name: str | None) -> type:
+    """``cls`` whose call gathers its weights (see :func:`nnx_gathered`)."""
+    base = next(c for c in cls.__mro__ if "_zeroshard_gathers" not in vars(c))
+
+    def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+
+        def run(params: PyTree, *args: Any) -> Any:
+            try:
+                return base.__call__(nnx.merge(graphdef, params, rest), *args, **kwargs)
+            except TraceContextError as error:  # (flax refuses the change)
+                raise ValueError(
+                    f"zf.nnx_gathered: {base.__name__}'s call changes its own state (a "
+                    "Dropout's random stream in training, BatchNorm's statistics), which "
+                    "a gathering call cannot keep. Mark its stateless parts instead, or "
+                    "call it in eval mode."
+                ) from error
+
+        return layer(run, axis_name)(params, *args)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "_zeroshard_gathers": True})
