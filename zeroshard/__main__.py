@@ -92,8 +92,6 @@ def plan_command(
     ``loss`` and ``batch``, each stage's compiled peak. ``devices``: a count, or a
     mesh's shape (axis name -> size); ``param_specs``: a function returning the
     parameters' ``PartitionSpec``s on that mesh (their layout, which the step keeps)."""
-    import math
-
     import jax
 
     count = math.prod(devices.values()) if isinstance(devices, dict) else devices
@@ -130,8 +128,6 @@ def peak_table(
     """Each stage's compiled peak per device (:func:`zeroshard.step_memory`), on
     ``devices`` simulated devices along the optimizer's axis or on a mesh of that shape
     (Auto axes), the parameters laid out as ``specs`` say (``None``: replicated)."""
-    import math
-
     import jax
 
     import zeroshard as zs
