@@ -228,11 +228,9 @@ def digest(metadata: dict[str, Any]) -> str:
 _KEY = re.compile(r"\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\.(\w+)")
 
 
-def parts(path: Any) -> str:
+def parts(path: str) -> str:
     """A leaf path without its kinds of keys: optax's ``[0].mu['w']`` and orbax's
-    ``['0']['mu']['w']`` (or their key tuples) both give ``0/mu/w``."""
-    if not isinstance(path, str):
-        path = jax.tree_util.keystr(path)
+    ``['0']['mu']['w']`` both give ``0/mu/w``."""
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 
