@@ -67,15 +67,13 @@ class Psum:
         """Operands whose partial sums (``sums.summed``) are summed over ``axis``."""
         return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
 
-    def noted(self, eqn: Any, xs: list, scalars: dict) -> None:
-        """Records what :meth:`divided` needs of ``eqn`` (nothing here)."""
-
     def total(self, eqn: Any, sums: Any, xs: list, axis: str) -> list | None:
         """``eqn``'s outputs where it is a sum this order takes itself, else ``None``."""
         return None
 
     def divided(self, eqn: Any, sums: Any, xs: list, scalars: dict) -> list | None:
-        """``eqn``'s outputs where it is a division this order rewrites, else ``None``."""
+        """``eqn``'s outputs where it is a division this order rewrites, else ``None``
+        (``scalars``: what it notes of the equations before, by variable)."""
         return None
 
 
@@ -106,12 +104,8 @@ def run_with_sums(
 def evaluate(closed: Any, program: Program, values: list, axis_name: str, order: Psum) -> list:
     """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
     made totals as ``order`` takes them."""
-    sums, scalars = iter(program), {}  # (a broadcast scalar's variable -> the scalar)
-
-    def step(eqn: Any, xs: list) -> list:
-        order.noted(eqn, xs, scalars)
-        return _eqn(eqn, next(sums), xs, axis_name, order, scalars)
-
+    sums, scalars = iter(program), {}  # (what order.divided notes, by variable)
+    step = lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name, order, scalars)
     return walk(closed, values, step)
 
 
