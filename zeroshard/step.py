@@ -45,7 +45,7 @@ from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
 from zeroshard.state import TrainState
 from zeroshard.state_layout import StateLayout, state_layout
 from zeroshard.update import Route, held_route, updated
-from zeroshard.whole_mesh import WholeMeshStep, whole_mesh_step
+from zeroshard.whole_mesh import Fallback
 
 Key = jax.Array | None
 """A step's random key (``None``: none)."""
@@ -228,7 +228,7 @@ class TrainStep:
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
-        self._falls_back = not self.per_device_loss  # (see the class)
+        self._fallback = Fallback(self, on=not self.per_device_loss)  # (see the class)
         self.per_device_loss = (
             self.per_device_loss
             and type(self.route.loop) is OneBatch
@@ -240,8 +240,6 @@ class TrainStep:
         self.held_route = held_route(self.opt.config, stage, k) if held else None
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
-        self._whole: WholeMeshStep | None = None
-        self._model_error: Exception | None = None  # what the loss raised while traced
 
     def _local_step(
         self, state: TrainState, batch: PyTree, key: Key, layout: PyTree, built: StateLayout
@@ -258,7 +256,7 @@ class TrainStep:
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
         elif self._holds(params, batch, key, state.model_state):
-            route, loss = self.held_route, step_io.step_loss(self._model_loss, self.has_aux, scale)
+            route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
             value_and_grad = held.value_and_grad(loss, params)
             params = held.pieces_of(
                 plan.layout, params, self.axis_name, self.opt.config.reduce_dtype
@@ -332,23 +330,15 @@ class TrainStep:
         if self.held_route is None:
             return False
         rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
-        loss = step_io.step_loss(self._model_loss, self.has_aux, None)
+        loss = step_io.step_loss(self._fallback.loss, self.has_aux, None)
         key = step_io.device_key(key, self.batch_axes)
         return reads_only_gathered(loss, params, rows, key, model_state)
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.step_io.step_loss`)."""
-        loss = step_io.step_loss(self._model_loss, self.has_aux, scale)
+        loss = step_io.step_loss(self._fallback.loss, self.has_aux, scale)
         return jax.value_and_grad(loss, has_aux=True)
-
-    def _model_loss(self, *args: Any, **kwargs: Any) -> Any:
-        """``loss_fn``, recording what it raises (see :meth:`_either`)."""
-        try:
-            return self.loss_fn(*args, **kwargs)
-        except ValueError as error:  # (jax's refusal of a sharding call is one)
-            self._model_error = error
-            raise
 
     def _per_device(self, state: TrainState, batch: PyTree, key: Key) -> Any:
         """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
@@ -461,31 +451,20 @@ class TrainStep:
         return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        state, metrics = self._either(state, batch, key, lower=False)
+        state, metrics = self._run(state, batch, key, lower=False)
         return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
-        return self._either(state, batch, key, lower=True)
+        return self._run(state, batch, key, lower=True)
 
-    def _either(self, state: TrainState, batch: PyTree, key: Key, lower: bool) -> Any:
-        """The step (``lower``: lowered) on ``state`` and ``batch``: this one, or the
-        whole-mesh step where the loss raised per device (see the class)."""
-        if self._whole is None:
-            layout = self.static_layout(layout_of(state.params, self.rest))
-            step = self._jitted_for(state, layout)
-            try:
-                return (step.lower if lower else step)(state, self._place(batch), key, layout)
-            except ValueError as error:  # (raised while tracing: nothing donated)
-                if error is not self._model_error or not self._falls_back:
-                    raise
-                options = {
-                    k: getattr(self, k) for k in ("stage", "accum_steps", "has_aux", "donate")
-                }
-                self._whole = whole_mesh_step(self.loss_fn, self.tx, self.mesh, options, error)
-        return (self._whole.lower if lower else self._whole)(state, batch, key)
+    def _run(self, state: TrainState, batch: PyTree, key: Key, lower: bool) -> Any:
+        layout = self.static_layout(layout_of(state.params, self.rest))
+        step = self._jitted_for(state, layout)
+        run = lambda: (step.lower if lower else step)(state, self._place(batch), key, layout)
+        return self._fallback.run(run, lower, state, batch, key)  # (see the class)
 
 
 def make_train_step(

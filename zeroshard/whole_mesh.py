@@ -68,6 +68,38 @@ class WholeMeshStep:
         return self.jitted.lower(*self._args(state, batch, key))
 
 
+class Fallback:
+    """The loss of ``step`` (a :class:`zeroshard.step.TrainStep`), recording the
+    ``ValueError`` it raises while traced, and the :class:`WholeMeshStep` the step
+    falls back to once it has (``on``; else none)."""
+
+    def __init__(self, step: Any, on: bool):
+        options = {k: getattr(step, k) for k in ("stage", "accum_steps", "has_aux", "donate")}
+        self.loss_fn, self.args, self.on = step.loss_fn, (step.tx, step.mesh, options), on
+        self.error: Exception | None = None
+        self.step: WholeMeshStep | None = None
+
+    def loss(self, *args: Any, **kwargs: Any) -> Any:
+        """``loss_fn``, recording what it raises."""
+        try:
+            return self.loss_fn(*args, **kwargs)
+        except ValueError as error:  # (jax's refusal of a sharding call is one)
+            self.error = error
+            raise
+
+    def run(self, per_device: Callable[[], Any], lower: bool, *args: Any) -> Any:
+        """``per_device()`` (the step, or its lowering), or the whole-mesh step's on
+        ``args`` (state, batch, key) once the loss raised there."""
+        if self.step is None:
+            try:
+                return per_device()
+            except ValueError as error:  # (raised while tracing: nothing donated)
+                if error is not self.error or not self.on:
+                    raise
+                self.step = whole_mesh_step(self.loss_fn, *self.args, error)
+        return (self.step.lower if lower else self.step)(*args)
+
+
 def whole_mesh_step(
     loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict, error: Exception
 ) -> WholeMeshStep:
