@@ -112,11 +112,16 @@ def whole_mesh_step(
         and what to do instead.
     """
     config = optimizer_of(tx).config
+    try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
+        config.sum_order.check_drop_in()
+        fixed = False
+    except ValueError:
+        fixed = True
     refused = {
         f"stage={options['stage']}": options["stage"] > 2,
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
         "loss_scale": config.loss_scale is not None,
-        "deterministic": config.deterministic is not None,
+        "deterministic": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
         ),
