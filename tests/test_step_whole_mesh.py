@@ -81,14 +81,19 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
 
 
 def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
-    """Stage 3 (whose loss reads pieces through zs.gather) and micro-batches: the
-    loss's error, with a note naming the option."""
+    """Stage 3 (whose loss reads pieces through zs.gather), micro-batches and loss
+    scaling: the loss's error, with a note naming the option."""
     params, data = data_and_params(rng)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    scaled = zs.sharded(optax.sgd(0.1), axis_name="data", loss_scale=zs.DynamicLossScale(8.0))
     gathering = lambda p, b: explicit_loss(zs.gather(p), b)  # (stage 3 reads pieces so)
     explicit = (AxisType.Explicit,) * 2
-    cases = [((8, 1), 3, 1, gathering, "stage=3"), ((4, 2), 1, 2, explicit_loss, "accum_steps=2")]
-    for shape, stage, accum_steps, loss, option in cases:
+    cases = [
+        ((8, 1), tx, 3, 1, gathering, "stage=3"),
+        ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
+        ((4, 2), scaled, 2, 1, explicit_loss, "loss_scale"),
+    ]
+    for shape, tx, stage, accum_steps, loss, option in cases:
         mesh = jax.make_mesh(shape, ("data", "model"), axis_types=explicit)
         with jax.set_mesh(mesh):
             state = zs.init_train_state(params, tx, mesh, stage=stage)
