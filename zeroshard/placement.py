@@ -51,8 +51,7 @@ from zeroshard.analysis import (
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
 from zeroshard.comm import vary
-from zeroshard.layout import Layout, PyTree
-from zeroshard.lowbit import LowBit
+from zeroshard.layout import Layout, PyTree, is_floating
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
 from zeroshard.sums import PSUM, Psum, run_with_sums
@@ -119,16 +118,14 @@ class Plan:
       branch_of: per device, its branch.
       state_treedef: the inner state's tree structure.
       analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
-      state_kinds: per leaf of the inner state, where it lives
-        (:mod:`zeroshard.state_kinds`).
+      state_kinds: per leaf of the inner state, its record: where it lives, its full
+        shape and dtype, and how it is stored (:mod:`zeroshard.state_kinds`).
       storage: where owned state and owned master weights live.
       groups: the sliced leaves updated as one buffer (:func:`_groups`): per group its
         leaves, whose pieces are laid end to end, in the first one's place, in the
         view, the state and the master weights (``None`` at the others').
       state_groups: per group, the inner state leaves of each of its leaves, one
         group per state role (``mu``, ``nu``, ...), in the same order.
-      state_dtypes: per leaf of the inner state, its dtype.
-      state_structs: per leaf of the inner state, its full shape and dtype.
       order: the order of the sums in the update, bound to the layout's leaves
         (:class:`zeroshard.sums.Psum`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
@@ -136,10 +133,6 @@ class Plan:
         present; else the hidden leaves are zero-element arrays.
       updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
         traces cached).
-      store: how coded state leaves are stored (:class:`zeroshard.lowbit.LowBit`),
-        or ``None``.
-      coded: the leaves of the inner state kept as :class:`zeroshard.lowbit.Codes`:
-        floating per-element state of the sliced leaves aligned to the store's blocks.
     """
 
     layout: Layout
@@ -152,23 +145,9 @@ class Plan:
     storage: Storage = Storage((), (), ())
     groups: tuple[tuple[int, ...], ...] = ()
     state_groups: tuple[tuple[int, ...], ...] = ()
-    state_dtypes: tuple[Any, ...] = ()
-    state_structs: tuple[Any, ...] = ()
     order: Psum = PSUM
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    store: LowBit | None = None
-    coded: frozenset[int] = frozenset()
-
-    def stored(self, k: int, x: Any) -> Any:
-        """Inner state leaf ``k`` as the state stores it: coded where it is
-        :attr:`coded`, else ``x``."""
-        return self.store.encode(x) if k in self.coded else x
-
-    def read(self, k: int, x: Any) -> Any:
-        """Inner state leaf ``k`` as the inner optimizer reads it, from what the state
-        stores (the inverse of :meth:`stored`)."""
-        return self.store.decode(x) if k in self.coded else x
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -204,18 +183,13 @@ class Plan:
         """How the inner state holds :attr:`state_groups` (buffers shaped as pieces)."""
         leaf = lambda k: self.state_kinds[k].leaf
         shapes = {k: self.piece_shape(leaf(k)) for g in self.state_groups for k in g}
-        dtypes = {k: self.state_dtypes[k] for k in shapes}
+        dtypes = {k: self.state_kinds[k].struct.dtype for k in shapes}
         return Grouping(self.state_treedef, self.state_groups, shapes, dtypes, self.holes, True)
 
     @property
     def hidden(self) -> frozenset[int]:
         """The grouped leaves whose pieces are in another leaf's place."""
         return self.on_view.hidden
-
-    @property
-    def hidden_state(self) -> frozenset[int]:
-        """The inner state leaves of :attr:`hidden` leaves."""
-        return self.on_state.hidden
 
     @functools.cached_property
     def leaf_order(self) -> tuple[int, ...]:
@@ -286,7 +260,9 @@ class Plan:
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
         kept = [
-            k for k in range(len(self.state_dtypes)) if not self.holes or k not in self.hidden_state
+            k
+            for k in range(len(self.state_kinds))
+            if not self.holes or k not in self.on_state.hidden
         ]
         tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
         args, names = (grads, state, params, extra_args), [s.path for s in slots]
@@ -305,8 +281,8 @@ class Plan:
         leaves = [s.block.mark(full(s)) if s.blocked else None for s in self.layout.slots]
         params = self.layout.treedef.unflatten(leaves)
         state = self.state_treedef.unflatten(
-            At(x.axis, self.state_structs[k], x.gathered) if isinstance(x, BlockedState) else None
-            for k, x in enumerate(self.state_kinds)
+            At(x.axis, x.struct, x.gathered) if isinstance(x, BlockedState) else None
+            for x in self.state_kinds
         )
         return params, state, params, jax.tree.map(lambda _: None, extra_args or {})
 
@@ -510,10 +486,8 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     profiles = [layout.profile(d) for d in range(layout.num_shards)]
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
-    plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
-    structs = tuple(jax.tree.leaves(full_state))
     order = config.sum_order.over(layout.slots)  # (its sums run over these leaves)
-    plan = dataclasses.replace(plan, order=order, state_structs=structs)
+    plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis, order=order)
     gathered = frozenset().union(*(g for *_, g in blocks.values()))
     kept = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
     store = {k: BlockedState(a, k in gathered) for k, a in kept.items()}
@@ -607,22 +581,24 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
     # in a fixed order of sums.
     if config.group_alike and layout.num_shards > 1 and config.sum_order.any_order:
         groups, state_groups = _groups(layout, analysis, kinds, config.pack_bytes)
-    store = config.state_store
-    floating = lambda k: jnp.issubdtype(views[0][k].dtype, jnp.floating)
-    coded = [
-        k
-        for k, x in enumerate(kinds)
-        if store and isinstance(x, SlicedState) and layout.slots[x.leaf].align and floating(k)
+    # Each leaf's record: its kind, full shape, dtype (in the view) and coding.
+    coded = lambda x, v: (
+        isinstance(x, SlicedState) and layout.slots[x.leaf].align and is_floating(v)
+    )
+    kinds = [
+        dataclasses.replace(
+            x,
+            struct=jax.ShapeDtypeStruct(f.shape, v.dtype),
+            coding=config.state_store if coded(x, v) else None,
+        )
+        for x, f, v in zip(kinds, jax.tree.leaves(full_state), views[0], strict=True)
     ]
     plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
         groups=groups,
         state_groups=state_groups,
-        state_dtypes=tuple(x.dtype for x in views[0]),
         state_kinds=tuple(kinds),
-        store=store,
-        coded=frozenset(coded),
     )
     return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
 
@@ -646,7 +622,7 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
     except Exception:  # any failure of the inner optimizer on it means no
         return False
     present = [i for i in range(len(plan.layout.slots)) if i not in plan.hidden]
-    kept = [j for k, j in enumerate(analysis.state_leaves) if k not in plan.hidden_state]
+    kept = [j for k, j in enumerate(analysis.state_leaves) if k not in plan.on_state.hidden]
     forms = leaf_forms(closed, present, kept, input_names((view, state, view, extra)))
     return all(forms[g[0]] == analysis.forms[g[0]] for g in plan.groups)
 
