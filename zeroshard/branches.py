@@ -124,7 +124,7 @@ def init_parts(
 
     def init_branch(b, pieces, wholes):
         local = plan.local_wholes(b, wholes, axis_name)
-        view = plan.on_view.filled(plan.view(b, pieces, local, axis_name), axis_name)
+        view = plan.on_view.filled(plan.view(b, pieces, local, axis_name))
         if plan.layout.blocked:  # (traced whole, evaluated on the blocks)
             state = init_blocked(inner, view, plan.block_marks(), axis_name, plan.layout.num_shards)
         else:

@@ -173,18 +173,13 @@ class Plan:
 
     @functools.cached_property
     def on_view(self) -> Grouping:
-        """How the view and the master pieces hold :attr:`groups` (1-D buffers)."""
-        shapes = {i: self.piece_shape(i) for g in self.groups for i in g}
-        dtypes = {i: self.inner_dtypes[self.layout.slots[i].bucket] for i in shapes}
-        return Grouping(self.layout.treedef, self.groups, shapes, dtypes, self.holes)
+        """How the view and the master pieces hold :attr:`groups`."""
+        return Grouping(self.layout.treedef, self.groups, self.holes)
 
     @functools.cached_property
     def on_state(self) -> Grouping:
-        """How the inner state holds :attr:`state_groups` (buffers shaped as pieces)."""
-        leaf = lambda k: self.state_kinds[k].leaf
-        shapes = {k: self.piece_shape(leaf(k)) for g in self.state_groups for k in g}
-        dtypes = {k: self.state_kinds[k].struct.dtype for k in shapes}
-        return Grouping(self.state_treedef, self.state_groups, shapes, dtypes, self.holes, True)
+        """How the inner state holds :attr:`state_groups`."""
+        return Grouping(self.state_treedef, self.state_groups, self.holes)
 
     @property
     def hidden(self) -> frozenset[int]:
@@ -362,25 +357,20 @@ class Plan:
 class Grouping:
     """How one tree (a view of the parameters, or the inner state) holds groups of
     leaves updated as one buffer (:attr:`Plan.groups`): each group's leaves laid end
-    to end in its first leaf's place, the others *hidden* (``None``).
+    to end in its first leaf's place, the others *hidden* (``None``). A group's
+    leaves are alike (:func:`zeroshard.analysis.groups.leaf_forms`: the same
+    computation on values of one shape and dtype), so each is shaped as the first.
 
     Attributes:
       treedef: the tree's structure.
       groups: the groups, by leaf index.
-      shapes: per grouped leaf, its shape in the tree (zero elements for a hidden
-        one, which the inner optimizer may need present: :meth:`filled`).
-      dtypes: per grouped leaf, its dtype.
       holes: whether the inner optimizer takes the tree with ``None`` at the hidden
         leaves (:attr:`Plan.holes`).
-      shaped: whether a group's buffer takes its first leaf's shape (else 1-D).
     """
 
     treedef: Any
     groups: tuple[tuple[int, ...], ...]
-    shapes: dict[int, tuple[int, ...]]
-    dtypes: dict[int, Any]
     holes: bool
-    shaped: bool = False
 
     @functools.cached_property
     def hidden(self) -> frozenset[int]:
@@ -389,11 +379,12 @@ class Grouping:
 
     def grouped(self, leaves: list) -> list:
         """Per-leaf values with each group's laid end to end in its first leaf's place
-        and ``None`` at its other leaves'."""
+        (shaped as the first but for the last axis, which holds them all) and ``None``
+        at its other leaves'."""
         out = list(leaves)
         for g in self.groups:
             joined = jnp.concatenate([jnp.ravel(leaves[i]) for i in g])
-            out[g[0]] = joined.reshape(self.shapes[g[0]]) if self.shaped else joined
+            out[g[0]] = joined.reshape(*leaves[g[0]].shape[:-1], -1)
             for i in g[1:]:
                 out[i] = None
         return out
@@ -406,16 +397,17 @@ class Grouping:
                 out[i] = piece
         return out
 
-    def filled(self, tree: PyTree, axis_name: str) -> PyTree:
-        """``tree`` with a zero-element value at each hidden leaf, what the inner
-        optimizer sees there (``tree`` as it is, with :attr:`holes`)."""
+    def filled(self, tree: PyTree) -> PyTree:
+        """``tree`` with a zero-element value at each hidden leaf (its group's buffer,
+        none of its last axis), what the inner optimizer sees there (``tree`` as it
+        is, with :attr:`holes`)."""
         if self.holes:
             return tree
-        empty = lambda i: _empty(self.shapes[i], self.dtypes[i], axis_name)
         leaves = self.treedef.flatten_up_to(tree)
-        return self.treedef.unflatten(
-            empty(i) if i in self.hidden else x for i, x in enumerate(leaves)
-        )
+        for g in self.groups:
+            for i in g[1:]:
+                leaves[i] = leaves[g[0]][..., :0]
+        return self.treedef.unflatten(leaves)
 
     def compact(self, tree: PyTree) -> PyTree:
         """``tree`` with ``None`` at each hidden leaf (the inverse of :meth:`filled`)."""
