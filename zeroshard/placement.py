@@ -461,7 +461,7 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     """
     master_dtypes = tuple(config.master_dtype_of(b.dtype) for b in base.buckets)
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
-    full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
+    full, pieces = base.full_structs(inner_dtypes), base.full_structs(inner_dtypes, True)
     # (shapes and dtypes only: the sharding init gives them under jax.set_mesh of an
     # Explicit mesh would make the blocked update's full-shape trace close over its axes)
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
