@@ -124,8 +124,6 @@ class Plan:
       groups: the sliced leaves updated as one buffer (:func:`_groups`): per group its
         leaves, whose pieces are laid end to end, in the first one's place, in the
         view, the state and the master weights (``None`` at the others').
-      state_groups: per group, the inner state leaves of each of its leaves, one
-        group per state role (``mu``, ``nu``, ...), in the same order.
       order: the order of the sums in the update, bound to the layout's leaves
         (:class:`zeroshard.sums.Psum`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
@@ -144,7 +142,6 @@ class Plan:
     state_kinds: tuple[ReplicatedState, ...] = ()
     storage: Storage = Storage((), (), ())
     groups: tuple[tuple[int, ...], ...] = ()
-    state_groups: tuple[tuple[int, ...], ...] = ()
     order: Psum = PSUM
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -178,8 +175,11 @@ class Plan:
 
     @functools.cached_property
     def on_state(self) -> Grouping:
-        """How the inner state holds :attr:`state_groups`."""
-        return Grouping(self.state_treedef, self.state_groups, self.holes)
+        """How the inner state holds its leaves of :attr:`groups`: a group per state
+        role (``mu``, ``nu``, ...), its leaves' state leaves in the same order."""
+        own = lambda i: [k for k, x in enumerate(self.state_kinds) if getattr(x, "leaf", -1) == i]
+        groups = tuple(ks for g in self.groups for ks in zip(*map(own, g), strict=True))
+        return Grouping(self.state_treedef, groups, self.holes)
 
     @property
     def hidden(self) -> frozenset[int]:
@@ -568,11 +568,11 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
             if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
-    groups, state_groups = ((), ())
+    groups = ()
     # Groups sum a buffer of several leaves at once, in an order of their own: not
     # in a fixed order of sums.
     if config.group_alike and layout.num_shards > 1 and config.sum_order.any_order:
-        groups, state_groups = _groups(layout, analysis, kinds, config.pack_bytes)
+        groups = _groups(layout, analysis, kinds, config.pack_bytes)
     # Each leaf's record: its kind, full shape, dtype (in the view) and coding.
     coded = lambda x, v: (
         isinstance(x, SlicedState) and layout.slots[x.leaf].align and is_floating(v)
@@ -589,7 +589,6 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
         plan,
         storage=Storage.build(storage),
         groups=groups,
-        state_groups=state_groups,
         state_kinds=tuple(kinds),
     )
     return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
@@ -621,20 +620,19 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
 
 def _groups(
     layout: Layout, analysis: Analysis, kinds: list, pack_bytes: int
-) -> tuple[tuple, tuple]:
-    """The groups of sliced leaves updated as one buffer, and their state leaves (see
-    :class:`Plan`): alike leaves (equal forms, see
-    :func:`zeroshard.analysis.groups.leaf_forms`: the same computation on pieces of
-    one shape) of one dtype that are cut whole (not layer by layer), whose update is
-    elementwise but for sums over several leaves (a global norm; no sum over one
-    leaf) and whose state is per element. On such leaves, laying the pieces end to
-    end changes no elementwise result: every element is computed as before from the
-    same values (a global norm's sum in another order). Only leaves smaller than
-    ``pack_bytes`` are grouped: they travel in packed collectives, whose rows lay a
-    group's pieces out together, so grouping them is a slice of the row; a larger
-    leaf's collective moves it directly, and a group would copy it. On one device the
-    pieces are the leaves themselves, and are left as they are (plain optax's layout,
-    no copies)."""
+) -> tuple[tuple[int, ...], ...]:
+    """The groups of sliced leaves updated as one buffer (see :class:`Plan`): alike
+    leaves (equal forms, see :func:`zeroshard.analysis.groups.leaf_forms`: the same
+    computation on pieces of one shape) of one dtype that are cut whole (not layer by
+    layer), whose update is elementwise but for sums over several leaves (a global norm;
+    no sum over one leaf) and whose state is per element. On such leaves, laying the
+    pieces end to end changes no elementwise result: every element is computed as before
+    from the same values (a global norm's sum in another order). Only leaves smaller
+    than ``pack_bytes`` are grouped: they travel in packed collectives, whose rows lay a
+    group's pieces out together, so grouping them is a slice of the row; a larger leaf's
+    collective moves it directly, and a group would copy it. On one device the pieces
+    are the leaves themselves, and are left as they are (plain optax's layout, no
+    copies)."""
     # A sum over one leaf (a norm, an RMS) is per leaf: it keeps the leaf apart. A sum
     # over several (a global norm) is over the group's buffer too, padding left out.
     summed = set().union(*(x for x in analysis.sums if len(x) == 1), analysis.layer_sums)
@@ -662,8 +660,7 @@ def _groups(
         g = tuple(i for i in alike if fit(i))
         if len(g) > 1:
             groups.append(g)
-    state_groups = [tuple(ks) for g in groups for ks in zip(*(own[i] for i in g), strict=True)]
-    return tuple(groups), tuple(state_groups)
+    return tuple(groups)
 
 
 def _check_structure(treedef: Any, state: PyTree) -> None:
