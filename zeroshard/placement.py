@@ -153,7 +153,8 @@ class Plan:
 
     def master_tree(self, pieces: list[Any]) -> PyTree:
         """The state's ``master``: a tree like the parameters with ``pieces[i]`` (an array
-        shaped as the leaf's piece, or any other value as it is, e.g. a
+        shaped as the leaf's piece, its last axis holding its group's pieces where it
+        is a group's first leaf; or any other value as it is, e.g. a
         ``PartitionSpec``) where leaf ``i`` keeps master weights, ``None`` elsewhere;
         ``None`` as a whole when no leaf keeps any."""
         # Owned leaves keep their master weights in storage.
@@ -163,10 +164,9 @@ class Plan:
         ]
         if not any(keeps):
             return None
-        shaped = lambda p, i: jnp.reshape(p, self.piece_shape(i)) if isinstance(p, jax.Array) else p
-        return self.layout.treedef.unflatten(
-            shaped(p, i) if k else None for i, (p, k) in enumerate(zip(pieces, keeps, strict=True))
-        )
+        shaped = lambda p, s: p.reshape(*s.piece_shape[:-1], -1) if isinstance(p, jax.Array) else p
+        leaves = zip(pieces, keeps, self.layout.slots, strict=True)
+        return self.layout.treedef.unflatten(shaped(p, s) if k else None for p, k, s in leaves)
 
     @functools.cached_property
     def on_view(self) -> Grouping:
@@ -194,26 +194,6 @@ class Plan:
         first = {g[0]: g for g in self.groups}
         order = (first.get(i, (i,)) for i in range(len(self.layout.slots)) if i not in self.hidden)
         return tuple(i for g in order for i in g)
-
-    def piece_shape(self, i: int) -> tuple[int, ...]:
-        """The shape sliced leaf ``i``'s piece has in the view and the state: its
-        group's pieces end to end for a group's first leaf, none of them (zero
-        elements) for a hidden one."""
-        s, group = self.layout.slots[i], self.group_of.get(i)
-        if group is None:
-            return s.piece_shape
-        return (*s.piece_shape[:-1], 0 if i != group[0] else s.piece_size * len(group))
-
-    @functools.cached_property
-    def group_of(self) -> dict[int, tuple[int, ...]]:
-        """The group of each grouped leaf (looked up per leaf at every trace)."""
-        return {i: g for g in self.groups for i in g}
-
-    def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
-        """Per-leaf pieces (``None`` for owned and hidden leaves) cast to the inner dtypes."""
-        dtypes = self.inner_dtypes
-        cast = lambda s, p: None if p is None else p.astype(dtypes[s.bucket])
-        return self.layout.sliced(cast, pieces)
 
     def updates_and_state(
         self,
@@ -296,7 +276,8 @@ class Plan:
 
     def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (grouped,
-        reshaped to :meth:`piece_shape`) for a sliced leaf (``None`` for a hidden one:
+        shaped as the leaf's piece, its last axis holding its group's pieces where it
+        is a group's first leaf) for a sliced leaf (``None`` for a hidden one:
         see :meth:`filled`), ``local[i]`` (see :meth:`local_wholes`) for a leaf it
         owns, a one-element stand-in for any other owned leaf."""
         dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
@@ -306,7 +287,7 @@ class Plan:
             if i in self.hidden:
                 return None
             if not s.blocked:
-                return pieces[i].reshape(self.piece_shape(i))
+                return pieces[i].reshape(*s.piece_shape[:-1], -1)
             rows = pieces[i].reshape(s.shape[0] // s.num_shards, *s.shape[1:])
             return s.block.to_view(rows, axis_name)
 

@@ -65,8 +65,9 @@ class ReplicatedState:
 
 @dataclasses.dataclass(frozen=True)
 class SlicedState(ReplicatedState):
-    """Per element: shaped like sliced parameter ``leaf``'s pieces (see
-    :meth:`zeroshard.placement.Plan.piece_shape`)."""
+    """Per element: shaped like sliced parameter ``leaf``'s pieces
+    (:attr:`zeroshard.layout.Slot.piece_shape`; for a group, its pieces end to end:
+    :class:`zeroshard.placement.Grouping`)."""
 
     leaf: int
 
