@@ -174,7 +174,8 @@ def test_arrival_and_departure_bytes_are_the_compiled_programs(stage, rng):
         c.result_bytes for c in found if set(scopes_of(c.op_name)) & set(names)
     )
     plan, (arrival, departure) = tx.plan(params, n), Route.of(tx.config, stage)[:2]
-    assert plan.layout.has_owned and arrival.nbytes(plan) > 0 and departure.nbytes(plan) > 0
+    assert any(s.owned for s in plan.layout.slots)
+    assert arrival.nbytes(plan) > 0 and departure.nbytes(plan) > 0
     if stage == 1:
         assert by_scope("reduce_scatter") == arrival.nbytes(plan)
         assert by_scope("all_gather") == departure.nbytes(plan)

@@ -33,7 +33,9 @@ def test_pieces_rows_and_padding(n, rng):
         assert not blocks[leaf.size :].any()  # padding is zero
     for b in layout.buckets:
         assert b.row_size == sum(layout.slots[i].piece_size for i in b.slots)
-    for piece, slot in zip(jax.tree.leaves(layout.piece_structs()), layout.slots, strict=True):
+    for piece, slot in zip(
+        jax.tree.leaves(layout.full_structs(pieces=True)), layout.slots, strict=True
+    ):
         assert piece.shape == slot.piece_shape and piece.size == slot.piece_size
         assert piece.ndim == max(len(slot.shape), 1)  # the leaf's rank, scalars 1
 

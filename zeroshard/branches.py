@@ -84,11 +84,10 @@ def kept_and_stored(plan: Plan, branch: int, state: PyTree, local: list) -> tupl
     leaves) and its storage rows (owned state, plus the owned master weights taken
     from ``local``, what the branch holds of its owned leaves)."""
     leaves = plan.state_treedef.flatten_up_to(plan.on_state.compact(state))
-    stored = [x.stored for x in plan.state_kinds]
-    values = {("state", k): x for k, x in enumerate(leaves) if stored[k]}
+    kinds = list(zip(plan.state_kinds, leaves, strict=True))
+    values = {("state", k): x for k, (kind, x) in enumerate(kinds) if kind.stored}
     values.update((("master", i), local[i]) for i, _ in plan.branches[branch])  # (if kept)
-    kept = [None if stored[k] else x for k, x in enumerate(leaves)]
-    kept = [x if is_codes(x) else plan.stored(k, x) for k, x in enumerate(kept)]
+    kept = [None if kind.stored else x if is_codes(x) else kind.encoded(x) for kind, x in kinds]
     return plan.state_treedef.unflatten(kept), plan.storage.pack(values, branch)
 
 
@@ -125,7 +124,7 @@ def init_parts(
 
     def init_branch(b, pieces, wholes):
         local = plan.local_wholes(b, wholes, axis_name)
-        view = plan.on_view.filled(plan.view(b, pieces, local, axis_name), axis_name)
+        view = plan.on_view.filled(plan.view(b, pieces, local, axis_name))
         if plan.layout.blocked:  # (traced whole, evaluated on the blocks)
             state = init_blocked(inner, view, plan.block_marks(), axis_name, plan.layout.num_shards)
         else:

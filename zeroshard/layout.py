@@ -590,10 +590,6 @@ class Layout:
         return {i: s.split for i, s in enumerate(self.slots) if s.split.blocks > 1}
 
     @property
-    def has_owned(self) -> bool:
-        return any(s.owned for s in self.slots)
-
-    @property
     def blocked(self) -> tuple[int, ...]:
         """The blocked leaves (:attr:`Slot.block`)."""
         return tuple(i for i, s in enumerate(self.slots) if s.blocked)
@@ -654,10 +650,6 @@ class Layout:
             )
             for s in self.slots
         )
-
-    def piece_structs(self, dtypes: Sequence[Any] | None = None) -> PyTree:
-        """A tree of ``ShapeDtypeStruct`` pieces (bucket ``b`` in ``dtypes[b]``)."""
-        return self.full_structs(dtypes, pieces=True)
 
     def check_matches(self, tree: PyTree, what: str, full: bool = False) -> None:
         """Raises a ``ValueError`` naming the first leaf where ``tree`` differs from the

@@ -180,7 +180,7 @@ def _state_to_logical(plan: Plan, rows: tuple, k: int, x: Any, axis_name: str) -
     the state's tree holds of it; ``rows``: the owners' storage rows)."""
     match plan.state_kinds[k]:
         case SlicedState(leaf):  # (a coded leaf decoded: the logical form is plain optax's)
-            return to_logical(plan.layout.slots[leaf], plan.read(k, x), axis_name)
+            return to_logical(plan.layout.slots[leaf], plan.state_kinds[k].decoded(x), axis_name)
         case BlockedState(dim):
             return blocks_to_logical(x, dim, axis_name)
         case OwnedState():
@@ -426,7 +426,7 @@ def _from_logical_local(
             shape = opt_leaves[k].shape
             match plan.state_kinds[k]:
                 case SlicedState(leaf):
-                    kept[k] = plan.stored(k, from_logical(layout.slots[leaf], x, axis))
+                    kept[k] = plan.state_kinds[k].encoded(from_logical(layout.slots[leaf], x, axis))
                 case BlockedState(dim):
                     kept[k] = blocks_from_logical(x, shape, dim, axis)
                 case OwnedState():

@@ -379,10 +379,10 @@ def _placed(params: PyTree, n: int, param_dtype: Any, master_dtype: Any, optimiz
     them out (params and grads left to the caller)."""
     tx, plan = _plan(params, n, optimizer, param_dtype, master_dtype)
     view = plan.state_treedef.flatten_up_to(jax.eval_shape(tx.inner.init, plan.view_structs(0)))
-    kinds = enumerate(zip(plan.state_kinds, view, strict=True))
     # (a coded leaf: its codes and block scales, zeroshard.lowbit)
-    held = lambda k, x: plan.store.nbytes(x.size) if k in plan.coded else _nbytes(x)
-    shared = sum(kind.per_device(held(k, x), n) for k, (kind, x) in kinds)
+    held = lambda kind, x: kind.coding.nbytes(x.size) if kind.coding else _nbytes(x)
+    kinds = zip(plan.state_kinds, view, strict=True)
+    shared = sum(kind.per_device(held(kind, x), n) for kind, x in kinds)
     masters = zip(plan.layout.buckets, plan.master_dtypes, strict=True)
     master = sum(b.row_size * jnp.dtype(m).itemsize for b, m in masters if m is not None)
     widths = zip(plan.storage.widths, plan.storage.dtypes, strict=True)

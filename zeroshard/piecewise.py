@@ -47,13 +47,14 @@ def pieced(plan: Plan) -> dict[int, tuple[int, ...]]:
     leaf with coded state where the inner update is elementwise, else none."""
     kinds, analysis = plan.state_kinds, plan.analysis
     alone = all(type(x) in (SlicedState, ReplicatedState) for x in kinds)
-    if not plan.coded or not alone or analysis.sums or analysis.whole or plan.layout.blocked:
+    coded = {k for k, x in enumerate(kinds) if x.coding}
+    if not coded or not alone or analysis.sums or analysis.whole or plan.layout.blocked:
         return {}
     states = {
         i: tuple(k for k, x in enumerate(kinds) if getattr(x, "leaf", None) == i)
-        for i in {kinds[k].leaf for k in plan.coded}
+        for i in {kinds[k].leaf for k in coded}
     }
-    return {i: ks for i, ks in states.items() if plan.coded.issuperset(ks)}
+    return {i: ks for i, ks in states.items() if coded.issuperset(ks)}
 
 
 def updated(
@@ -71,7 +72,8 @@ def updated(
     again. The gradients of the :func:`pieced` leaves are as they arrived:
     ``prepare(i, g)`` makes leaf ``i``'s piece ``g`` the inner optimizer's. With
     ``finite``, only where it is true: else all is kept as it was."""
-    if not plan.coded:
+    kinds = plan.state_kinds
+    if not any(x.coding for x in kinds):
         return apply(grads, state, params)
     treedef, pieces = plan.layout.treedef, pieced(plan)
     leaves = plan.state_treedef.flatten_up_to(state)
@@ -81,12 +83,12 @@ def updated(
     def rest(g: list, leaves: list, p: list) -> tuple:
         # The pieced leaves empty, any other coded leaves decoded whole.
         state = plan.state_treedef.unflatten(
-            [x if k in done else plan.read(k, x) for k, x in enumerate(leaves)]
+            [x if k in done else kinds[k].decoded(x) for k, x in enumerate(leaves)]
         )
         new, out = apply(treedef.unflatten(g), state, treedef.unflatten(p))
         out = plan.state_treedef.flatten_up_to(out)
         return treedef.flatten_up_to(new), [
-            x if k in done else plan.stored(k, x) for k, x in enumerate(out)
+            x if k in done else kinds[k].encoded(x) for k, x in enumerate(out)
         ]
 
     kept = lambda g, leaves, p: (p, leaves)
@@ -115,7 +117,8 @@ def _in_pieces(
     """Leaf ``i``'s new weights and coded state leaves ``ks``, a piece at a time (the
     other leaves empty; its gradient made the inner optimizer's by ``prepare``), all
     pieces where ``finite`` is true or ``None``, none where it is false."""
-    store, shape, trees = plan.store, p[i].shape, (plan.layout.treedef, plan.state_treedef)
+    store, shape = plan.state_kinds[ks[0]].coding, p[i].shape
+    trees = plan.layout.treedef, plan.state_treedef
     n = _count(math.prod(shape) // store.block, PIECE // store.block, shape[0])
     # Piece c: elements [c, c + 1) * size / n of each array, cut from its leading axis
     # where that divides (a stacked leaf's layers; reshaped, XLA may lay an array out

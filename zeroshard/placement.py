@@ -51,8 +51,7 @@ from zeroshard.analysis import (
 )
 from zeroshard.blocks import At, Blocked, blockable, run_blocked
 from zeroshard.comm import vary
-from zeroshard.layout import Layout, PyTree
-from zeroshard.lowbit import LowBit
+from zeroshard.layout import Layout, PyTree, is_floating
 from zeroshard.rows import pack, unpack
 from zeroshard.state_kinds import BlockedState, OwnedState, ReplicatedState, SlicedState
 from zeroshard.sums import PSUM, Psum, run_with_sums
@@ -119,16 +118,12 @@ class Plan:
       branch_of: per device, its branch.
       state_treedef: the inner state's tree structure.
       analysis: what :func:`zeroshard.analysis.analyze` found in the traced update.
-      state_kinds: per leaf of the inner state, where it lives
-        (:mod:`zeroshard.state_kinds`).
+      state_kinds: per leaf of the inner state, its record: where it lives, its full
+        shape and dtype, and how it is stored (:mod:`zeroshard.state_kinds`).
       storage: where owned state and owned master weights live.
       groups: the sliced leaves updated as one buffer (:func:`_groups`): per group its
         leaves, whose pieces are laid end to end, in the first one's place, in the
         view, the state and the master weights (``None`` at the others').
-      state_groups: per group, the inner state leaves of each of its leaves, one
-        group per state role (``mu``, ``nu``, ...), in the same order.
-      state_dtypes: per leaf of the inner state, its dtype.
-      state_structs: per leaf of the inner state, its full shape and dtype.
       order: the order of the sums in the update, bound to the layout's leaves
         (:class:`zeroshard.sums.Psum`).
       holes: whether the inner optimizer takes trees with ``None`` at the hidden
@@ -136,10 +131,6 @@ class Plan:
         present; else the hidden leaves are zero-element arrays.
       updates: per inner optimizer and axis, :meth:`updates_and_state` jitted (its
         traces cached).
-      store: how coded state leaves are stored (:class:`zeroshard.lowbit.LowBit`),
-        or ``None``.
-      coded: the leaves of the inner state kept as :class:`zeroshard.lowbit.Codes`:
-        floating per-element state of the sliced leaves aligned to the store's blocks.
     """
 
     layout: Layout
@@ -151,24 +142,9 @@ class Plan:
     state_kinds: tuple[ReplicatedState, ...] = ()
     storage: Storage = Storage((), (), ())
     groups: tuple[tuple[int, ...], ...] = ()
-    state_groups: tuple[tuple[int, ...], ...] = ()
-    state_dtypes: tuple[Any, ...] = ()
-    state_structs: tuple[Any, ...] = ()
     order: Psum = PSUM
     holes: bool = False
     updates: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    store: LowBit | None = None
-    coded: frozenset[int] = frozenset()
-
-    def stored(self, k: int, x: Any) -> Any:
-        """Inner state leaf ``k`` as the state stores it: coded where it is
-        :attr:`coded`, else ``x``."""
-        return self.store.encode(x) if k in self.coded else x
-
-    def read(self, k: int, x: Any) -> Any:
-        """Inner state leaf ``k`` as the inner optimizer reads it, from what the state
-        stores (the inverse of :meth:`stored`)."""
-        return self.store.decode(x) if k in self.coded else x
 
     @property
     def inner_dtypes(self) -> list[Any]:
@@ -177,7 +153,8 @@ class Plan:
 
     def master_tree(self, pieces: list[Any]) -> PyTree:
         """The state's ``master``: a tree like the parameters with ``pieces[i]`` (an array
-        shaped as the leaf's piece, or any other value as it is, e.g. a
+        shaped as the leaf's piece, its last axis holding its group's pieces where it
+        is a group's first leaf; or any other value as it is, e.g. a
         ``PartitionSpec``) where leaf ``i`` keeps master weights, ``None`` elsewhere;
         ``None`` as a whole when no leaf keeps any."""
         # Owned leaves keep their master weights in storage.
@@ -187,35 +164,27 @@ class Plan:
         ]
         if not any(keeps):
             return None
-        shaped = lambda p, i: jnp.reshape(p, self.piece_shape(i)) if isinstance(p, jax.Array) else p
-        return self.layout.treedef.unflatten(
-            shaped(p, i) if k else None for i, (p, k) in enumerate(zip(pieces, keeps, strict=True))
-        )
+        shaped = lambda p, s: p.reshape(*s.piece_shape[:-1], -1) if isinstance(p, jax.Array) else p
+        leaves = zip(pieces, keeps, self.layout.slots, strict=True)
+        return self.layout.treedef.unflatten(shaped(p, s) if k else None for p, k, s in leaves)
 
     @functools.cached_property
     def on_view(self) -> Grouping:
-        """How the view and the master pieces hold :attr:`groups` (1-D buffers)."""
-        shapes = {i: self.piece_shape(i) for g in self.groups for i in g}
-        dtypes = {i: self.inner_dtypes[self.layout.slots[i].bucket] for i in shapes}
-        return Grouping(self.layout.treedef, self.groups, shapes, dtypes, self.holes)
+        """How the view and the master pieces hold :attr:`groups`."""
+        return Grouping(self.layout.treedef, self.groups, self.holes)
 
     @functools.cached_property
     def on_state(self) -> Grouping:
-        """How the inner state holds :attr:`state_groups` (buffers shaped as pieces)."""
-        leaf = lambda k: self.state_kinds[k].leaf
-        shapes = {k: self.piece_shape(leaf(k)) for g in self.state_groups for k in g}
-        dtypes = {k: self.state_dtypes[k] for k in shapes}
-        return Grouping(self.state_treedef, self.state_groups, shapes, dtypes, self.holes, True)
+        """How the inner state holds its leaves of :attr:`groups`: a group per state
+        role (``mu``, ``nu``, ...), its leaves' state leaves in the same order."""
+        own = lambda i: [k for k, x in enumerate(self.state_kinds) if getattr(x, "leaf", -1) == i]
+        groups = tuple(ks for g in self.groups for ks in zip(*map(own, g), strict=True))
+        return Grouping(self.state_treedef, groups, self.holes)
 
     @property
     def hidden(self) -> frozenset[int]:
         """The grouped leaves whose pieces are in another leaf's place."""
         return self.on_view.hidden
-
-    @property
-    def hidden_state(self) -> frozenset[int]:
-        """The inner state leaves of :attr:`hidden` leaves."""
-        return self.on_state.hidden
 
     @functools.cached_property
     def leaf_order(self) -> tuple[int, ...]:
@@ -225,26 +194,6 @@ class Plan:
         first = {g[0]: g for g in self.groups}
         order = (first.get(i, (i,)) for i in range(len(self.layout.slots)) if i not in self.hidden)
         return tuple(i for g in order for i in g)
-
-    def piece_shape(self, i: int) -> tuple[int, ...]:
-        """The shape sliced leaf ``i``'s piece has in the view and the state: its
-        group's pieces end to end for a group's first leaf, none of them (zero
-        elements) for a hidden one."""
-        s, group = self.layout.slots[i], self.group_of.get(i)
-        if group is None:
-            return s.piece_shape
-        return (*s.piece_shape[:-1], 0 if i != group[0] else s.piece_size * len(group))
-
-    @functools.cached_property
-    def group_of(self) -> dict[int, tuple[int, ...]]:
-        """The group of each grouped leaf (looked up per leaf at every trace)."""
-        return {i: g for g in self.groups for i in g}
-
-    def to_inner(self, pieces: list[jax.Array | None]) -> list[jax.Array | None]:
-        """Per-leaf pieces (``None`` for owned and hidden leaves) cast to the inner dtypes."""
-        dtypes = self.inner_dtypes
-        cast = lambda s, p: None if p is None else p.astype(dtypes[s.bucket])
-        return self.layout.sliced(cast, pieces)
 
     def updates_and_state(
         self,
@@ -286,7 +235,9 @@ class Plan:
         fn = lambda g, s, p, e: inner.update(g, s, p, **e)
         present = [i for i in range(len(slots)) if not (self.holes and i in self.hidden)]
         kept = [
-            k for k in range(len(self.state_dtypes)) if not self.holes or k not in self.hidden_state
+            k
+            for k in range(len(self.state_kinds))
+            if not self.holes or k not in self.on_state.hidden
         ]
         tags = self.analysis.in_tags(present, kept)  # the extra arguments: clean
         args, names = (grads, state, params, extra_args), [s.path for s in slots]
@@ -305,8 +256,8 @@ class Plan:
         leaves = [s.block.mark(full(s)) if s.blocked else None for s in self.layout.slots]
         params = self.layout.treedef.unflatten(leaves)
         state = self.state_treedef.unflatten(
-            At(x.axis, self.state_structs[k], x.gathered) if isinstance(x, BlockedState) else None
-            for k, x in enumerate(self.state_kinds)
+            At(x.axis, x.struct, x.gathered) if isinstance(x, BlockedState) else None
+            for x in self.state_kinds
         )
         return params, state, params, jax.tree.map(lambda _: None, extra_args or {})
 
@@ -325,7 +276,8 @@ class Plan:
 
     def view(self, branch: int, pieces: list, local: list, axis_name: str) -> PyTree:
         """The tree branch ``branch``'s inner optimizer sees: ``pieces[i]`` (grouped,
-        reshaped to :meth:`piece_shape`) for a sliced leaf (``None`` for a hidden one:
+        shaped as the leaf's piece, its last axis holding its group's pieces where it
+        is a group's first leaf) for a sliced leaf (``None`` for a hidden one:
         see :meth:`filled`), ``local[i]`` (see :meth:`local_wholes`) for a leaf it
         owns, a one-element stand-in for any other owned leaf."""
         dtypes, owned = self.inner_dtypes, dict(self.branches[branch])
@@ -335,7 +287,7 @@ class Plan:
             if i in self.hidden:
                 return None
             if not s.blocked:
-                return pieces[i].reshape(self.piece_shape(i))
+                return pieces[i].reshape(*s.piece_shape[:-1], -1)
             rows = pieces[i].reshape(s.shape[0] // s.num_shards, *s.shape[1:])
             return s.block.to_view(rows, axis_name)
 
@@ -386,25 +338,20 @@ class Plan:
 class Grouping:
     """How one tree (a view of the parameters, or the inner state) holds groups of
     leaves updated as one buffer (:attr:`Plan.groups`): each group's leaves laid end
-    to end in its first leaf's place, the others *hidden* (``None``).
+    to end in its first leaf's place, the others *hidden* (``None``). A group's
+    leaves are alike (:func:`zeroshard.analysis.groups.leaf_forms`: the same
+    computation on values of one shape and dtype), so each is shaped as the first.
 
     Attributes:
       treedef: the tree's structure.
       groups: the groups, by leaf index.
-      shapes: per grouped leaf, its shape in the tree (zero elements for a hidden
-        one, which the inner optimizer may need present: :meth:`filled`).
-      dtypes: per grouped leaf, its dtype.
       holes: whether the inner optimizer takes the tree with ``None`` at the hidden
         leaves (:attr:`Plan.holes`).
-      shaped: whether a group's buffer takes its first leaf's shape (else 1-D).
     """
 
     treedef: Any
     groups: tuple[tuple[int, ...], ...]
-    shapes: dict[int, tuple[int, ...]]
-    dtypes: dict[int, Any]
     holes: bool
-    shaped: bool = False
 
     @functools.cached_property
     def hidden(self) -> frozenset[int]:
@@ -413,11 +360,12 @@ class Grouping:
 
     def grouped(self, leaves: list) -> list:
         """Per-leaf values with each group's laid end to end in its first leaf's place
-        and ``None`` at its other leaves'."""
+        (shaped as the first but for the last axis, which holds them all) and ``None``
+        at its other leaves'."""
         out = list(leaves)
         for g in self.groups:
             joined = jnp.concatenate([jnp.ravel(leaves[i]) for i in g])
-            out[g[0]] = joined.reshape(self.shapes[g[0]]) if self.shaped else joined
+            out[g[0]] = joined.reshape(*leaves[g[0]].shape[:-1], -1)
             for i in g[1:]:
                 out[i] = None
         return out
@@ -430,16 +378,17 @@ class Grouping:
                 out[i] = piece
         return out
 
-    def filled(self, tree: PyTree, axis_name: str) -> PyTree:
-        """``tree`` with a zero-element value at each hidden leaf, what the inner
-        optimizer sees there (``tree`` as it is, with :attr:`holes`)."""
+    def filled(self, tree: PyTree) -> PyTree:
+        """``tree`` with a zero-element value at each hidden leaf (its group's buffer,
+        none of its last axis), what the inner optimizer sees there (``tree`` as it
+        is, with :attr:`holes`)."""
         if self.holes:
             return tree
-        empty = lambda i: _empty(self.shapes[i], self.dtypes[i], axis_name)
         leaves = self.treedef.flatten_up_to(tree)
-        return self.treedef.unflatten(
-            empty(i) if i in self.hidden else x for i, x in enumerate(leaves)
-        )
+        for g in self.groups:
+            for i in g[1:]:
+                leaves[i] = leaves[g[0]][..., :0]
+        return self.treedef.unflatten(leaves)
 
     def compact(self, tree: PyTree) -> PyTree:
         """``tree`` with ``None`` at each hidden leaf (the inverse of :meth:`filled`)."""
@@ -493,7 +442,7 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     """
     master_dtypes = tuple(config.master_dtype_of(b.dtype) for b in base.buckets)
     inner_dtypes = [m or b.dtype for m, b in zip(master_dtypes, base.buckets, strict=True)]
-    full, pieces = base.full_structs(inner_dtypes), base.piece_structs(inner_dtypes)
+    full, pieces = base.full_structs(inner_dtypes), base.full_structs(inner_dtypes, True)
     # (shapes and dtypes only: the sharding init gives them under jax.set_mesh of an
     # Explicit mesh would make the blocked update's full-shape trace close over its axes)
     shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -510,10 +459,8 @@ def make_plan(inner: Any, config: Any, base: Layout) -> Plan:
     profiles = [layout.profile(d) for d in range(layout.num_shards)]
     branches = tuple(dict.fromkeys(profiles))
     branch_of = tuple(branches.index(o) for o in profiles)
-    plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis)
-    structs = tuple(jax.tree.leaves(full_state))
     order = config.sum_order.over(layout.slots)  # (its sums run over these leaves)
-    plan = dataclasses.replace(plan, order=order, state_structs=structs)
+    plan = Plan(layout, master_dtypes, branches, branch_of, state_treedef, analysis, order=order)
     gathered = frozenset().union(*(g for *_, g in blocks.values()))
     kept = {k: a for _, found, _ in blocks.values() for k, a in found.items()}
     store = {k: BlockedState(a, k in gathered) for k, a in kept.items()}
@@ -602,27 +549,28 @@ def _with_state(plan: Plan, inner: Any, full_state: PyTree, config: Any, blocked
             if plan.master_dtypes[(s := layout.slots[i]).bucket] is not None
         ]
         storage.append(values)
-    groups, state_groups = ((), ())
+    groups = ()
     # Groups sum a buffer of several leaves at once, in an order of their own: not
     # in a fixed order of sums.
     if config.group_alike and layout.num_shards > 1 and config.sum_order.any_order:
-        groups, state_groups = _groups(layout, analysis, kinds, config.pack_bytes)
-    store = config.state_store
-    floating = lambda k: jnp.issubdtype(views[0][k].dtype, jnp.floating)
-    coded = [
-        k
-        for k, x in enumerate(kinds)
-        if store and isinstance(x, SlicedState) and layout.slots[x.leaf].align and floating(k)
+        groups = _groups(layout, analysis, kinds, config.pack_bytes)
+    # Each leaf's record: its kind, full shape, dtype (in the view) and coding.
+    coded = lambda x, v: (
+        isinstance(x, SlicedState) and layout.slots[x.leaf].align and is_floating(v)
+    )
+    kinds = [
+        dataclasses.replace(
+            x,
+            struct=jax.ShapeDtypeStruct(f.shape, v.dtype),
+            coding=config.state_store if coded(x, v) else None,
+        )
+        for x, f, v in zip(kinds, jax.tree.leaves(full_state), views[0], strict=True)
     ]
     plan = dataclasses.replace(
         plan,
         storage=Storage.build(storage),
         groups=groups,
-        state_groups=state_groups,
-        state_dtypes=tuple(x.dtype for x in views[0]),
         state_kinds=tuple(kinds),
-        store=store,
-        coded=frozenset(coded),
     )
     return dataclasses.replace(plan, holes=_takes_holes(plan, inner, full_state, config.axis_name))
 
@@ -646,27 +594,26 @@ def _takes_holes(plan: Plan, inner: Any, full_state: PyTree, axis_name: str) -> 
     except Exception:  # any failure of the inner optimizer on it means no
         return False
     present = [i for i in range(len(plan.layout.slots)) if i not in plan.hidden]
-    kept = [j for k, j in enumerate(analysis.state_leaves) if k not in plan.hidden_state]
+    kept = [j for k, j in enumerate(analysis.state_leaves) if k not in plan.on_state.hidden]
     forms = leaf_forms(closed, present, kept, input_names((view, state, view, extra)))
     return all(forms[g[0]] == analysis.forms[g[0]] for g in plan.groups)
 
 
 def _groups(
     layout: Layout, analysis: Analysis, kinds: list, pack_bytes: int
-) -> tuple[tuple, tuple]:
-    """The groups of sliced leaves updated as one buffer, and their state leaves (see
-    :class:`Plan`): alike leaves (equal forms, see
-    :func:`zeroshard.analysis.groups.leaf_forms`: the same computation on pieces of
-    one shape) of one dtype that are cut whole (not layer by layer), whose update is
-    elementwise but for sums over several leaves (a global norm; no sum over one
-    leaf) and whose state is per element. On such leaves, laying the pieces end to
-    end changes no elementwise result: every element is computed as before from the
-    same values (a global norm's sum in another order). Only leaves smaller than
-    ``pack_bytes`` are grouped: they travel in packed collectives, whose rows lay a
-    group's pieces out together, so grouping them is a slice of the row; a larger
-    leaf's collective moves it directly, and a group would copy it. On one device the
-    pieces are the leaves themselves, and are left as they are (plain optax's layout,
-    no copies)."""
+) -> tuple[tuple[int, ...], ...]:
+    """The groups of sliced leaves updated as one buffer (see :class:`Plan`): alike
+    leaves (equal forms, see :func:`zeroshard.analysis.groups.leaf_forms`: the same
+    computation on pieces of one shape) of one dtype that are cut whole (not layer by
+    layer), whose update is elementwise but for sums over several leaves (a global norm;
+    no sum over one leaf) and whose state is per element. On such leaves, laying the
+    pieces end to end changes no elementwise result: every element is computed as before
+    from the same values (a global norm's sum in another order). Only leaves smaller
+    than ``pack_bytes`` are grouped: they travel in packed collectives, whose rows lay a
+    group's pieces out together, so grouping them is a slice of the row; a larger leaf's
+    collective moves it directly, and a group would copy it. On one device the pieces
+    are the leaves themselves, and are left as they are (plain optax's layout, no
+    copies)."""
     # A sum over one leaf (a norm, an RMS) is per leaf: it keeps the leaf apart. A sum
     # over several (a global norm) is over the group's buffer too, padding left out.
     summed = set().union(*(x for x in analysis.sums if len(x) == 1), analysis.layer_sums)
@@ -694,8 +641,7 @@ def _groups(
         g = tuple(i for i in alike if fit(i))
         if len(g) > 1:
             groups.append(g)
-    state_groups = [tuple(ks) for g in groups for ks in zip(*(own[i] for i in g), strict=True)]
-    return tuple(groups), tuple(state_groups)
+    return tuple(groups)
 
 
 def _check_structure(treedef: Any, state: PyTree) -> None:

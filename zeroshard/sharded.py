@@ -192,7 +192,8 @@ class Sharded:
         (``None`` at owned leaves) and the owned leaves' full ones
         (:func:`zeroshard.branches.owned_wholes`), inside ``shard_map``."""
         axis = self.config.axis_name
-        pieces = plan.on_view.grouped(plan.to_inner(pieces))
+        cast = lambda s, p: p.astype(plan.inner_dtypes[s.bucket])  # (the inner dtypes)
+        pieces = plan.on_view.grouped(plan.layout.sliced(cast, pieces))
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, wholes)
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()

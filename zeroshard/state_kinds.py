@@ -11,9 +11,10 @@ read from the inner ``init`` traced on each device's view:
   layer's owner), in the storage rows;
 - :class:`ReplicatedState`: the same on every device (counts, hyperparameters).
 
-Each knows its ``PartitionSpec`` in the global state, whether it is stored in the
-owners' rows, and its bytes per device; the conversions to and from plain optax's
-form match on the kind (:mod:`zeroshard.logical`).
+Each is the state leaf's record: its full shape and dtype, its low-bit coding, its
+``PartitionSpec`` in the global state, whether it is stored in the owners' rows, and
+its bytes per device; the conversions to and from plain optax's form match on the
+kind (:mod:`zeroshard.logical`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.lowbit import Codes
+from zeroshard.lowbit import Codes, LowBit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +32,26 @@ class ReplicatedState:
     """The same value on every device.
 
     Attributes:
+      struct: the leaf's full shape (for the full parameters), and its dtype.
+      coding: how the state stores it (:class:`zeroshard.lowbit.LowBit`: floating
+        per-element state of a sliced leaf aligned to the store's blocks), or ``None``
+        (as it is).
       stored: whether the value lives in the owners' storage rows, not in the state's
         tree.
     """
 
+    struct: Any = dataclasses.field(default=None, kw_only=True)
+    coding: LowBit | None = dataclasses.field(default=None, kw_only=True)
     stored = False
+
+    def encoded(self, x: Any) -> Any:
+        """``x`` as the state stores it: coded where the leaf is, else as it is."""
+        return self.coding.encode(x) if self.coding else x
+
+    def decoded(self, x: Any) -> Any:
+        """The leaf as the inner optimizer reads it, from what the state stores (the
+        inverse of :meth:`encoded`)."""
+        return self.coding.decode(x) if self.coding else x
 
     def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
         """``PartitionSpec`` of state leaf ``k`` in the global state (``None``: a leaf
@@ -49,16 +65,17 @@ class ReplicatedState:
 
 @dataclasses.dataclass(frozen=True)
 class SlicedState(ReplicatedState):
-    """Per element: shaped like sliced parameter ``leaf``'s pieces (see
-    :meth:`zeroshard.placement.Plan.piece_shape`)."""
+    """Per element: shaped like sliced parameter ``leaf``'s pieces
+    (:attr:`zeroshard.layout.Slot.piece_shape`; for a group, its pieces end to end:
+    :class:`zeroshard.placement.Grouping`)."""
 
     leaf: int
 
     def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
-        if k in plan.hidden_state:
+        if k in plan.on_state.hidden:
             return None
         spec = plan.layout.slots[self.leaf].spec(axis_name)
-        return Codes(spec, spec, plan.store.bits) if k in plan.coded else spec
+        return Codes(spec, spec, self.coding.bits) if self.coding else spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +94,7 @@ class BlockedState(ReplicatedState):
     gathered: bool = False
 
     def spec(self, plan: Any, k: int, axis_name: str) -> P | None:
-        ndim = len(plan.state_structs[k].shape)
+        ndim = len(self.struct.shape)
         return P(*(axis_name if d == self.axis else None for d in range(ndim)))
 
     def per_device(self, nbytes: float, num_shards: int) -> float:

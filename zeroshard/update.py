@@ -305,9 +305,9 @@ def _branch_update(
             # The hidden leaves are absent (None) from the conditional's operands: an
             # operand costs XLA's partitioner even when empty. Where the inner
             # optimizer needs them present, their zero-element pieces are made here.
-            full, state = plan.on_view.filled(params, axis), plan.on_state.filled(inner_state, axis)
+            full, state = plan.on_view.filled(params), plan.on_state.filled(inner_state)
             # (coded state decoded, updated and coded again, a piece at a time)
-            grads = plan.on_view.filled(grads, axis)
+            grads = plan.on_view.filled(grads)
             new, new_state = piecewise.updated(plan, apply, grads, state, full, prepare, finite)
             new_state = plan.on_state.compact(new_state)
             return plan.on_view.compact(new), branches.varying_like(new_state, inner_state, axis)

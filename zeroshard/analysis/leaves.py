@@ -112,17 +112,13 @@ def trace_update(inner: Any, params: PyTree, state: PyTree, axis_name: str, num_
         try:
             jaxpr = jax.make_jaxpr(fn, axis_env=axis_env(axis_name, num_shards))
             return jaxpr(params, state, params, extra), extra
-        except TypeError as e:
-            missing = _MISSING.search(str(e))
+        except Exception as e:
+            missing = _MISSING.search(str(e)) if isinstance(e, TypeError) else None
             names = re.findall(r"'(\w+)'", missing.group(1)) if missing else []
             if names and not set(names) & extra.keys():
                 invented += names
                 extra.update((k, jax.ShapeDtypeStruct((), jnp.float32)) for k in names)
                 continue
-            if not invented:
-                raise
-            raise _refused(invented, e) from e
-        except Exception as e:
             if not invented:
                 raise
             raise _refused(invented, e) from e
