@@ -28,15 +28,9 @@ from zeroshard.comm import mesh_size
 from zeroshard.layout import Layout, PyTree
 from zeroshard.mesh import keep_axes, mesh_of
 from zeroshard.placement import Plan
-from zeroshard.sharded import (
-    ShardedTransformation,
-    check_blocks,
-    cut_otherwise,
-    optimizer_of,
-    state_axes,
-)
+from zeroshard.sharded import ShardedTransformation, check_made, optimizer_of
 from zeroshard.stage3 import full_structs, layout_of
-from zeroshard.state import ShardedState, TrainState
+from zeroshard.state import ShardedState, TrainState, key_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,28 +119,24 @@ def state_devices_on(tx: ShardedTransformation, mesh: Any) -> int:
 
 
 def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout:
-    """The layout a global ``state`` was made with, on its mesh: over the axes its
-    arrays are split over (a step's, or the one-line drop-in's), a tensor-parallel
-    leaf's state block by block where its arrays hold it so.
+    """The layout a global ``state`` was made with, on its mesh: the one it carries
+    (:attr:`zeroshard.ShardedState.layout`: over a step's axes or the one-line
+    drop-in's, a tensor-parallel leaf's state block by block where it keeps it so),
+    not read from its arrays.
 
     Raises:
-      ValueError: if the state was made for the weights laid out otherwise
-        (:func:`zeroshard.sharded.check_blocks`).
+      ValueError: if the state carries no layout, or keeps a leaf block by block
+        whose weights are not laid out in those blocks now
+        (:func:`zeroshard.sharded.check_made`).
     """
-    opt, mesh = optimizer_of(tx), mesh_of(state)
-    tx = tx.over(state_axes(state.opt_state, state.params))
+    made, mesh, opt = key_of(state.opt_state), mesh_of(state), optimizer_of(tx)
     rest = opt.other_axes(mesh)
-    weights = layout_of(state.params, rest)
-    # (kept block by block where the state is over those axes: none where nothing is kept,
-    # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = {
-        i: x for i, x in opt.splits(mesh, weights).items() if set(x.axes) <= set(tx.config.axes)
-    }
-    n = mesh_size(mesh, tx.axis_name)
-    built = _built(tx, n, state.params, weights, rest, splits)
-    if set(splits) & set(cut_otherwise(built.plan, state.opt_state)):
-        built = _built(tx, n, state.params, weights, rest, {})
-    check_blocks(built.plan, state.opt_state)
+    n, splits = mesh_size(mesh, made.axes), dict(made.splits)
+    built = _built(tx.over(made.axes), n, state.params, layout_of(state.params, rest), rest, splits)
+    if splits:  # (the weights' blocks now, by the optimizer that made them)
+        x = next(iter(splits.values()))
+        now = opt.over(x.over).splits(mesh, layout_of(state.params, x.axes))
+        check_made(built.layout, made, made._replace(splits=tuple(now.items() & splits.items())))
     return built
 
 
