@@ -325,7 +325,7 @@ class Sharded:
                 "zs.sharded: the optimizer state was made for other parameters: its master "
                 f"weights have the structure {mine}, these params need {master}."
             )
-        check_made(plan.layout, key_of(state), LayoutKey.of(self.config.axes, plan.layout))
+        check_made(plan.layout, key_of(state), self.config.axes, plan.layout.splits)
 
 
 NO_MESH = (
@@ -424,28 +424,31 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         return self.optimizer.specs_of(self.plan(params, num_shards, splits))
 
 
-def check_made(layout: Layout, made: LayoutKey, key: LayoutKey) -> None:
+def check_made(
+    layout: Layout, made: LayoutKey, axes: tuple[str, ...], splits: Mapping[int, Split]
+) -> None:
     """Refuses a state of ``layout``'s leaves laid out as ``made`` says (the layout it
-    carries) where ``key`` is asked for: split over other axes, or a leaf kept in
-    other blocks (a state made for the weights laid out otherwise than they are now).
+    carries) where one split over ``axes``, its leaves of ``splits`` kept block by
+    block, is asked for: split over other axes, or a leaf kept in other blocks (a
+    state made for the weights laid out otherwise than they are now).
 
     Raises:
       ValueError: naming the axes, or the first such leaf, and how to make the state
         again.
     """
-    if made.axes != key.axes:
+    if made.axes != tuple(axes):
         raise ValueError(
             f"zs.sharded: the optimizer state is split over the mesh axes {made.axes}, and "
-            f"is laid out over {key.axes} here. {REMAKE}"
+            f"is laid out over {tuple(axes)} here. {REMAKE}"
         )
-    held, now = dict(made.splits), dict(key.splits)
-    for i in sorted(held.keys() | now.keys()):
-        if held.get(i, WHOLE) != now.get(i, WHOLE):
+    held = made.by_leaf
+    for i in sorted(held.keys() | splits.keys()):
+        if held.get(i, WHOLE) != splits.get(i, WHOLE):
             raise ValueError(
                 f"zs.sharded: the optimizer state of {layout.slots[i].path} was made for the "
                 "weights laid out otherwise than they are now: it is kept in "
                 f"{held.get(i, WHOLE).blocks} block(s) over the mesh's other axes, and this "
-                f"layout keeps it in {now.get(i, WHOLE).blocks}. {REMAKE}"
+                f"layout keeps it in {splits.get(i, WHOLE).blocks}. {REMAKE}"
             )
 
 

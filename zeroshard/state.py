@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -21,16 +22,23 @@ class LayoutKey(NamedTuple):
     Attributes:
       axes: the mesh axes the state is split over.
       splits: the leaves it keeps block by block over the mesh's other axes, as
-        ``(index, split)`` pairs (:class:`zeroshard.layout.Split`).
+        ``(index, *fields of its split)`` (:class:`zeroshard.layout.Split`): plain
+        data, so that pickle and Flax's msgpack serialization take it.
     """
 
     axes: tuple[str, ...]
-    splits: tuple[tuple[int, Split], ...] = ()
+    splits: tuple[tuple, ...] = ()
 
     @classmethod
     def of(cls, axes: tuple[str, ...], layout: Layout) -> LayoutKey:
         """The key of a state split over ``axes`` as ``layout`` lays it out."""
-        return cls(tuple(axes), tuple(layout.splits.items()))
+        splits = tuple((i, *dataclasses.astuple(x)) for i, x in layout.splits.items())
+        return cls(tuple(axes), splits)
+
+    @property
+    def by_leaf(self) -> dict[int, Split]:
+        """The :class:`zeroshard.layout.Split` of each leaf kept block by block."""
+        return {i: Split(*fields) for i, *fields in self.splits}
 
 
 class ShardedState(NamedTuple):

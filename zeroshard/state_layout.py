@@ -131,12 +131,12 @@ def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout
     """
     made, mesh, opt = key_of(state.opt_state), mesh_of(state), optimizer_of(tx)
     rest = opt.other_axes(mesh)
-    n, splits = mesh_size(mesh, made.axes), dict(made.splits)
+    n, splits = mesh_size(mesh, made.axes), made.by_leaf
     built = _built(tx.over(made.axes), n, state.params, layout_of(state.params, rest), rest, splits)
-    if splits:  # (the weights' blocks now, by the optimizer that made them)
+    if splits:  # (the weights' blocks now, of those leaves, by the optimizer that made them)
         x = next(iter(splits.values()))
         now = opt.over(x.over).splits(mesh, layout_of(state.params, x.axes))
-        check_made(built.layout, made, made._replace(splits=tuple(now.items() & splits.items())))
+        check_made(built.layout, made, made.axes, {i: now[i] for i in splits if i in now})
     return built
 
 
