@@ -436,27 +436,22 @@ def check_made(
       ValueError: naming the axes, or the first such leaf, and how to make the state
         again.
     """
-    if made.axes != tuple(axes):
-        raise ValueError(
-            f"zs.sharded: the optimizer state is split over the mesh axes {made.axes}, and "
-            f"is laid out over {tuple(axes)} here. {REMAKE}"
+    held, axes = made.by_leaf, tuple(axes)
+    other = [i for i in sorted(held.keys() | splits.keys()) if held.get(i) != splits.get(i)]
+    if made.axes != axes or other:
+        i = other[0] if other else 0
+        how = (
+            f"it is split over the mesh axes {made.axes}, and here over {axes}"
+            if made.axes != axes
+            else f"it keeps {layout.slots[i].path} in {held.get(i, WHOLE).blocks} block(s) "
+            f"over the mesh's other axes, and this layout in {splits.get(i, WHOLE).blocks}"
         )
-    held = made.by_leaf
-    for i in sorted(held.keys() | splits.keys()):
-        if held.get(i, WHOLE) != splits.get(i, WHOLE):
-            raise ValueError(
-                f"zs.sharded: the optimizer state of {layout.slots[i].path} was made for the "
-                "weights laid out otherwise than they are now: it is kept in "
-                f"{held.get(i, WHOLE).blocks} block(s) over the mesh's other axes, and this "
-                f"layout keeps it in {splits.get(i, WHOLE).blocks}. {REMAKE}"
-            )
-
-
-REMAKE = (
-    "Make the state from the weights as they are laid out (tx.init(params), "
-    "zs.init_train_state, or zs.from_optax_state(..., param_specs=)), or lay them out "
-    "as before."
-)
+        raise ValueError(
+            "zs.sharded: the optimizer state was made for another mesh, or for the weights "
+            f"laid out otherwise than they are now: {how}. Make the state from the weights "
+            "as they are laid out (tx.init(params), zs.init_train_state, or "
+            "zs.from_optax_state(..., param_specs=)), or lay them out as before."
+        )
 
 
 def optimizer_of(tx: Any) -> Sharded:

@@ -127,7 +127,7 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
     kind, (core, extra, tx) = _split(state, tx)
     if kind == "zeroshard":
         mesh_of(state)  # a TypeError unless it is laid out on a mesh
-        # (on a mesh with other axes the state is split over those too)
+        # (the axes it carries: on a mesh with other axes, split over those too)
         return Parts(state, {}, tx.over(key_of(state.opt_state).axes))
     if not isinstance(core.opt_state, ShardedState):
         owner = "the TrainState" if kind == "linen" else "the optimizer"
@@ -136,11 +136,10 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
             "zs.ShardedState: build the state with the optimizer from zs.sharded(...), "
             "e.g. tx=zs.sharded(optax.adamw(1e-3), mesh=mesh)."
         )
-    # (the one-line drop-in's state is split over every axis of its mesh)
     mesh = find_mesh(tx.config, core.opt_state, context=False, any_axes=True)
     step = jax.device_put(jnp.asarray(core.step, jnp.int32), NamedSharding(mesh, P()))
-    axes = key_of(core.opt_state).axes
-    return Parts(core._replace(step=step), stored(extra), tx.over(axes))
+    # (the one-line drop-in's state is split over every axis of its mesh)
+    return Parts(core._replace(step=step), stored(extra), tx.over(key_of(core.opt_state).axes))
 
 
 def _is_key(x: Any) -> bool:
