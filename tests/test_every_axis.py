@@ -103,9 +103,11 @@ def jit_loop(tx, params, data, steps=6):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    opt_state = tx.init(params)
+    opt_state = first = tx.init(params)
     for _ in range(steps):
         params, opt_state = step(params, opt_state, *data)
+    # (the state's tree, its layout included, as tx.init made it: jit traces it once)
+    assert jax.tree.structure(opt_state) == jax.tree.structure(first)
     return params, opt_state
 
 
