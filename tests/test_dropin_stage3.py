@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+import zeroshard.flax as zf
 
 WIDTH, VOCAB = 64, 32
 
@@ -41,6 +42,8 @@ def make_loss(layer, whole=lambda p: p, unroll=1):
 
     def loss(params, batch):
         x = jax.nn.one_hot(batch["tokens"], VOCAB) @ whole(params["embed"])
+        if "odd" in params:  # (leaves the devices cannot cut along their first dimension)
+            x = x * params["odd"]["a"].sum(0) + jnp.mean(params["odd"]["b"])
         block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
         x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll)
         logits = x @ whole(params["head"])
@@ -112,6 +115,24 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)])
+@pytest.mark.parametrize("mesh", [auto_mesh(), jax.make_mesh((8, 1), ("data", "model"))])
+def test_a_leaf_the_devices_cannot_cut_stays_whole(mesh, inner):
+    """A weight whose first dimension 8 does not divide ((2, 64); (3, 7), whose layer
+    is not 8 equal runs either) is kept whole at stage 3, as at stage 2: its gradient
+    cut to pieces, its new weights gathered. The numbers are plain optax's, on Auto
+    axes and on Explicit ones with a second axis of one device."""
+    odd = {"a": jnp.full((2, WIDTH), 0.5), "b": jnp.linspace(-1, 1, 21).reshape(3, 7)}
+    params, data = make_params(2) | {"odd": odd}, batches(3)
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=3)
+    got, _, losses = dropin(tx, mesh, params, data)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got["odd"]))
+    assert zs.state_bytes_per_device(got["blocks"]) == got["blocks"]["w"].nbytes * 65 / 64 / 8
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_on_explicit_axes_too(stage):
     """jax's default mesh (Explicit axes): the weights' types carry their layout, and
@@ -122,6 +143,27 @@ def test_on_explicit_axes_too(stage):
     got, _, losses = dropin(tx, jax.make_mesh((8,), ("data",)), params, data)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert_trees_close(got, expected, rtol=1e-5)
+
+
+def test_stage3_init_reads_the_pieces_never_a_whole_weight():
+    """tx.init from the weights laid out as pieces (bfloat16, so that the float32
+    master weights are made from their values): the compiled init reads each device's
+    block of every weight and holds no whole one, so a model whose weights fit no one
+    device starts; the state is stage 1's, made from the whole weights."""
+    mesh = auto_mesh()
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params(8))
+    whole = sum(x.size * 4 for x in jax.tree.leaves(bf16))  # the weights in float32
+    tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], stage=3, mesh=mesh)
+    pieces = tx.shard_params(jax.eval_shape(lambda: bf16))
+    memory = jax.jit(tx.init).lower(pieces).compile().memory_analysis()
+    assert memory.argument_size_in_bytes == whole / 2 / 8  # (the bfloat16 pieces)
+    assert memory.temp_size_in_bytes <= whole / 8, memory  # (whole weights: 11x this)
+    with jax.set_mesh(mesh):
+        state = tx.init(tx.shard_params(bf16))
+        expected = zs.sharded(optax.adam(1e-3), stacked=["blocks"]).init(bf16)
+    assert jax.tree.structure(state) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_gather_gives_the_gradient_not_n_times_it():
@@ -159,6 +201,31 @@ def compiled_step(layers, inner=None, loss=None, stage=3):
 
     batch = {"tokens": rows, "targets": rows}
     return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile()
+
+
+def test_step_memory_of_your_own_step():
+    """zs.step_memory(step, ..., own_step=True) compiles the user's own step as the run
+    does (weights as tx.shard_params lays them, state as tx.init): the same figures as
+    that program lowered by hand; stage 3 holds less than stage 2."""
+    rows = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+    batch, structs, peaks = {"tokens": rows, "targets": rows}, make_params(8), {}
+    for stage in (1, 2, 3):
+        tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], stage=stage, mesh=auto_mesh())
+
+        def step(params, opt_state, batch, tx=tx):
+            updates, opt_state = tx.update(
+                jax.grad(make_loss(zs.layer))(params, batch), opt_state, params
+            )
+            return optax.apply_updates(params, updates), opt_state
+
+        memory = zs.step_memory(step, tx, auto_mesh(), structs, batch, own_step=True)
+        m = compiled_step(8, stage=stage).memory_analysis()
+        figures = (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes)
+        assert memory[:3] == figures
+        peaks[stage] = memory.peak
+    assert peaks[3] < peaks[2], peaks
+    with pytest.raises(ValueError, match="zeroshard's step's options"):
+        zs.step_memory(step, tx, auto_mesh(), structs, batch, stage=3, own_step=True)
 
 
 def test_stage3_temporaries_grow_by_pieces_not_layers():
@@ -219,6 +286,152 @@ def test_what_stage3_in_your_jit_refuses():
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
     with jax.set_mesh(tp), pytest.raises(ValueError, match="tensor parallelism"):
         tx.shard_params(params)
-    odd = params | {"bias": jnp.zeros((10,))}
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"\['bias'\] of shape \(10,\)"):
-        tx.shard_params(odd)
+
+
+# Flax models as written, in their own steps: nnx.Optimizer and Linen's TrainState.
+
+
+# Marked on Explicit axes (the model's own sharding calls need whole weights there);
+# unmarked on Auto ones, where the compiler gathers.
+FLAX_CASES = pytest.mark.parametrize(
+    "inner, axes, marked",
+    [
+        (optax.sgd(0.1, momentum=0.9), AxisType.Explicit, True),
+        (optax.adam(1e-2), AxisType.Explicit, True),
+        (optax.sgd(0.1, momentum=0.9), AxisType.Auto, False),
+    ],
+    ids=["sgd-marked-explicit", "adam-marked-explicit", "sgd-unmarked-auto"],
+)
+
+
+def minigpt_run(tx, mesh, batches, marked=False):
+    """The miniGPT example (the suite's port) through nnx.Optimizer in its own nnx.jit
+    step, dropout off; at stage 3 its weights laid out once by tx.shard_params and,
+    ``marked``, its embeddings, blocks and head gathering their own weights."""
+    from flax import nnx
+    from test_flax_programs import MiniGPT, gpt_loss
+
+    with jax.set_mesh(mesh):
+        model = MiniGPT(rngs=nnx.Rngs(0))
+        model.eval()
+        if marked:
+            zf.nnx_gathered(model.token_emb, model.pos_emb, model.output_layer)
+            zf.nnx_gathered(*model.transformer_blocks.layers)
+        if getattr(tx, "config", None) is not None and tx.config.stage == 3:
+            nnx.update(model, tx.shard_params(nnx.state(model, nnx.Param)))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, optimizer, batch):
+            (loss, _), grads = nnx.value_and_grad(gpt_loss, has_aux=True)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [
+            float(train_step(model, optimizer, jax.device_put(b, P("data")))) for b in batches
+        ]
+        return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@FLAX_CASES
+def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
+    """The miniGPT example at stage 3 through nnx.Optimizer gives plain optax's numbers
+    (one device, the global batch), on its ("data", "model") mesh with one model
+    device (a model axis of more is tensor parallelism, which stage 3 in your own jit
+    refuses). Its leaves that 8 does not cut along their first dimension (attention's
+    (2, 8) biases, (2, 8, 16) output kernels) stay whole."""
+    from test_flax_programs import token_batches
+
+    batches = token_batches(rng)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+    expected_losses, expected = minigpt_run(inner, one, batches)  # (unmarked)
+    mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(axes, axes))
+    tx = zs.sharded(inner, stage=3)
+    losses, got = minigpt_run(tx, mesh, batches, marked)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for tree in (got, expected):  # attention's key bias has a zero gradient: rounding only
+        for block in range(2):
+            tree["transformer_blocks"]["layers"][block]["mha"]["key"].pop("bias")
+    assert_trees_close(got, expected, rtol=1e-5)
+    # 1/8 of every leaf per device, but those whose first dimension 8 does not divide
+    cut = lambda x: x.nbytes / 8 if x.shape[0] % 8 == 0 else x.nbytes
+    assert zs.state_bytes_per_device(got) == sum(map(cut, jax.tree.leaves(got)))
+
+
+def test_a_marked_module_that_changes_its_state_is_refused(rng):
+    from flax import nnx
+    from test_flax_programs import MiniGPT, gpt_loss, token_batches
+
+    with jax.set_mesh(jax.make_mesh((8, 1), ("data", "model"))):
+        model = MiniGPT(rngs=nnx.Rngs(0))  # (training: its dropout draws)
+        zf.nnx_gathered(*model.transformer_blocks.layers)
+        with pytest.raises(ValueError, match="TransformerBlock's call changes its own state"):
+            nnx.jit(nnx.grad(gpt_loss, has_aux=True))(model, token_batches(rng)[0])
+
+
+def linen_run(tx, mesh, batches, marked=False):
+    """A Linen model as written (``nn.scan`` over a block, a dense head) through
+    flax's TrainState in its own jitted step; ``marked``: its block and head are
+    zf.linen_gathered (their own names kept)."""
+    import flax.linen as nn
+    from flax.training import train_state
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return jnp.tanh(nn.Dense(WIDTH)(x)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block, dense = (
+                (zf.linen_gathered(Block), zf.linen_gathered(nn.Dense))
+                if marked
+                else (Block, nn.Dense)
+            )
+            scan = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            return dense(VOCAB, name="head")(scan(name="blocks")(x, None)[0])
+
+    model = Model()
+    with jax.set_mesh(mesh):
+        params = model.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        if getattr(tx, "config", None) is not None and tx.config.stage == 3:
+            params = tx.shard_params(params)
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+        @jax.jit
+        def step(state, batch):
+            def loss(params):
+                x = jax.nn.one_hot(batch["tokens"], WIDTH)
+                logits = state.apply_fn({"params": params}, x)
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch["targets"]
+                ).mean()
+
+            value, grads = jax.value_and_grad(loss)(state.params)
+            return state.apply_gradients(grads=grads), value
+
+        losses = []
+        for batch in batches:
+            state, value = step(state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+            losses.append(float(value))
+    return losses, state.params
+
+
+@FLAX_CASES
+def test_linen_scan_through_train_state_at_stage3(inner, axes, marked):
+    """A Linen nn.scan model through TrainState at stage 3 gives plain optax's numbers
+    (one device, the global batch), its weights 1/8 per device."""
+    data = batches(4)
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    expected_losses, expected = linen_run(inner, one, data)  # (unmarked)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axes,))
+    tx = zs.sharded(inner, stacked=["blocks"], stage=3)
+    losses, got = linen_run(tx, mesh, data, marked)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(got))
+    assert zs.state_bytes_per_device(got) == total / 8

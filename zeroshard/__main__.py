@@ -26,22 +26,23 @@ import math
 import sys
 
 
-def inspect(directory: str, step: int | None, as_json: bool, verify: bool = False) -> int:
-    """Prints a checkpoint's metadata record (without loading any array unless
-    ``verify``: then every array of the step is read and checked against its checksum)."""
+def inspect(args: argparse.Namespace) -> int:
+    """``inspect``: prints the metadata record of a checkpoint's ``--step`` (``--json``:
+    as it is), without loading any array unless ``--verify``: then every array of the
+    step is read and checked against its checksum."""
     from zeroshard.checkpointing import CheckpointManager
 
-    manager = CheckpointManager(directory)
+    manager = CheckpointManager(args.directory)
     try:
-        meta = manager.metadata(step)
+        meta = manager.metadata(args.step)
     except (FileNotFoundError, ValueError) as e:
         print(f"zeroshard inspect: {e}", file=sys.stderr)
         return 1
-    if as_json:
+    if args.json:
         print(json.dumps(meta, indent=2))
     else:
         _describe(manager, meta)
-    if not verify:
+    if not args.verify:
         return 0
     try:
         count = manager.verify(meta["step"])
@@ -78,35 +79,27 @@ def _describe(manager, meta: dict) -> None:
     )
 
 
-def plan_command(
-    params: str,
-    devices: int | dict[str, int],
-    param_dtype: str,
-    optimizer: str,
-    loss: str | None = None,
-    batch=None,
-    param_specs: str | None = None,
-) -> int:
-    """Prints model-state bytes per device for ZeRO stages 0-3, and the placement
-    when ``params`` and ``optimizer`` name functions (``module:function``); with
-    ``loss`` and ``batch``, each stage's compiled peak. ``devices``: a count, or a
-    mesh's shape (axis name -> size); ``param_specs``: a function returning the
-    parameters' ``PartitionSpec``s on that mesh (their layout, which the step keeps)."""
-    import math
-
+def plan_command(args: argparse.Namespace) -> int:
+    """``plan``: prints model-state bytes per device for ZeRO stages 0-3 on
+    ``--devices`` or a ``--mesh`` of that shape (axis name -> size), and the placement
+    when ``--params`` and ``--optimizer`` name functions (``module:function``); with
+    ``--loss`` and ``--batch``, each stage's compiled peak; ``--param-specs``: a
+    function returning the parameters' ``PartitionSpec``s on that mesh (their layout,
+    which the step keeps)."""
     import jax
 
+    devices, param_dtype, optimizer = args.mesh or args.devices, args.param_dtype, args.optimizer
     count = math.prod(devices.values()) if isinstance(devices, dict) else devices
-    if loss is not None:  # (before JAX starts: the devices to plan for, simulated)
+    if args.loss is not None:  # (before JAX starts: the devices to plan for, simulated)
         jax.config.update("jax_num_cpu_devices", count)
     from zeroshard.memory import param_count, placement_table, plan_table, state_devices
 
     try:
-        tree = jax.eval_shape(_load(params)) if ":" in params else float(params)
+        tree = jax.eval_shape(_load(args.params)) if ":" in args.params else float(args.params)
         tx = _load(optimizer)() if ":" in optimizer else optimizer
-        loss_fn = None if loss is None else _load(loss)
-        batch = None if batch is None else jax.eval_shape(_load(batch))
-        specs = None if param_specs is None else _load(param_specs)()
+        loss_fn = None if args.loss is None else _load(args.loss)
+        batch = None if args.batch is None else jax.eval_shape(_load(args.batch))
+        specs = None if args.param_specs is None else _load(args.param_specs)()
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         print(f"zeroshard plan: {e}", file=sys.stderr)
         return 1
@@ -130,8 +123,6 @@ def peak_table(
     """Each stage's compiled peak per device (:func:`zeroshard.step_memory`), on
     ``devices`` simulated devices along the optimizer's axis or on a mesh of that shape
     (Auto axes), the parameters laid out as ``specs`` say (``None``: replicated)."""
-    import math
-
     import jax
 
     import zeroshard as zs
@@ -226,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.param_specs and not (args.mesh and ":" in args.params):
             parser.error("--param-specs goes with --mesh and --params module:function")
-        devices = args.mesh or args.devices
-        options = (args.loss, args.batch, args.param_specs)
-        return plan_command(args.params, devices, args.param_dtype, args.optimizer, *options)
-    return inspect(args.directory, args.step, args.json, args.verify)
+        return plan_command(args)
+    return inspect(args)
 
 
 if __name__ == "__main__":

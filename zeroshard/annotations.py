@@ -53,20 +53,17 @@ def unboxed(tree: PyTree) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
     by their values, and the function that puts a tree of such values back into the
     same boxes."""
     kinds = _kinds()
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, kinds))
-    boxed = [isinstance(x, kinds) for x in leaves]
-    if not any(boxed):
+    is_box = lambda x: isinstance(x, kinds)
+    if not any(map(is_box, jax.tree.leaves(tree, is_leaf=is_box))):
         return tree, lambda values: values
-    values = treedef.unflatten([_value(x) if b else x for x, b in zip(leaves, boxed, strict=True)])
 
-    def reboxed(new: PyTree) -> PyTree:
-        new = treedef.flatten_up_to(new)
-        rebox = lambda x, v: x.replace_boxed(v) if _is_linen(x) else x.replace(v)
-        return treedef.unflatten(
-            [rebox(x, v) if b else v for x, v, b in zip(leaves, new, boxed, strict=True)]
-        )
+    def rebox(x: Any, v: Any) -> Any:
+        if not is_box(x):
+            return v
+        return x.replace_boxed(v) if _is_linen(x) else x.replace(v)
 
-    return values, reboxed
+    values = jax.tree.map(lambda x: _value(x) if is_box(x) else x, tree, is_leaf=is_box)
+    return values, lambda new: jax.tree.map(rebox, tree, new, is_leaf=is_box)
 
 
 def _names(spec: P, ndim: int) -> tuple:

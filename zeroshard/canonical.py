@@ -242,11 +242,6 @@ class FixedOrder(Psum):
             )
         return xs
 
-    def noted(self, eqn: Any, xs: list, scalars: dict) -> None:
-        """A scalar broadcast: the scalar, by the broadcast's variable."""
-        if eqn.primitive.name == "broadcast_in_dim" and _rank(eqn.invars[0]) == 0:
-            scalars[eqn.outvars[0]] = xs[0]
-
     def total(self, eqn: Any, sums: Any, xs: list, axis: str) -> list | None:
         """A partial sum made the leaf's total in the fixed order, or an explicit
         ``psum`` of such totals left out (they are totals already)."""
@@ -260,7 +255,10 @@ class FixedOrder(Psum):
 
     def divided(self, eqn: Any, sums: Any, xs: list, scalars: dict) -> list | None:
         """A division by a scalar made a product with its reciprocal (see
-        :func:`scalar_divisor`)."""
+        :func:`scalar_divisor`); a scalar broadcast noted in ``scalars`` (the scalar,
+        by the broadcast's variable: a division by it is by the scalar)."""
+        if eqn.primitive.name == "broadcast_in_dim" and _rank(eqn.invars[0]) == 0:
+            scalars[eqn.outvars[0]] = xs[0]
         divisor = scalar_divisor(eqn, sums, xs, scalars)
         return None if divisor is None else [xs[0] * (1 / divisor).astype(xs[0].dtype)]
 

@@ -137,9 +137,9 @@ class ShardConfig:
         once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
 
-    def check_in_jit(self, axis_names: tuple[str, ...]) -> None:
+    def check_in_jit(self, mesh: Any) -> None:
         """Refuses what stages 2 and 3 of ``update`` in the user's own ``jax.jit`` do
-        not do yet, on a mesh of ``axis_names`` (:mod:`zeroshard.jit_pieces`).
+        not do yet, on ``mesh`` (:mod:`zeroshard.jit_pieces`).
 
         Raises:
           ValueError: naming the options (or the mesh's axes) and what to do instead.
@@ -152,8 +152,8 @@ class ShardConfig:
             "deterministic": self.deterministic,
         }
         given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
-        if len(axis_names) != 1:
-            given.append(f"a mesh of axes {tuple(axis_names)} (tensor parallelism)")
+        if sum(n > 1 for n in mesh.shape.values()) > 1:  # (an axis of one device: none)
+            given.append(f"a mesh of axes {dict(mesh.shape)} (tensor parallelism)")
         if given:
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit does not support "

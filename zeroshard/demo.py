@@ -50,7 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--state-bits",
         type=int,
         choices=(8, 4),
-        default=None,
         help="store Adam's moments in 8 or 4 bits (zs.sharded(..., state_bits=))",
     )
     parser.add_argument("--checkpoint-dir", default=None, help="default: a temporary dir")

@@ -36,13 +36,17 @@ their own weights:
 
 where the first argument is that layer's ``Piece`` subtree of the state's params.
 Each gathers the layer's weights (one all-gather per dtype) and gathers them again
-in the backward pass.
+in the backward pass. In your own ``nnx.jit`` / ``jax.jit`` step (the one-line
+drop-in at ``zs.sharded(inner, stage=3)``, with ``nnx.Optimizer`` or Linen's
+``TrainState``) the model is marked instead, its code as written:
+:func:`nnx_gathered` marks NNX modules in place, :func:`linen_gathered` wraps a Linen
+module class.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.errors import TraceContextError
 from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
@@ -59,13 +64,11 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import layer
-from zeroshard.state_layout import drop_in_is_step, state_layout
+from zeroshard.stage3 import gather, layer
 from zeroshard.step import TrainState, TrainStep, init_train_state
-from zeroshard.step_io import auto_twin, output_mesh, plain_outputs, step_metrics
+from zeroshard.step_io import auto_twin, output_mesh, plain_outputs
 from zeroshard.update import Route
-
-logger = logging.getLogger(__name__)
+from zeroshard.whole_mesh import WholeMeshStep, whole_mesh_step
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -169,19 +172,21 @@ class NNXTrainStep:
         # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
         # no copies): the model's own sharding calls work there.
         self._auto_mesh = auto_twin(mesh)
-        self._compiled: dict[Any, TrainStep | _WholeMeshStep] = {}
+        self._compiled: dict[Any, TrainStep | WholeMeshStep] = {}
         self._model_error: Exception | None = None  # what the model raised per device
 
     def _loss(self, graphdef: Any, wrt: Any, axes: Any) -> Callable[..., Any]:
         """The model's loss as :func:`zeroshard.make_train_step` takes it: of the
-        ``wrt`` parameters, with the model's other variables as its model state."""
+        ``wrt`` parameters, with the model's other variables as its model state; run
+        per device over the batch ``axes`` (``None``: on the whole mesh)."""
 
         def loss(params, batch, model_state):
             model = nnx.merge(graphdef, params, model_state)
-            with _per_device(model, axes, self._sync):
+            per_device = _per_device(model, axes, self._sync) if axes else contextlib.nullcontext()
+            with per_device:
                 try:
                     out = self.loss_fn(model, batch)
-                except (ValueError, TypeError) as error:  # (see _whole_mesh)
+                except (ValueError, TypeError) as error:  # (see whole_mesh_step)
                     self._model_error = error
                     raise
             rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
@@ -197,32 +202,6 @@ class NNXTrainStep:
         with jax.set_mesh(step.mesh):
             state, metrics = step(jax.device_put(state, on(step.mesh)), batch)
         return jax.device_put(state, on(output_mesh(self.mesh))), metrics
-
-    def _whole_mesh(self, tx: Any, graphdef: Any, wrt: Any, error: Exception) -> _WholeMeshStep:
-        """The step for a model whose own sharding calls do not run per device (they
-        name the batch axis, or pass a ``PartitionSpec`` to ``reshard``): the model on
-        the whole mesh as given, the drop-in's update. Stage 1 without micro-batches
-        or loss scaling only; elsewhere ``error``, which the per-device step raised."""
-        opt, options = optimizer_of(tx), self._options
-        # (the drop-in's state must be laid out as the optimizer's: over the same axes)
-        same = drop_in_is_step(tx, self.mesh)
-        plain = options["stage"] == 1 and options["accum_steps"] == 1
-        if not (plain and opt.config.loss_scale is None and same):
-            error.add_note(
-                "zeroshard: the model's own sharding calls do not run per device in the NNX "
-                "step (they name the batch axis, or pass a PartitionSpec to reshard). The "
-                "step runs such a model on the whole mesh instead only at stage 1, without "
-                "accum_steps or loss scaling, and with the optimizer's axis_name first among "
-                "the mesh's axes but replica_axis; or train it with nnx.Optimizer(model, "
-                "zs.sharded(...)) in your own nnx.jit step."
-            )
-            raise error
-        logger.info(
-            "zeroshard: the model does not run per device (%s); the NNX step runs it on "
-            "the whole mesh and updates as the drop-in does (its gradient all-reduced).",
-            str(error).splitlines()[0],
-        )
-        return _WholeMeshStep(self.loss_fn, tx, self.mesh, graphdef, wrt, options)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> dict:
         tx = getattr(optimizer, "tx", None)
@@ -246,49 +225,14 @@ class NNXTrainStep:
         except (ValueError, TypeError) as error:  # (raised while tracing: nothing donated)
             if error is not self._model_error:  # (not the model's own: the caller's to see)
                 raise
-            step = self._compiled[key] = self._whole_mesh(tx, graphdef, optimizer.wrt, error)
+            loss = self._loss(graphdef, optimizer.wrt, None)
+            step = whole_mesh_step(loss, tx, self.mesh, self._options, error)
+            self._compiled[key] = step
             state, metrics = self._run(step, state, specs, batch)
         nnx.update(model, state.params, state.model_state)
         nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
         optimizer.step.set_raw_value(state.step)
         return plain_outputs(metrics, self.mesh)
-
-
-class _WholeMeshStep:
-    """An NNX step that runs the model on the global batch under ``jax.jit`` on the
-    mesh as given (the model's own sharding calls all work: the compiler reduces the
-    gradient, as in the user's own ``nnx.jit`` step), then the sharded update of the
-    mean gradient (:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line
-    drop-in's: the state split over every device, the new weights in their layout)."""
-
-    def __init__(
-        self, loss_fn: Callable, tx: Any, mesh: Any, graphdef: Any, wrt: Any, options: dict
-    ):
-        self.loss_fn, self.tx, self.opt, self.mesh = loss_fn, tx, optimizer_of(tx), mesh
-        self.graphdef, self.wrt, self.has_aux = graphdef, wrt, options["has_aux"]
-        self.jitted = jax.jit(
-            self._step, static_argnums=2, donate_argnums=(0,) if options["donate"] else ()
-        )
-
-    def _loss(self, params: PyTree, batch: PyTree, model_state: PyTree) -> Any:
-        model = nnx.merge(self.graphdef, params, model_state)
-        out = self.loss_fn(model, batch)
-        loss, aux = out if self.has_aux else (out, None)
-        return loss, (aux, nnx.as_pure(nnx.state(model, nnx.Not(self.wrt))))
-
-    def _step(self, state: TrainState, batch: PyTree, splits: tuple) -> tuple[TrainState, dict]:
-        value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
-        (loss, (aux, model_state)), grads = value_and_grad(state.params, batch, state.model_state)
-        update = self.opt.apply_mean  # (the state kept as zeroshard's step keeps it)
-        params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
-        states = (state.opt_state, opt_state)
-        metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
-        return TrainState(state.step + 1, params, opt_state, model_state), metrics
-
-    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        built = state_layout(self.tx, self.mesh, state.params)
-        return self.jitted(state, jax.device_put(batch, rows), built.splits)
 
 
 def nnx_train_step(
@@ -321,9 +265,10 @@ def nnx_train_step(
     calls (``out_sharding=``) work; otherwise it runs inside the ``shard_map``, whose
     manual data axis such calls refuse. A model whose sharding calls fail per device
     (they name the batch axis, or pass a ``PartitionSpec`` to ``reshard``) runs, at
-    stage 1 without micro-batches or loss scaling, on the whole mesh under
+    stages 1 and 2 without micro-batches or loss scaling, on the whole mesh under
     ``jax.jit`` instead, updated as the one-line drop-in does (its gradient reduced
-    by the compiler); elsewhere jax's error is raised with a note.
+    by the compiler; :mod:`zeroshard.whole_mesh`); elsewhere jax's error is raised
+    with a note.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, aux)``), the mean
@@ -513,6 +458,18 @@ def linen_layer(module: Any, axis_name: str | None = None) -> Callable[..., Any]
     return layer(lambda params, *args: module.apply({"params": params}, *args), axis_name)
 
 
+def linen_gathered(module: type[nn.Module], axis_name: str | None = None) -> type[nn.Module]:
+    """A Linen module class (a block, e.g. inside ``nn.scan``, or ``nn.Dense``) that
+    gathers its weights right before it runs and again in the backward pass, for
+    stage 3 in your own ``jax.jit`` step (``zs.sharded(inner, stage=3)``, the weights
+    laid out by ``tx.shard_params``): ``nn.remat`` of ``nn.map_variables`` with
+    :func:`zeroshard.gather` on its ``"params"``. Give it an explicit ``name=``
+    where the parameters' names must stay those of ``module``."""
+    gathered = lambda params: gather(params, axis_name)
+    mapped = nn.map_variables(module, "params", trans_in_fn=gathered, init=True)
+    return nn.remat(mapped, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[..., Any]:
     """``fn(layer_params, *args)``: runs an NNX module on gathered weights (stage 3).
 
@@ -534,3 +491,45 @@ def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[...,
         return nnx.merge(graphdef, nnx.State(params), rest)(*args)
 
     return layer(apply, axis_name)
+
+
+def nnx_gathered(*modules: nnx.Module, axis_name: str | None = None) -> None:
+    """Marks NNX modules, in place, for stage 3 in your own ``nnx.jit`` step
+    (``zs.sharded(inner, stage=3)``, the weights laid out by ``tx.shard_params``):
+    each call of a marked module gathers its weights right before it runs and again
+    in the backward pass (:func:`zeroshard.layer`). Its code and state stay as they
+    are (its class becomes a subclass whose ``__call__`` does this). Mark each block
+    of a list of blocks, and the modules used outside them (the embeddings, the
+    head): an unmarked one's weights are gathered by the compiler on Auto axes, and
+    refused by jax's Explicit ones.
+
+    Raises:
+      ValueError: when a marked call changes the module's own state (a ``Dropout``'s
+        random stream in training, ``BatchNorm``'s statistics): they would be lost.
+    """
+    for module in modules:
+        module.__class__ = _gathering(type(module), axis_name)
+
+
+@functools.cache
+def _gathering(cls: type, axis_name: str | None) -> type:
+    """``cls`` whose call gathers its weights (see :func:`nnx_gathered`)."""
+    base = next(c for c in cls.__mro__ if "_zeroshard_gathers" not in vars(c))
+
+    def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+
+        def run(params: PyTree, *args: Any) -> Any:
+            try:
+                return base.__call__(nnx.merge(graphdef, params, rest), *args, **kwargs)
+            except TraceContextError as error:  # (flax refuses the change)
+                raise ValueError(
+                    f"zf.nnx_gathered: {base.__name__}'s call changes its own state (a "
+                    "Dropout's random stream in training, BatchNorm's statistics), which "
+                    "a gathering call cannot keep. Mark its stateless parts instead, or "
+                    "call it in eval mode."
+                ) from error
+
+        return layer(run, axis_name)(params, *args)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "_zeroshard_gathers": True})

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.comm import axes_of, mesh_size
 from zeroshard.layout import PyTree
 from zeroshard.mesh import current_step
 from zeroshard.scopes import GATHER, scope
@@ -63,9 +64,11 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     if mesh.empty:  # (on one device, laid out over no mesh: whole already)
         return x
     axis = axis_name or _only_axis(mesh)
-    if x.ndim == 0 or x.shape[0] % mesh.shape[axis]:
+    if x.ndim == 0 or x.shape[0] % mesh_size(mesh, axis):
         return x
-    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+    explicit = AxisType.Explicit in (
+        mesh.axis_types[mesh.axis_names.index(a)] for a in axes_of(axis)
+    )
     if explicit and not any(jax.typeof(x).sharding.spec):
         return x  # (whole in its type, as its cotangent must be: no piece to give it)
     lay = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
@@ -77,10 +80,12 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     return whole(x)
 
 
-def _only_axis(mesh: Any) -> str:
-    if len(mesh.axis_names) != 1:
+def _only_axis(mesh: Any) -> tuple[str, ...]:
+    """Every axis of ``mesh``, which the drop-in cuts its pieces over, where one at most
+    has more than one device."""
+    if sum(n > 1 for n in mesh.shape.values()) > 1:
         raise ValueError(
             f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "
             "the axis the pieces are cut over, e.g. zs.layer(fn, axis_name='data')."
         )
-    return mesh.axis_names[0]
+    return tuple(mesh.axis_names)

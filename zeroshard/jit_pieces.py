@@ -21,20 +21,25 @@ alive (GSPMD FSDP, with any ``jax.checkpoint`` policy); ``zs.layer`` gathers ins
 the scan body, gathers again in the backward pass, and ties each gather to its layer.
 The numbers are plain optax's either way.
 
-What this path refuses (at trace time, naming the option): a mesh with axes besides
-the batch axis (tensor parallelism), ``replica_axis``, ``quantize_grads``,
-``quantize_weights``, ``state_bits``, ``deterministic``, and a leaf whose first
-dimension after its layer axes the N devices do not divide.
+What this path refuses (at trace time, naming the option): a mesh with a second
+axis of more than one device (tensor parallelism), ``replica_axis``,
+``quantize_grads``, ``quantize_weights``, ``state_bits``, ``deterministic``. A leaf
+whose first dimension after its layer axes the N devices do not divide is kept
+whole, as at stage 2.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.branches import owned_wholes
 from zeroshard.layout import PyTree, Slot
-from zeroshard.mesh import each_laid_out
+from zeroshard.mesh import each_laid_out, with_layout
 from zeroshard.placement import Plan
 from zeroshard.stage3 import Piece
 from zeroshard.update import Route, kept_apart, updated
@@ -43,30 +48,17 @@ from zeroshard.update import Route, kept_apart, updated
 def weight_spec(slot: Slot, axis_name: str) -> P:
     """Where the weight of ``slot`` lies at stage 3: split over ``axis_name`` along its
     first dimension after its layer axes, so that each device's block, raveled, is its
-    piece.
-
-    Raises:
-      ValueError: if the devices do not divide that dimension, naming the leaf.
-    """
+    piece; ``P()`` (whole, as at stage 2) where the devices do not divide that
+    dimension or the blocks are not the pieces (a layer of a size they do not divide)."""
     k, n = slot.stacked, slot.num_shards
     if len(slot.shape) <= k or slot.shape[k] % n or slot.width * n != slot.size // slot.layers:
-        raise ValueError(
-            f"zs.sharded(..., stage=3) in your own jax.jit cuts each weight along its first "
-            f"dimension after its {k} layer axes, and {slot.path or 'a leaf'} of shape "
-            f"{slot.shape} cannot be cut in {n} there. Pad that dimension to a multiple of "
-            f"{n}, or train with zs.make_train_step(..., stage=3), which cuts any shape."
-        )
+        return P()
     return P(*(None,) * k, axis_name)
-
-
-def weight_specs(plan: Plan, axis_name: str) -> PyTree:
-    """:func:`weight_spec` of every leaf of ``plan``, as a tree like the parameters."""
-    return plan.layout.treedef.unflatten(weight_spec(s, axis_name) for s in plan.layout.slots)
 
 
 def shard_params(opt: object, params: PyTree) -> PyTree:
     """``params`` laid out as the :class:`zeroshard.sharded.Sharded` ``opt`` keeps
-    them in the user's ``jax.jit`` (stage 3: :func:`weight_specs`; below: whole):
+    them in the user's ``jax.jit`` (stage 3: :func:`weight_spec`; below: whole):
     arrays placed, traced values constrained, ``jax.ShapeDtypeStruct`` leaves given
     the sharding."""
     opt, plan, mesh = opt.in_jit(params, params)
@@ -79,10 +71,29 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
         return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
 
-    leaves, treedef = plan.layout.treedef.flatten_up_to(params), plan.layout.treedef
-    specs = treedef.flatten_up_to(weight_specs(plan, opt.config.axis_name))
-    specs = specs if kept_apart(opt.config.stage)[2] else [P()] * len(leaves)  # (or whole)
-    return treedef.unflatten(map(place, leaves, specs))
+    three, axis = kept_apart(opt.config.stage)[2], opt.config.axis_name  # (or whole)
+    specs = [weight_spec(s, axis) if three else P() for s in plan.layout.slots]
+    return plan.layout.treedef.unflatten(
+        map(place, plan.layout.treedef.flatten_up_to(params), specs)
+    )
+
+
+def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
+    """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights' layout it reads
+    (:func:`weight_spec`) and its function on each device, whose block of a weight,
+    raveled, is its piece. No weight is whole on any device (an owned leaf is, for
+    its owner), so a model whose weights fit no one device starts."""
+    opt.config.check_in_jit(mesh)
+    layout, axis = plan.layout, opt.config.axis_name
+    specs = [P() if s.owned else weight_spec(s, axis) for s in layout.slots]
+
+    def local(params: PyTree, _: None) -> object:
+        index = jax.lax.axis_index(axis)  # (a leaf kept whole: its piece cut from it)
+        piece = lambda s, x, spec: x.reshape(-1) if spec != P() else s.cut(x, index)
+        pieces = layout.sliced(piece, layout.treedef.flatten_up_to(params), specs)
+        return opt.init_parts(plan, pieces, owned_wholes(plan, params))
+
+    return layout.treedef.unflatten(specs), local
 
 
 def apply_pieces(
@@ -90,7 +101,7 @@ def apply_pieces(
 ) -> tuple[PyTree, object]:
     """``tx.update``'s new weights and state at stages 2 and 3 in the user's
     ``jax.jit``: one ``shard_map`` manual over the mesh, each device updating its
-    pieces of ``grads`` (the mean gradient, laid out as :func:`weight_specs` says)
+    pieces of ``grads`` (the mean gradient, laid out as :func:`weight_spec` says)
     and of ``params`` with its state. At stage 3 the new weights stay pieces; at
     stage 2 they are all-gathered whole."""
     opt, plan, mesh = opt.in_jit(state, params)
@@ -99,15 +110,26 @@ def apply_pieces(
     slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
     route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
-    weight_specs(plan, axis)  # (refuses a leaf that cannot be cut so)
     # Each leaf as the global array of every device's piece, (..., 1, N * width): a
     # reshape that moves no data (the split dimension is the major part of the merged
-    # one), the gradients cast to the inner optimizer's dtype once, behind a barrier.
+    # one; a leaf kept whole, raveled and padded, is cut), the gradients cast to the
+    # inner optimizer's dtype once, behind a barrier.
     # (Reshaped and cast in the update, the compiler kept two more float32 copies of
     # each stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries,
     # not 57 on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92.)
     pieces = [s.piece_spec(axis) for s in slots]
-    wide = lambda x, s: reshaped(x, (*s.piece_shape[:-1], n * s.width), s.piece_spec(axis), mesh)
+    layer = lambda s: s.size // s.layers
+
+    def wide(x: jax.Array, s: Slot) -> jax.Array:
+        if weight_spec(s, axis) == P():
+            x = jnp.pad(x.reshape(s.layers, -1), ((0, 0), (0, n * s.width - layer(s))))
+        return reshaped(x, (*s.piece_shape[:-1], n * s.width), s.piece_spec(axis), mesh)
+
+    def narrow(x: jax.Array, s: Slot) -> jax.Array:  # (wide's inverse)
+        if (spec := weight_spec(s, axis)) == P():
+            x = with_layout(x, NamedSharding(mesh, P())).reshape(s.layers, -1)[:, : layer(s)]
+        return reshaped(x, s.shape, spec, mesh)
+
     grads = [wide(g, s).astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
     grads = jax.lax.optimization_barrier(grads)
     params = [wide(x, s) if three else x for x, s in _with(params, plan)]
@@ -131,10 +153,7 @@ def apply_pieces(
     laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
     new, state = step(laid(grads, pieces), state, laid(params, weights), extra_args)
     if three:
-        new = [
-            reshaped(x, s.shape, weight_spec(s, axis), mesh)
-            for x, s in zip(new, slots, strict=True)
-        ]
+        new = [narrow(x, s) for x, s in zip(new, slots, strict=True)]
     return treedef.unflatten(new), state
 
 

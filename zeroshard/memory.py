@@ -36,7 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.comm import axes_of
+from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import check_mesh_axes
 from zeroshard.layout import PyTree
 from zeroshard.mesh import own_layout
@@ -267,6 +267,7 @@ def step_memory(
     param_dtype: Any = None,
     accum_steps: int = 1,
     has_aux: bool = False,
+    own_step: bool = False,
 ) -> StepMemory:
     """The per-device memory of :func:`zeroshard.make_train_step`'s step, before any run.
 
@@ -285,9 +286,19 @@ def step_memory(
       param_dtype: the compute dtype of the parameters (``None``: theirs).
       accum_steps: micro-batches per step.
       has_aux: whether ``loss_fn`` returns aux.
+      own_step: ``loss_fn`` is your own step instead, ``step(params, opt_state,
+        batch)`` calling ``tx.update`` (the one-line drop-in, at the stage of
+        ``zs.sharded(..., stage=)``), plain or jitted (a plain one is jitted with
+        the parameters and the state donated): its peak, the parameters laid out as
+        ``tx.shard_params`` lays them (stage 1: as given), the state as ``tx.init``,
+        the batch split over the batch axes where it has no layout.
 
     Returns:
       A :class:`StepMemory`; ``.peak`` is the most a device holds during the step.
+
+    Raises:
+      ValueError: with ``own_step``, for ``stage``, ``accum_steps`` or ``has_aux``
+        (zeroshard's step's options; your step's stage is its optimizer's).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zeroshard as zs
@@ -302,8 +313,10 @@ def step_memory(
       >>> memory.peak >= memory.arguments
       True
     """
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     options = dict(stage=stage, accum_steps=accum_steps, has_aux=has_aux)
+    if own_step:
+        return _own_step_memory(loss_fn, tx, mesh, params, batch, param_dtype, options)
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     step = make_train_step(loss_fn, tx, mesh, **options)
     own = own_layout(params, mesh.axis_names)  # (read here: what eval_shape traces has none)
     init = lambda p: init_train_state(
@@ -317,7 +330,42 @@ def step_memory(
     specs = step.layout_for(shapes.params, step.static_layout(own)).returned(step.route.departure)
     state = jax.tree.map(on_mesh, specs, shapes, is_leaf=lambda x: isinstance(x, P))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    stats = step.lower(state, abstract).compile().memory_analysis()
+    return _memory_of(step.lower(state, abstract))
+
+
+def _own_step_memory(
+    step: Any, tx: Any, mesh: Any, params: PyTree, batch: PyTree, dtype: Any, options: dict
+) -> StepMemory:
+    """:func:`step_memory` of the user's own step (``own_step``)."""
+    if options != dict(stage=1, accum_steps=1, has_aux=False):
+        raise ValueError(
+            "zs.step_memory(step, ..., own_step=True) compiles your step as it is: stage=, "
+            "accum_steps= and has_aux= are zeroshard's step's options (your step's stage "
+            "is its optimizer's, zs.sharded(inner, stage=)). Leave them out."
+        )
+    own = lambda x: x if isinstance(x, NamedSharding) else None
+    laid = lambda x, spec, dtype=None: jax.ShapeDtypeStruct(
+        x.shape,
+        dtype or x.dtype,
+        sharding=own(getattr(x, "sharding", 0)) or NamedSharding(mesh, spec),
+    )  # (its own layout on a mesh, else ``spec``)
+    params = jax.tree.map(lambda x: laid(x, P(), dtype), params)
+    batch = jax.tree.map(lambda x: laid(x, P(tx.config.batch_axes)), batch)
+    drop_in = tx.spanning(mesh)  # (its state over every axis of the mesh)
+    with jax.set_mesh(mesh):
+        params = tx.shard_params(params) if kept_apart(tx.config.stage)[1] else params
+        splits = drop_in.optimizer.typed_splits(mesh, params)
+        specs = drop_in.state_specs(params, mesh_size(mesh, drop_in.axis_name), splits)
+        on = lambda x, spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+        )
+        state = jax.tree.map(on, jax.eval_shape(tx.init, params), specs)
+        step = step if hasattr(step, "lower") else jax.jit(step, donate_argnums=(0, 1))
+        return _memory_of(step.lower(params, state, batch))
+
+
+def _memory_of(lowered: Any) -> StepMemory:
+    stats = lowered.compile().memory_analysis()
     return StepMemory(
         stats.argument_size_in_bytes,
         stats.output_size_in_bytes,

@@ -188,7 +188,9 @@ def gathered(
     """Stage 3's gather of 1-D ``parts`` (one ``(N, w)`` per part, row ``d`` from
     device ``d``), quantized by ``weights``; its transpose, the gradients' sum onto
     each part, by ``grads`` (``None``: the exact collective)."""
-    return _gather_parts(parts, axis_name, weights)
+    if weights is None:
+        return all_gathered_parts(parts, axis_name)
+    return all_gather(weights, parts, axis_name, parts[0].dtype)
 
 
 def quantized_gather(
@@ -199,14 +201,8 @@ def quantized_gather(
     return gathered([p.astype(dtype) for p in parts], axis_name, weights, grads)
 
 
-def _gather_parts(parts: list[jax.Array], axis_name: str, q: Quantizer | None) -> list[jax.Array]:
-    if q is None:
-        return all_gathered_parts(parts, axis_name)
-    return all_gather(q, parts, axis_name, parts[0].dtype)
-
-
 def _gathered_forward(parts, axis_name, weights, grads):
-    return _gather_parts(parts, axis_name, weights), None
+    return gathered(parts, axis_name, weights, grads), None
 
 
 def _gathered_backward(axis_name, weights, grads, _, cotangents):

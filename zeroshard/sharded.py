@@ -27,7 +27,7 @@ from zeroshard.annotations import annotated, check_layout, unboxed
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
-from zeroshard.jit_pieces import apply_pieces, shard_params
+from zeroshard.jit_pieces import apply_pieces, init_pieces, shard_params
 from zeroshard.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
@@ -142,8 +142,11 @@ class Sharded:
         plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
         specs, leaves = opt.specs_of(plan), plan.layout.leaf_specs()
         # (each leaf whole, or a split leaf's block; laid out so, or not placed)
+        local = functools.partial(opt.init_local, plan=plan)
+        if kept_apart(self.config.stage)[2]:  # (stage 3: from the pieces, never whole)
+            leaves, local = init_pieces(opt, plan, mesh)
         init = jax.shard_map(
-            functools.partial(opt.init_local, plan=plan),
+            local,
             mesh=mesh,
             in_specs=(leaves, P()),
             out_specs=specs,
@@ -238,7 +241,7 @@ class Sharded:
         and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
-        self.config.check_in_jit(mesh.axis_names)
+        self.config.check_in_jit(mesh)
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 

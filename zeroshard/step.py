@@ -45,6 +45,7 @@ from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
 from zeroshard.state import TrainState
 from zeroshard.state_layout import StateLayout, state_layout
 from zeroshard.update import Route, held_route, updated
+from zeroshard.whole_mesh import Fallback
 
 Key = jax.Array | None
 """A step's random key (``None``: none)."""
@@ -188,6 +189,11 @@ class TrainStep:
     batch axis, so that a model's own sharding calls (``out_sharding=``,
     ``auto_axes``), which a manual axis refuses, work; the update flow is the same.
     Elsewhere it is ``False``.
+
+    A loss whose own sharding calls fail per device (they name the batch axis, or
+    pass a ``PartitionSpec`` to ``reshard``) runs on the whole mesh instead
+    (:mod:`zeroshard.whole_mesh`), at stages 1 and 2, without micro-batches; the NNX
+    step, which asks ``per_device_loss``, falls back itself, on its mesh as given.
     """
 
     loss_fn: Callable[..., Any]
@@ -222,6 +228,7 @@ class TrainStep:
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
+        self._fallback = Fallback(self, on=not self.per_device_loss)  # (see the class)
         self.per_device_loss = (
             self.per_device_loss
             and type(self.route.loop) is OneBatch
@@ -323,14 +330,14 @@ class TrainStep:
         if self.held_route is None:
             return False
         rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
-        loss = step_io.step_loss(self.loss_fn, self.has_aux, None)
+        loss = step_io.step_loss(self._fallback.loss, self.has_aux, None)
         key = step_io.device_key(key, self.batch_axes)
         return reads_only_gathered(loss, params, rows, key, model_state)
 
     def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.step_io.step_loss`)."""
-        loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        loss = step_io.step_loss(self._fallback.loss, self.has_aux, scale)
         return jax.value_and_grad(loss, has_aux=True)
 
     def _per_device(self, state: TrainState, batch: PyTree, key: Key) -> Any:
@@ -442,17 +449,20 @@ class TrainStep:
         return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def __call__(self, state: TrainState, batch: PyTree, key: Key = None) -> Result:
-        layout = self.static_layout(layout_of(state.params, self.rest))
-        step = self._jitted_for(state, layout)
-        state, metrics = step(state, self._place(batch), key, layout)
+        state, metrics = self._run(state, batch, key, lower=False)
         return state, step_io.plain_outputs(metrics, self.mesh)
 
     def lower(self, state: TrainState, batch: PyTree, key: Key = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` and ``batch`` without running it (arrays, or
         ``jax.ShapeDtypeStruct`` with the state's shardings: see
         :func:`zeroshard.step_memory`)."""
+        return self._run(state, batch, key, lower=True)
+
+    def _run(self, state: TrainState, batch: PyTree, key: Key, lower: bool) -> Any:
         layout = self.static_layout(layout_of(state.params, self.rest))
-        return self._jitted_for(state, layout).lower(state, self._place(batch), key, layout)
+        step = self._jitted_for(state, layout)
+        run = lambda: (step.lower if lower else step)(state, self._place(batch), key, layout)
+        return self._fallback.run(run, lower, state, batch, key)  # (see the class)
 
 
 def make_train_step(

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import ELEMENTWISE, RESHAPING, walk
 from zeroshard.analysis.tags import Program, Sums, Tag, Tagger
@@ -68,15 +67,13 @@ class Psum:
         """Operands whose partial sums (``sums.summed``) are summed over ``axis``."""
         return [jax.lax.psum(x, axis) if k in sums.summed else x for k, x in enumerate(xs)]
 
-    def noted(self, eqn: Any, xs: list, scalars: dict) -> None:
-        """Records what :meth:`divided` needs of ``eqn`` (nothing here)."""
-
     def total(self, eqn: Any, sums: Any, xs: list, axis: str) -> list | None:
         """``eqn``'s outputs where it is a sum this order takes itself, else ``None``."""
         return None
 
     def divided(self, eqn: Any, sums: Any, xs: list, scalars: dict) -> list | None:
-        """``eqn``'s outputs where it is a division this order rewrites, else ``None``."""
+        """``eqn``'s outputs where it is a division this order rewrites, else ``None``
+        (``scalars``: what it notes of the equations before, by variable)."""
         return None
 
 
@@ -107,12 +104,8 @@ def run_with_sums(
 def evaluate(closed: Any, program: Program, values: list, axis_name: str, order: Psum) -> list:
     """The outputs of a (closed) jaxpr on ``values``, with the sums of ``program``
     made totals as ``order`` takes them."""
-    sums, scalars = iter(program), {}  # (a broadcast scalar's variable -> the scalar)
-
-    def step(eqn: Any, xs: list) -> list:
-        order.noted(eqn, xs, scalars)
-        return _eqn(eqn, next(sums), xs, axis_name, order, scalars)
-
+    sums, scalars = iter(program), {}  # (what order.divided notes, by variable)
+    step = lambda eqn, xs: _eqn(eqn, next(sums), xs, axis_name, order, scalars)
     return walk(closed, values, step)
 
 
@@ -139,14 +132,9 @@ def _eqn(eqn: Any, sums: Sums | None, xs: list, axis: str, order: Psum, scalars:
     return ys if eqn.primitive.multiple_results else [ys]
 
 
-def _varying(x: Any, axis: str) -> bool:
-    """Whether ``x``, a value or a traced variable, is typed varying over ``axis``."""
-    return isinstance(x, jex_core.Var | jax.Array) and varies(x, axis)
-
-
 def _vary(x: Any, axis: str, traced: bool) -> Any:
     """``x``, cast to varying over ``axis`` where it was ``traced`` so and is not."""
-    return vary(x, axis) if traced and not _varying(x, axis) else x
+    return vary(x, axis) if traced else x
 
 
 def _exact(sums: Sums, xs: list, axis: str, order: Psum) -> list:
@@ -157,7 +145,7 @@ def _exact(sums: Sums, xs: list, axis: str, order: Psum) -> list:
         mask = sums.mask.padding_mask(jax.lax.axis_index(axis))
         xs = [jnp.where(mask.reshape(xs[0].shape), xs[0], 0), *xs[1:]]
     elif sums.size is not None:
-        xs = [xs[0], _vary(jnp.asarray(sums.size, xs[1].dtype), axis, _varying(xs[1], axis))]
+        xs = [xs[0], _vary(jnp.asarray(sums.size, xs[1].dtype), axis, varies(xs[1], axis))]
     return order.made_whole(sums, xs, axis)
 
 
@@ -168,7 +156,7 @@ def _switch(eqn: Any, programs: tuple[Program, ...], xs: list, axis: str, order:
     def branch(b: Any, program: Program, typed: bool) -> Any:
         def run(*a: Any) -> list:
             outs = zip(evaluate(b, program, list(a), axis, order), eqn.outvars, strict=True)
-            return [_vary(y, axis, typed and _varying(v, axis)) for y, v in outs]
+            return [_vary(y, axis, typed and varies(v, axis)) for y, v in outs]
 
         return run
 
@@ -188,8 +176,8 @@ def _typed(eqn: Any, xs: list, axis: str) -> list:
     stays replicated). Such an operand is cast back to varying where it meets a
     varying one, as tracing would have cast it, and where the equation is a
     collective or a loop (bound as traced)."""
-    traced = [_varying(v, axis) for v in eqn.invars]
-    cast = any(t and not _varying(x, axis) for t, x in zip(traced, xs, strict=True))
-    if not cast or (eqn.primitive.name in _FREE_TYPED and not any(_varying(x, axis) for x in xs)):
+    traced = [varies(v, axis) for v in eqn.invars]
+    cast = any(t and not varies(x, axis) for t, x in zip(traced, xs, strict=True))
+    if not cast or (eqn.primitive.name in _FREE_TYPED and not any(varies(x, axis) for x in xs)):
         return xs
     return [_vary(x, axis, t) for t, x in zip(traced, xs, strict=True)]

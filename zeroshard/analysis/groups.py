@@ -19,9 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import called_jaxpr, open_jaxpr
+from zeroshard.analysis.jaxprs import open_jaxpr, walk
 
 
 def leaf_forms(
@@ -82,29 +81,26 @@ _NONE: frozenset[int] = frozenset()
 
 def _flow(closed: Any, ins: list[tuple[bytes, frozenset]]) -> list[tuple[bytes, frozenset]]:
     """The ``(digest, leaves read)`` of a (closed) jaxpr's outputs from its inputs';
-    calls (``jit``, custom derivatives) are followed inside, so that a call over many
-    leaves (a jitted tree map) keeps each leaf's values apart."""
-    jaxpr = open_jaxpr(closed)
-    env = {
-        v: (_digest(_const(c)), _NONE)
-        for v, c in zip(jaxpr.constvars, getattr(closed, "consts", ()), strict=False)
-    }
-    env.update(zip(jaxpr.invars, ins, strict=True))
-    value = lambda v: env[v] if isinstance(v, jex_core.Var) else (_literal(v), _NONE)
-    for e in jaxpr.eqns:
-        xs = [value(v) for v in e.invars]
-        sub = called_jaxpr(e)
-        if sub is not None and e.primitive.name not in ("scan", "while", "cond"):
-            env.update(zip(e.outvars, _flow(sub, xs), strict=True))
-            continue
+    calls (``jit``, custom derivatives) are followed inside (:func:`walk` inlines
+    them), so that a call over many leaves (a jitted tree map) keeps each leaf's
+    values apart."""
+
+    def step(e: Any, xs: list) -> list[tuple[bytes, frozenset]]:
+        xs = [_known(x) for x in xs]
         head = f"{e.primitive.name}[{_params(e)}]".encode() + b"".join(d for d, _ in xs)
         read = _NONE.union(*(r for _, r in xs))
         if e.primitive.name == "reduce_sum" and all(v.aval.size == 1 for v in e.outvars):
             # A total sum (a global norm's) is a shared value, known by the leaves it sums.
             head, read = head + repr(sorted(read)).encode(), _NONE
-        for j, v in enumerate(e.outvars):
-            env[v] = (_digest(head + f"{j}:{v.aval}".encode()), read)
-    return [value(v) for v in jaxpr.outvars]
+        return [(_digest(head + f"{j}:{v.aval}".encode()), read) for j, v in enumerate(e.outvars)]
+
+    return [_known(x) for x in walk(closed, ins, step)]
+
+
+def _known(x: Any) -> tuple[bytes, frozenset]:
+    """A value's ``(digest, leaves read)``; a constant or a literal (as :func:`walk`
+    reads them: their values) is known by its value and reads no leaf."""
+    return x if isinstance(x, tuple) else (_digest(_const(x)), _NONE)
 
 
 def input_names(args: Any) -> list[str]:
@@ -115,10 +111,6 @@ def input_names(args: Any) -> list[str]:
 def _digest(text: str | bytes) -> bytes:
     data = text.encode() if isinstance(text, str) else text
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def _literal(v: Any) -> bytes:
-    return _digest(f"{np.asarray(v.val)!r}:{v.aval}")
 
 
 def _params(eqn: Any) -> str:

@@ -165,8 +165,8 @@ def _reduction(eqn, where, shapes, out):
 
 
 def _along(param):
-    """An operation along one axis (a cumulative sum, a sort, a reverse): mixes layers
-    only along the layer axis."""
+    """An operation along one axis (a cumulative sum, a sort, a reverse, a
+    concatenation): mixes layers only along the layer axis."""
 
     def rule(eqn, where, shapes, out):
         dims = eqn.params[param]
@@ -192,11 +192,6 @@ def _broadcast(eqn, where, shapes, out):
 
 def _transpose(eqn, where, shapes, out):
     return list(eqn.params["permutation"]).index(where[0][0])
-
-
-def _concatenate(eqn, where, shapes, out):
-    axes = {p for p, _, _ in where}
-    return axes.pop() if len(axes) == 1 and eqn.params["dimension"] not in axes else MIXED
 
 
 def _whole_axis(eqn, where, shapes, out):
@@ -235,5 +230,6 @@ _RULES = {
     **dict.fromkeys(["pad", "slice", "dynamic_slice"], _whole_axis),
     **dict.fromkeys(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], _along("axis")),
     **{"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_general": _dot_general},
-    **{"concatenate": _concatenate, "sort": _along("dimension"), "rev": _along("dimensions")},
+    **dict.fromkeys(["concatenate", "sort"], _along("dimension")),
+    "rev": _along("dimensions"),
 }

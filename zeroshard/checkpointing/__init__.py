@@ -28,12 +28,10 @@ __all__ = [
     "checksums",
 ]
 
-_HANDLER_NAMES = ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave")
-
 
 def __getattr__(name: str):
     """The orbax handler's names, imported on first use (they need orbax)."""
-    if name in _HANDLER_NAMES:
+    if name in ("ShardedCheckpointHandler", "ShardedRestore", "ShardedSave"):
         from zeroshard.checkpointing import handler
 
         return getattr(handler, name)

@@ -56,8 +56,6 @@ from zeroshard.sharded import ShardedTransformation
 RECORD_KEY = "zeroshard"
 """The key of the metadata record in the item's orbax custom metadata."""
 
-_UNCHANGED = "Nothing on disk was changed."
-
 
 def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
     """The item's orbax custom metadata, read from orbax's ``_METADATA`` file without
@@ -70,7 +68,7 @@ def _custom_metadata(impl: Any, directory: epath.Path) -> Any:
 
 
 def _where(directory: Any, step: int | None = None) -> Where:
-    return Where(str(directory), step, lambda: _UNCHANGED)
+    return Where(str(directory), step, lambda: "Nothing on disk was changed.")
 
 
 class ShardedCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):

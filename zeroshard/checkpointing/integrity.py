@@ -144,16 +144,12 @@ def _whole(x: jax.Array) -> jax.Array:
     return _block_sum(x, x.shape, [jnp.uint32(0)] * x.ndim)
 
 
-def _full_spec(x: jax.Array) -> P:
-    spec = tuple(x.sharding.spec)
-    return P(*spec, *(None,) * (x.ndim - len(spec)))
-
-
 def checksum_program(mesh: jax.sharding.Mesh, leaves: Sequence[jax.Array]):
     """The jitted ``shard_map`` that :func:`checksums` runs for ``leaves`` (arrays laid
     out on ``mesh``): it returns their checksums as one replicated ``uint32`` vector.
     Compiled once per mesh and shapes, dtypes and shardings of the leaves."""
-    key = tuple((tuple(x.shape), jnp.dtype(x.dtype), _full_spec(x)) for x in leaves)
+    full = lambda spec, ndim: P(*spec, *(None,) * (ndim - len(spec)))  # an entry per dimension
+    key = tuple((tuple(x.shape), jnp.dtype(x.dtype), full(x.sharding.spec, x.ndim)) for x in leaves)
     return _program(mesh, key)
 
 
@@ -232,11 +228,9 @@ def digest(metadata: dict[str, Any]) -> str:
 _KEY = re.compile(r"\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\.(\w+)")
 
 
-def parts(path: Any) -> str:
+def parts(path: str) -> str:
     """A leaf path without its kinds of keys: optax's ``[0].mu['w']`` and orbax's
-    ``['0']['mu']['w']`` (or their key tuples) both give ``0/mu/w``."""
-    if not isinstance(path, str):
-        path = jax.tree_util.keystr(path)
+    ``['0']['mu']['w']`` both give ``0/mu/w``."""
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 

@@ -1,0 +1,103 @@
+"""make_train_step on a loss written for jax.jit on an Explicit mesh, whose own
+sharding calls name the batch axis: it runs on the whole mesh, with plain optax's numbers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+
+
+def mlp_loss(params, batch, out_sharding=None):
+    """A 4 data x 2 model MLP as written for jax.jit: w1 column-, w2 row-parallel, the
+    second matmul's output laid out over the batch axis by the model itself."""
+    h = jnp.tanh(batch["x"] @ params["w1"])
+    out = jnp.dot(h, params["w2"], out_sharding=out_sharding)
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def explicit_loss(params, batch):
+    return mlp_loss(params, batch, out_sharding=P("data", None))
+
+
+def data_and_params(rng):
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(16, 32)) / 4, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(32, 8)) / 6, jnp.float32),
+    }
+    data = [
+        {
+            "x": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+        }
+        for _ in range(6)
+    ]
+    return params, data
+
+
+def plain_run(inner, params, data):
+    """Plain optax on one device on the global batch: losses and weights."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, opt_state = inner.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state, losses = inner.init(params), []
+    for batch in data:
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return losses, params
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
+    params, data = data_and_params(rng)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    tx = zs.sharded(inner, axis_name="data")
+    with jax.set_mesh(mesh):
+        state = zs.init_train_state(laid, tx, mesh, stage=stage)
+        step = zs.make_train_step(explicit_loss, tx, mesh, stage=stage)
+        losses = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    plain_losses, plain = plain_run(inner, params, data)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_trees_close(state.params, plain, 1e-5)
+    # The weights keep their tensor-parallel layout; the state is 1/8 per device.
+    assert state.params["w1"].sharding.spec == P(None, "model")
+    moments = [x for x in jax.tree.leaves(state.opt_state.inner_state) if x.ndim]
+    assert all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
+
+
+def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
+    """Stage 3 (whose loss reads pieces through zs.gather), micro-batches and loss
+    scaling: the loss's error, with a note naming the option."""
+    params, data = data_and_params(rng)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data")
+    scaled = zs.sharded(optax.sgd(0.1), axis_name="data", loss_scale=zs.DynamicLossScale(8.0))
+    gathering = lambda p, b: explicit_loss(zs.gather(p), b)  # (stage 3 reads pieces so)
+    explicit = (AxisType.Explicit,) * 2
+    cases = [
+        ((8, 1), tx, 3, 1, gathering, "stage=3"),
+        ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
+        ((4, 2), scaled, 2, 1, explicit_loss, "loss_scale"),
+    ]
+    for shape, tx, stage, accum_steps, loss, option in cases:
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=explicit)
+        with jax.set_mesh(mesh):
+            state = zs.init_train_state(params, tx, mesh, stage=stage)
+            step = zs.make_train_step(loss, tx, mesh, stage=stage, accum_steps=accum_steps)
+            with pytest.raises(ValueError, match="cannot contain axis names") as refused:
+                step(state, data[0])
+        assert any(option in note for note in refused.value.__notes__)

@@ -1,0 +1,143 @@
+"""The step on the whole mesh, for a loss whose own sharding calls cannot run per device.
+
+zeroshard's steps run the loss with the batch axis manual (or under ``jax.vmap``
+over it). A model written for jax's Explicit meshes may name that axis in its own
+sharding calls (``jnp.dot(h, w, out_sharding=P("data", None))``) or pass a
+``PartitionSpec`` to ``reshard``, which jax refuses there ("... cannot contain axis
+names that are of type Auto or Manual"). Such a loss trains under the user's own
+``jax.jit`` on the mesh, and so it does here: :func:`whole_mesh_step` runs it on the
+global batch under ``jax.jit`` on the mesh as given (the compiler reduces the
+gradient), then the sharded update of the mean gradient
+(:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line drop-in's) on the state
+as the step laid it out. The steps fall back to it when the loss raises per device,
+so the same loss works with no option to set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.layout import PyTree
+from zeroshard.sharded import optimizer_of
+from zeroshard.state import TrainState
+from zeroshard.state_layout import drop_in_is_step, state_layout
+from zeroshard.step_io import step_loss, step_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class WholeMeshStep:
+    """``state, metrics = step(state, batch[, key])``: ``loss_fn`` (in the convention
+    of :func:`zeroshard.make_train_step`) on the global batch under ``jax.jit`` on
+    ``mesh``, and the drop-in's update; built by :func:`whole_mesh_step`."""
+
+    def __init__(self, loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict):
+        self.tx, self.opt, self.mesh = tx, optimizer_of(tx), mesh
+        self.loss = step_loss(loss_fn, options["has_aux"], None)
+        donate = (0,) if options["donate"] else ()
+        self.jitted = jax.jit(self._step, static_argnums=3, donate_argnums=donate)
+
+    def _step(self, state: TrainState, batch: PyTree, key: Any, splits: tuple) -> Any:
+        value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
+        (loss, (aux, model_state)), grads = value_and_grad(
+            state.params, batch, key, state.model_state
+        )
+        update = self.opt.apply_mean  # (the state kept as zeroshard's step keeps it)
+        params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
+        states = (state.opt_state, opt_state)
+        metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
+    def _args(self, state: TrainState, batch: PyTree, key: Any) -> tuple:
+        rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
+        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            batch = jax.device_put(batch, rows)
+        return state, batch, key, state_layout(self.tx, self.mesh, state.params).splits
+
+    def __call__(self, state: TrainState, batch: PyTree, key: Any = None) -> Any:
+        return self.jitted(*self._args(state, batch, key))
+
+    def lower(self, state: TrainState, batch: PyTree, key: Any = None) -> jax.stages.Lowered:
+        """The step lowered for ``state`` and ``batch``, without running it."""
+        return self.jitted.lower(*self._args(state, batch, key))
+
+
+class Fallback:
+    """The loss of ``step`` (a :class:`zeroshard.step.TrainStep`), recording the
+    ``ValueError`` it raises while traced, and the :class:`WholeMeshStep` the step
+    falls back to once it has (``on``; else none)."""
+
+    def __init__(self, step: Any, on: bool):
+        options = {k: getattr(step, k) for k in ("stage", "accum_steps", "has_aux", "donate")}
+        self.loss_fn, self.args, self.on = step.loss_fn, (step.tx, step.mesh, options), on
+        self.error: Exception | None = None
+        self.step: WholeMeshStep | None = None
+
+    def loss(self, *args: Any, **kwargs: Any) -> Any:
+        """``loss_fn``, recording what it raises."""
+        try:
+            return self.loss_fn(*args, **kwargs)
+        except ValueError as error:  # (jax's refusal of a sharding call is one)
+            self.error = error
+            raise
+
+    def run(self, per_device: Callable[[], Any], lower: bool, *args: Any) -> Any:
+        """``per_device()`` (the step, or its lowering), or the whole-mesh step's on
+        ``args`` (state, batch, key) once the loss raised there."""
+        if self.step is None:
+            try:
+                return per_device()
+            except ValueError as error:  # (raised while tracing: nothing donated)
+                if error is not self.error or not self.on:
+                    raise
+                self.step = whole_mesh_step(self.loss_fn, *self.args, error)
+        return (self.step.lower if lower else self.step)(*args)
+
+
+def whole_mesh_step(
+    loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict, error: Exception
+) -> WholeMeshStep:
+    """The :class:`WholeMeshStep` for a step with ``options`` (``stage``,
+    ``accum_steps``, ``has_aux``, ``donate``) whose loss raised ``error`` per device.
+
+    Raises:
+      ValueError: ``error``, with a note naming the option this step cannot run so
+        (stage 3, ``accum_steps``, loss scaling, ``deterministic=``, a replica axis)
+        and what to do instead.
+    """
+    config = optimizer_of(tx).config
+    try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
+        config.sum_order.check_drop_in()
+        fixed = False
+    except ValueError:
+        fixed = True
+    refused = {
+        f"stage={options['stage']}": options["stage"] > 2,
+        f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
+        "loss_scale": config.loss_scale is not None,
+        "deterministic": fixed,
+        "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
+            tx, mesh
+        ),
+    }
+    if any(refused.values()):
+        error.add_note(
+            "zeroshard: the loss's own sharding calls do not run per device in the step "
+            "(they name the batch axis, or pass a PartitionSpec to reshard). The step runs "
+            "such a loss on the whole mesh instead, at stages 1 and 2, but not with "
+            f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
+            "zs.sharded(...) in your own jax.jit step."
+        )
+        raise error
+    logger.info(
+        "zeroshard: the loss does not run per device (%s); the step runs it on the whole "
+        "mesh and updates as the drop-in does (its gradient all-reduced).",
+        str(error).splitlines()[0],
+    )
+    return WholeMeshStep(loss_fn, tx, mesh, options)
