@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import nnx, serialization
 from helpers import (
     assert_trees_close,
     awkward_loss,
@@ -103,9 +103,11 @@ def jit_loop(tx, params, data, steps=6):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    opt_state = tx.init(params)
+    opt_state = first = tx.init(params)
     for _ in range(steps):
         params, opt_state = step(params, opt_state, *data)
+    # (the state's tree, its layout included, as tx.init made it: jit traces it once)
+    assert jax.tree.structure(opt_state) == jax.tree.structure(first)
     return params, opt_state
 
 
@@ -678,6 +680,44 @@ def test_a_state_made_for_another_layout_is_refused(rng):
     expected = jax.tree.leaves(zs.to_optax_state(whole, tx))
     for a, b in zip(jax.tree.leaves(read), expected, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_state_carries_its_layout(rng, tmp_path):
+    """The optimizer state carries the layout it was made with (static: its pytree's
+    aux data), and nothing reads it again from its arrays: a step's state kept block
+    by block over 4 data x 2 model, moved by the user onto another layout (every
+    array replicated), reads as it did, and saved with the orbax handler restores as
+    it was; the step compiles once for every step (the layout is equal across
+    steps); a state built without one is refused."""
+    params, data = tp_params(rng), tp_batches(rng, 3)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tx, loss = zs.sharded(optax.adam(1e-2)), lambda p, b: tp_loss(p, b["x"], b["y"])
+    state = zs.init_train_state(tp_placed(params, mesh), tx, mesh)
+    step = zs.make_train_step(loss, tx, mesh)
+    for batch in data:
+        state, _ = step(state, batch)
+    assert step.jitted._cache_size() == 1
+    layout = state.opt_state.layout
+    assert layout.axes == ("data", "model") and list(layout.by_leaf) == [1, 2]
+    expected = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+    moved = jax.device_put(state.opt_state, NamedSharding(mesh, P()))
+    assert moved.layout == layout  # (plain data: pickle and Flax's msgpack take it)
+    assert serialization.from_bytes(moved, serialization.to_bytes(moved)).layout == layout
+    read = zs.to_optax_state(state._replace(opt_state=moved), tx)
+    for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(
+            3, args=ocp.args.Composite(state=ShardedSave(state._replace(opt_state=moved), tx))
+        )
+        manager.wait_until_finished()
+        restored = manager.restore(3, args=ocp.args.Composite(state=ShardedRestore(state, tx)))
+    assert restored.state.opt_state.layout == layout
+    read = zs.to_optax_state(restored.state, tx)
+    for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="carries no layout"):
+        step(state._replace(opt_state=state.opt_state._replace(layout=None)), data[0])
 
 
 def assert_tp_layout(got, mesh, params):

@@ -105,6 +105,7 @@ def apply_pieces(
     and of ``params`` with its state. At stage 3 the new weights stay pieces; at
     stage 2 they are all-gathered whole."""
     opt, plan, mesh = opt.in_jit(state, params)
+    opt.check_state(plan, state)
     axis = opt.config.axis_name
     slots, treedef, n = plan.layout.slots, plan.layout.treedef, plan.layout.num_shards
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
@@ -135,7 +136,6 @@ def apply_pieces(
     weights = pieces if three else treedef.flatten_up_to(plan.layout.leaf_specs())
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
-        opt.check_state(plan, state)
         held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
         parts = route.arrival.bring(plan, held(grads))
         whole = held(params) if three else treedef.unflatten(params)

@@ -51,7 +51,7 @@ from zeroshard.mesh import (
 from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import stage_of, to_shards
-from zeroshard.state import ShardedState, TrainState
+from zeroshard.state import LayoutKey, ShardedState, TrainState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.state_layout import StateLayout, layout_of_state, state_layout
 from zeroshard.step import laid_out_as
@@ -436,7 +436,8 @@ def _from_logical_local(
                     kept[k] = logical_gather(x, shape, axis)
         grad_norm = jnp.zeros((), jnp.float32)
         state = plan.state_treedef.unflatten(plan.on_state.grouped(kept))
-        opt = ShardedState(state, master, grad_norm, skipped, scale, owned)
+        key = LayoutKey.of(tx.config.axes, layout)
+        opt = ShardedState(state, master, grad_norm, skipped, scale, owned, key)
         return TrainState(step, compute, opt, model_state)
 
     return local

@@ -28,14 +28,12 @@ from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
 from zeroshard.jit_pieces import apply_pieces, init_pieces, shard_params
-from zeroshard.layout import Layout, PyTree, Split
+from zeroshard.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
-from zeroshard.lowbit import is_codes
 from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
 from zeroshard.placement import Plan, make_plan
 from zeroshard.stage3 import full_structs, stage_of
-from zeroshard.state import ShardedState
-from zeroshard.state_kinds import SlicedState
+from zeroshard.state import LayoutKey, ShardedState, key_of
 from zeroshard.update import Route, kept_apart, updated
 
 logger = logging.getLogger(__name__)
@@ -94,7 +92,9 @@ class Sharded:
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
-        return ShardedState(plan.state_treedef.unflatten(specs), master, P(), P(), scale, owned)
+        key = LayoutKey.of(self.config.axes, plan.layout)
+        inner = plan.state_treedef.unflatten(specs)
+        return ShardedState(inner, master, P(), P(), scale, owned, key)
 
     def spanning(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Sharded:
         """This optimizer with its state split over every axis of ``mesh`` but the
@@ -197,8 +197,8 @@ class Sharded:
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, wholes)
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
-        zero = jnp.zeros((), jnp.float32)
-        return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned)
+        zero, key = jnp.zeros((), jnp.float32), LayoutKey.of(self.config.axes, plan.layout)
+        return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned, key)
 
     def update(
         self, updates: PyTree, state: ShardedState, params: PyTree = None, **extra_args: Any
@@ -267,8 +267,8 @@ class Sharded:
         route = Route.of(opt.config, 1, mean=True)
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
+        opt.check_state(plan, state)
         specs = opt.specs_of(plan)
-        check_blocks(plan, state)
         check_layout(state, specs)
         leaves = plan.layout.leaf_specs()
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
@@ -318,7 +318,10 @@ class Sharded:
             )
 
     def check_state(self, plan: Plan, state: ShardedState) -> None:
-        """Refuses a ``state`` made for other parameters than ``plan``'s."""
+        """Refuses a ``state`` made for other parameters than ``plan``'s, or laid out
+        otherwise than this optimizer lays it out by ``plan`` (the layout it carries,
+        :class:`zeroshard.state.LayoutKey`: over other axes, or a leaf kept in other
+        blocks: made for the weights laid out otherwise than they are now)."""
         master = jax.tree.structure(plan.master_tree([0] * len(plan.layout.slots)))
         mine = jax.tree.structure(state.master)
         if mine != master or len(state.owned) != len(plan.storage.dtypes):
@@ -326,6 +329,7 @@ class Sharded:
                 "zs.sharded: the optimizer state was made for other parameters: its master "
                 f"weights have the structure {mine}, these params need {master}."
             )
+        check_made(plan.layout, key_of(state), self.config.axes, plan.layout.splits)
 
 
 NO_MESH = (
@@ -400,7 +404,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
         """This transformation with its state split over ``axes`` (see
-        :meth:`Sharded.over`); e.g. ``tx.over(state_axes(opt_state))``."""
+        :meth:`Sharded.over`); e.g. ``tx.over(opt_state.layout.axes)``."""
         opt = self.optimizer.over(axes)
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
 
@@ -424,62 +428,34 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         return self.optimizer.specs_of(self.plan(params, num_shards, splits))
 
 
-def check_blocks(plan: Plan, state: ShardedState) -> None:
-    """Refuses a global ``state`` whose pieces are cut otherwise than ``plan`` cuts
-    them: block by block for a leaf it splits (:class:`zeroshard.layout.Split`,
-    held ``(..., blocks, pieces of a block)``), whole for one it does not. That is
-    a state made for the weights laid out otherwise than they are now.
+def check_made(
+    layout: Layout, made: LayoutKey, axes: tuple[str, ...], splits: Mapping[int, Split]
+) -> None:
+    """Refuses a state of ``layout``'s leaves laid out as ``made`` says (the layout it
+    carries) where one split over ``axes``, its leaves of ``splits`` kept block by
+    block, is asked for: split over other axes, or a leaf kept in other blocks (a
+    state made for the weights laid out otherwise than they are now).
 
     Raises:
-      ValueError: naming the first such leaf and how to make the state again.
+      ValueError: naming the axes, or the first such leaf, and how to make the state
+        again.
     """
-    found = cut_otherwise(plan, state)
-    if found:
-        i, shape = next(iter(found.items()))
-        s = plan.layout.slots[i]
-        how = f"in {s.split.blocks} block(s)"
+    held, axes = made.by_leaf, tuple(axes)
+    other = [i for i in sorted(held.keys() | splits.keys()) if held.get(i) != splits.get(i)]
+    if made.axes != axes or other:
+        i = other[0] if other else 0
+        how = (
+            f"it is split over the mesh axes {made.axes}, and here over {axes}"
+            if made.axes != axes
+            else f"it keeps {layout.slots[i].path} in {held.get(i, WHOLE).blocks} block(s) "
+            f"over the mesh's other axes, and this layout in {splits.get(i, WHOLE).blocks}"
+        )
         raise ValueError(
-            f"zs.sharded: the optimizer state of {s.path} (shape {shape}) was made "
-            f"for the weights laid out otherwise than they are now: this layout "
-            f"keeps it {how} over the mesh's other axes. Make the state from the "
-            "weights as they are laid out (tx.init(params), zs.init_train_state, or "
+            "zs.sharded: the optimizer state was made for another mesh, or for the weights "
+            f"laid out otherwise than they are now: {how}. Make the state from the weights "
+            "as they are laid out (tx.init(params), zs.init_train_state, or "
             "zs.from_optax_state(..., param_specs=)), or lay them out as before."
         )
-
-
-def cut_otherwise(plan: Plan, state: ShardedState) -> dict[int, tuple[int, ...]]:
-    """The leaves (by index) whose state ``state`` holds cut otherwise than ``plan``
-    cuts it (see :func:`check_blocks`), with the shape of one of their arrays."""
-    slots, found = plan.layout.slots, {}
-    kept = jax.tree.leaves(plan.master_tree(list(range(len(slots)))))
-    pairs = list(zip(kept, jax.tree.leaves(state.master), strict=True))
-    inner = plan.state_treedef.flatten_up_to(state.inner_state)
-    for kind, x in zip(plan.state_kinds, inner, strict=True):
-        pairs += [(kind.leaf, x)] if isinstance(kind, SlicedState) and x is not None else []
-    for i, x in pairs:
-        s = slots[i]
-        x, blocks = x.scales if is_codes(x) else x, s.split.blocks  # (scales: as the pieces)
-        if s.stacked or x.ndim != len(s.piece_shape) or x.ndim < 2:
-            continue  # (a group's buffer, or pieces without a unit axis for blocks)
-        if x.shape[-2] != blocks:
-            found.setdefault(i, x.shape)
-    return found
-
-
-def state_axes(opt_state: ShardedState, params: PyTree = None) -> tuple[str, ...]:
-    """The mesh axes a global :class:`zeroshard.ShardedState` is split over, as its
-    arrays (and stage-3 ``params``' pieces, cut as it is, if given) are laid out: a
-    step's, its optimizer's ``axis_name``, and the mesh's other axes where the state
-    spans them; the one-line drop-in's, every axis of its mesh but the replica axis
-    (:meth:`Sharded.spanning`); ``()`` where the layout says none (every axis of one
-    device)."""
-    pieces = params if stage_of(params) == 3 else None
-    specs = [getattr(x.sharding, "spec", ()) for x in jax.tree.leaves((pieces, opt_state))]
-    # (a sliced piece's last dimension; a split leaf's, then its blocks')
-    blocks = lambda spec: axes_of(spec[-2]) if len(spec) > 1 and spec[-2] is not None else ()
-    last = lambda spec: (*axes_of(spec[-1]), *blocks(spec))
-    split = [last(spec) for spec in specs if spec and spec[-1] is not None]
-    return max(split, key=len, default=())
 
 
 def optimizer_of(tx: Any) -> Sharded:

@@ -3,13 +3,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import optax
 
-from zeroshard.layout import PyTree
+from zeroshard.layout import Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
+
+
+class LayoutKey(NamedTuple):
+    """How a :class:`ShardedState` is laid out, which it carries as its static part
+    (pytree aux data: ``jax.jit`` compares it, and nothing reads it again from the
+    arrays' shardings). With the optimizer, the mesh and the parameters' shapes it
+    gives the state's :class:`zeroshard.state_layout.StateLayout` again.
+
+    Attributes:
+      axes: the mesh axes the state is split over.
+      splits: the leaves it keeps block by block over the mesh's other axes, as
+        ``(index, *fields of its split)`` (:class:`zeroshard.layout.Split`): plain
+        data, so that pickle and Flax's msgpack serialization take it.
+    """
+
+    axes: tuple[str, ...]
+    splits: tuple[tuple, ...] = ()
+
+    @classmethod
+    def of(cls, axes: tuple[str, ...], layout: Layout) -> LayoutKey:
+        """The key of a state split over ``axes`` as ``layout`` lays it out."""
+        splits = tuple((i, *dataclasses.astuple(x)) for i, x in layout.splits.items())
+        return cls(tuple(axes), splits)
+
+    @property
+    def by_leaf(self) -> dict[int, Split]:
+        """The :class:`zeroshard.layout.Split` of each leaf kept block by block."""
+        return {i: Split(*fields) for i, *fields in self.splits}
 
 
 class ShardedState(NamedTuple):
@@ -39,6 +68,9 @@ class ShardedState(NamedTuple):
       owned: per dtype, this device's row of the inner state and master weights of
         the leaves it owns (see :class:`zeroshard.placement.Storage`); ``()`` when no
         leaf is owned.
+      layout: how the state is laid out (:class:`LayoutKey`), static: not a leaf
+        (``jax.tree.leaves`` does not list it), and equal across steps. ``None`` on a
+        state built by hand, which zeroshard refuses.
     """
 
     inner_state: optax.OptState
@@ -47,6 +79,31 @@ class ShardedState(NamedTuple):
     skipped: jax.Array
     loss_scale: LossScaleState | None = None
     owned: tuple[jax.Array, ...] = ()
+    layout: LayoutKey | None = None
+
+
+def key_of(state: ShardedState) -> LayoutKey:
+    """The layout ``state`` carries (:attr:`ShardedState.layout`).
+
+    Raises:
+      ValueError: if it carries none.
+    """
+    if state.layout is None:
+        raise ValueError(
+            "zeroshard: this ShardedState carries no layout (ShardedState.layout is None: "
+            "built by hand, or unpickled from an older zeroshard). Make it with tx.init, "
+            "zs.init_train_state or zs.from_optax_state."
+        )
+    return state.layout
+
+
+_ARRAYS = ShardedState._fields[:-1]
+jax.tree_util.register_pytree_with_keys(
+    ShardedState,
+    lambda s: ([(jax.tree_util.GetAttrKey(k), getattr(s, k)) for k in _ARRAYS], s.layout),
+    lambda layout, arrays: ShardedState(*arrays, layout),
+    flatten_func=lambda s: (s[:-1], s.layout),
+)
 
 
 class TrainState(NamedTuple):

@@ -25,18 +25,12 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.comm import mesh_size
-from zeroshard.layout import Layout, PyTree
+from zeroshard.layout import WHOLE, Layout, PyTree
 from zeroshard.mesh import keep_axes, mesh_of
 from zeroshard.placement import Plan
-from zeroshard.sharded import (
-    ShardedTransformation,
-    check_blocks,
-    cut_otherwise,
-    optimizer_of,
-    state_axes,
-)
+from zeroshard.sharded import ShardedTransformation, check_made, optimizer_of
 from zeroshard.stage3 import full_structs, layout_of
-from zeroshard.state import ShardedState, TrainState
+from zeroshard.state import ShardedState, TrainState, key_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +40,10 @@ class StateLayout:
     Attributes:
       tx: the optimizer over the state's axes.
       plan: every leaf's record (see the module's description).
-      weights: the parameters' own layout over :attr:`rest`, a ``PartitionSpec``
-        per leaf (tensor parallelism's ``P(None, "model")``, say), which the steps
-        keep; a tuple, in leaf order.
-      rest: the state's axes besides the batch's.
-      splits: the leaves split over :attr:`rest` the plan was made for
+      weights: the parameters' own layout over the state's axes besides the batch's,
+        a ``PartitionSpec`` per leaf (tensor parallelism's ``P(None, "model")``,
+        say), which the steps keep; a tuple, in leaf order.
+      splits: the leaves split over those axes the plan was made for
         (:meth:`zeroshard.sharded.Sharded.splits`: the weights' layout says so; the
         plan keeps those it can cut block by block), as ``(index, split)`` pairs.
     """
@@ -58,7 +51,6 @@ class StateLayout:
     tx: ShardedTransformation
     plan: Plan = dataclasses.field(compare=False, hash=False)
     weights: tuple[P, ...]
-    rest: tuple[str, ...]
     layout: Layout
     splits: tuple = ()
 
@@ -83,8 +75,8 @@ class StateLayout:
         return self.tx.optimizer.specs_of(self.plan)
 
     def returned(self, departure: Any) -> TrainState:
-        """:meth:`specs`, the weights (but stage 3's pieces) in their own layout over
-        :attr:`rest`: the state as a step returns it."""
+        """:meth:`specs`, the weights (but stage 3's pieces) in their own layout
+        (:attr:`weights`): the state as a step returns it."""
         specs = self.specs(departure)
         return specs if departure.pieces else specs._replace(params=self.weight_specs)
 
@@ -109,7 +101,7 @@ def state_layout(
     weights = layout_of(params, rest) if weights is None else keep_axes(weights, rest)
     state_tx = tx.for_step(mesh)
     splits = opt.splits(mesh, weights)
-    return _built(state_tx, mesh_size(mesh, state_tx.axis_name), params, weights, rest, splits)
+    return _built(state_tx, mesh_size(mesh, state_tx.axis_name), params, weights, splits)
 
 
 def drop_in_is_step(tx: ShardedTransformation, mesh: Any) -> bool:
@@ -125,39 +117,35 @@ def state_devices_on(tx: ShardedTransformation, mesh: Any) -> int:
 
 
 def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout:
-    """The layout a global ``state`` was made with, on its mesh: over the axes its
-    arrays are split over (a step's, or the one-line drop-in's), a tensor-parallel
-    leaf's state block by block where its arrays hold it so.
+    """The layout a global ``state`` was made with, on its mesh: the one it carries
+    (:attr:`zeroshard.ShardedState.layout`: over a step's axes or the one-line
+    drop-in's, a tensor-parallel leaf's state block by block where it keeps it so),
+    not read from its arrays; its :attr:`StateLayout.weights`, those of the leaves it
+    keeps so.
 
     Raises:
-      ValueError: if the state was made for the weights laid out otherwise
-        (:func:`zeroshard.sharded.check_blocks`).
+      ValueError: if the state carries no layout, or keeps a leaf block by block
+        whose weights are not laid out in those blocks now
+        (:func:`zeroshard.sharded.check_made`).
     """
-    opt, mesh = optimizer_of(tx), mesh_of(state)
-    tx = tx.over(state_axes(state.opt_state, state.params))
-    rest = opt.other_axes(mesh)
-    weights = layout_of(state.params, rest)
-    # (kept block by block where the state is over those axes: none where nothing is kept,
-    # nor where the state holds them whole, as the drop-in does on Auto axes)
-    splits = {
-        i: x for i, x in opt.splits(mesh, weights).items() if set(x.axes) <= set(tx.config.axes)
-    }
-    n = mesh_size(mesh, tx.axis_name)
-    built = _built(tx, n, state.params, weights, rest, splits)
-    if set(splits) & set(cut_otherwise(built.plan, state.opt_state)):
-        built = _built(tx, n, state.params, weights, rest, {})
-    check_blocks(built.plan, state.opt_state)
+    made, mesh, opt = key_of(state.opt_state), mesh_of(state), optimizer_of(tx)
+    splits = made.by_leaf
+    x = next(iter(splits.values()), WHOLE)  # (over the batch axes of the optimizer that made it)
+    weights, n = layout_of(state.params, x.axes), mesh_size(mesh, made.axes)
+    built = _built(tx.over(made.axes), n, state.params, weights, splits)
+    now = opt.over(x.over).splits(mesh, weights)  # (the weights' blocks now)
+    check_made(built.layout, made, made.axes, {i: now[i] for i in splits if i in now})
     return built
 
 
-def _built(tx, num_shards, params, weights, rest, splits) -> StateLayout:
+def _built(tx, num_shards, params, weights, splits) -> StateLayout:
     structs = jax.tree.flatten(full_structs(params))
     specs = tuple(jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, P)))
-    key = (structs[1], tuple(structs[0]), specs, tuple(rest), tuple(splits.items()))
+    key = (structs[1], tuple(structs[0]), specs, tuple(splits.items()))
     return _cached(tx, num_shards, *key)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached(tx, num_shards, treedef, structs, weights, rest, splits) -> StateLayout:
+def _cached(tx, num_shards, treedef, structs, weights, splits) -> StateLayout:
     plan = tx.plan(treedef.unflatten(structs), num_shards, dict(splits))
-    return StateLayout(tx, plan, weights, rest, plan.layout, splits)
+    return StateLayout(tx, plan, weights, plan.layout, splits)

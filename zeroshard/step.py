@@ -40,7 +40,7 @@ from zeroshard.mesh import (
 )
 from zeroshard.microbatches import OneBatch
 from zeroshard.scopes import MODEL_STATE, scope
-from zeroshard.sharded import ShardedTransformation, check_blocks, optimizer_of
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
 from zeroshard.state import TrainState
 from zeroshard.state_layout import StateLayout, state_layout
@@ -377,9 +377,7 @@ class TrainStep:
                 f"the state with zs.init_train_state(..., stage={self.stage})."
             )
         built = self.layout_for(state.params, layout)
-        # (a state cut for the weights' layout: a split leaf's by blocks; made for them)
-        check_blocks(built.plan, state.opt_state)
-        self.opt.check_state(built.plan, state.opt_state)
+        built.tx.optimizer.check_state(built.plan, state.opt_state)  # (made for this layout)
         specs = keep_axes(built.specs(self.route.departure), self.opt.config.batch_axes)
         split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
         batch_specs = split(batch)

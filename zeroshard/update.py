@@ -230,7 +230,7 @@ def updated(
         master = None if state.master is None else plan.master_tree(new)
         loss_scale = config.loss_scale
         scale = None if loss_scale is None else loss_scale.adjust(state.loss_scale, finite)
-    new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned)
+    new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned, state.layout)
     # Cast to the parameters' dtypes once per group, then cut into the leaves' pieces.
     cast = lambda s, x: None if x is None else x.astype(s.dtype)
     new = plan.on_view.ungrouped(plan.layout.sliced(cast, new))

@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.layout import PyTree
 from zeroshard.mesh import find_mesh, mesh_of
-from zeroshard.sharded import ShardedTransformation, optimizer_of, state_axes
+from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import stage_of
-from zeroshard.state import ShardedState
+from zeroshard.state import ShardedState, key_of
 from zeroshard.step import TrainState
 
 KINDS = (
@@ -127,8 +127,8 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
     kind, (core, extra, tx) = _split(state, tx)
     if kind == "zeroshard":
         mesh_of(state)  # a TypeError unless it is laid out on a mesh
-        # (on a mesh with other axes the state is split over those too)
-        return Parts(state, {}, tx.over(state_axes(state.opt_state, state.params)))
+        # (the axes it carries: on a mesh with other axes, split over those too)
+        return Parts(state, {}, tx.over(key_of(state.opt_state).axes))
     if not isinstance(core.opt_state, ShardedState):
         owner = "the TrainState" if kind == "linen" else "the optimizer"
         raise TypeError(
@@ -136,11 +136,10 @@ def parts_of(state: Any, tx: ShardedTransformation | None = None) -> Parts:
             "zs.ShardedState: build the state with the optimizer from zs.sharded(...), "
             "e.g. tx=zs.sharded(optax.adamw(1e-3), mesh=mesh)."
         )
-    # (the one-line drop-in's state is split over every axis of its mesh)
     mesh = find_mesh(tx.config, core.opt_state, context=False, any_axes=True)
     step = jax.device_put(jnp.asarray(core.step, jnp.int32), NamedSharding(mesh, P()))
-    axes = state_axes(core.opt_state, core.params)
-    return Parts(core._replace(step=step), stored(extra), tx.over(axes))
+    # (the one-line drop-in's state is split over every axis of its mesh)
+    return Parts(core._replace(step=step), stored(extra), tx.over(key_of(core.opt_state).axes))
 
 
 def _is_key(x: Any) -> bool:
