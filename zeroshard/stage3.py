@@ -252,11 +252,12 @@ def _gather(tree: PyTree, axis_name: str) -> PyTree:
     if is_marking():  # (a loss traced to read its gathers: zeroshard.analysis.reads)
         return treedef.unflatten(x if is_shard(x) else mark(x) for x in leaves)
     shards = [i for i, x in enumerate(leaves) if is_shard(x)]
+    if not shards:  # (whole weights, at stages 1 and 2: nothing to gather, on any axis)
+        return tree
     out, step = dict(enumerate(leaves)), current_step()
-    gathered = exact_gather if step is None else step.gather
-    rest = () if step is None else step.rest
+    gathered, rest = (exact_gather, ()) if step is None else (step.gather, step.rest)
     whole = lambda xs: wholes(xs, axis_name, rest, gathered)
-    if rest and shards:  # (pieces cut over the other axes too: manual over them as well)
+    if rest:  # (pieces cut over the other axes too: manual over them as well)
         whole = over_rest(whole, [leaves[i] for i in shards], axis_name, rest)
     out.update(zip(shards, whole([leaves[i] for i in shards]), strict=True))
     return treedef.unflatten(out.values())
