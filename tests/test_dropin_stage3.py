@@ -7,6 +7,8 @@ starting weights, and ``zs.layer`` around the scan body. The reference is plain 
 on one device on the global batch.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,15 +39,21 @@ def make_params(layers, seed=0):
 
 
 def make_loss(layer, whole=lambda p: p, unroll=1):
-    """The model as written; ``layer`` wraps the scan body (``zs.layer``, or nothing),
-    ``whole`` the embedding and the head where they are used."""
+    """The model as written; ``layer`` wraps the scan body (``zs.layer``, or nothing;
+    ``zs.layers``: the whole scan), ``whole`` the embedding and the head where they are
+    used."""
 
     def loss(params, batch):
         x = jax.nn.one_hot(batch["tokens"], VOCAB) @ whole(params["embed"])
         if "odd" in params:  # (leaves the devices cannot cut along their first dimension)
             x = x * params["odd"]["a"].sum(0) + jnp.mean(params["odd"]["b"])
         block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
-        x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll)
+        if layer is zs.layers:
+            x = block(params["blocks"], x)
+        else:
+            x, _ = jax.lax.scan(
+                lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll
+            )
         logits = x @ whole(params["head"])
         return optax.losses.softmax_cross_entropy_with_integer_labels(
             logits, batch["targets"]
@@ -69,9 +77,9 @@ def reference(inner, params, data):
     return params, losses
 
 
-def dropin(tx, mesh, params, data):
+def dropin(tx, mesh, params, data, layer=zs.layer):
     """The user's own loop: jitted step, weights laid out once with tx.shard_params."""
-    loss = make_loss(zs.layer)
+    loss = make_loss(layer)
 
     @jax.jit
     def step(params, opt_state, batch):
@@ -113,6 +121,21 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+@pytest.mark.parametrize(
+    "stage, inner",
+    [(3, optax.sgd(0.5, momentum=0.9)), (3, optax.adam(1e-2)), (2, optax.sgd(0.5, momentum=0.9))],
+    ids=["sgd-3", "adam-3", "sgd-2"],
+)
+def test_prefetch_gives_plain_optax(stage, inner):
+    """zs.layers (the scan, each layer's weights gathered while the one before runs)."""
+    params, data = make_params(4), batches(6)
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
+    got, _, losses = dropin(tx, auto_mesh(), params, data, zs.layers)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)])
@@ -229,16 +252,75 @@ def test_step_memory_of_your_own_step():
 
 
 def test_stage3_temporaries_grow_by_pieces_not_layers():
-    temp = lambda n, **kw: compiled_step(n, **kw).memory_analysis().temp_size_in_bytes
+    temp = lambda n, layer=zs.layer: (
+        compiled_step(n, loss=make_loss(layer)).memory_analysis().temp_size_in_bytes
+    )
     layer = (WIDTH * WIDTH + WIDTH) * 4  # one layer's full weights, float32
     # Each layer adds its saved input (8 x 64 activations per device) and its pieces
     # (1/8 of the layer: the residual and the gradient), never its whole weights.
     grown = temp(8) - temp(4)
     assert grown <= 4 * (8 * WIDTH * 4 + 2 * layer / 8), grown
+    # Prefetched (zs.layers), the same; it holds the next layer's whole weights besides
+    # this one's (and its gradient), not the stack's.
+    assert temp(8, zs.layers) - temp(4, zs.layers) <= 4 * (8 * WIDTH * 4 + 2 * layer / 8)
+    assert 0 < temp(4, zs.layers) - temp(4) <= 2 * layer
     # Gathered by zs.gather alone (no second gather in the backward pass), each
     # layer's whole weights are kept for it: a layer per layer.
-    kept = make_loss(lambda f: lambda w, x: f(zs.gather(w), x))
-    assert temp(8, loss=kept) - temp(4, loss=kept) >= 4 * layer
+    kept = lambda f: lambda w, x: f(zs.gather(w), x)
+    assert temp(8, kept) - temp(4, kept) >= 4 * layer
+
+
+def loop_dependencies(hlo):
+    """Per while-loop body of a compiled HLO module: its all-gathers and its dots (a
+    dot or a convolution, or a fusion of one), each with the set of the body's
+    instructions it depends on."""
+    computations = dict(re.findall(r"^(%\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S))
+    fused = {c for c, text in computations.items() if re.search(r" (dot|convolution)\(", text)}
+    bodies = []
+    for body in set(re.findall(r"body=(%[\w.\-]+)", hlo)):
+        needs, kinds = {}, {}
+        for line in computations[body].splitlines():
+            name, kind, rest = re.match(r"\s*(?:ROOT )?(%\S+) = .*? ([\w\-]+)\((.*)", line).groups()
+            operands = re.findall(r"%[\w.\-]+", rest)
+            needs[name] = set(operands).union(*(needs.get(a, ()) for a in operands))
+            called = re.search(r"calls=(%[\w.\-]+)", rest)
+            is_dot = kind in ("dot", "convolution") or (called and called[1] in fused)
+            kinds[name] = "dot" if is_dot else kind
+        pick = lambda kind: {n: needs[n] for n, k in kinds.items() if k == kind}
+        bodies.append((pick("all-gather"), pick("dot")))
+    return bodies
+
+
+def test_prefetch_gathers_the_next_layer_while_this_one_runs():
+    """zs.layers: in the compiled scan bodies (the forward and the backward pass) no
+    all-gather depends on a dot of the body, nor a dot on an all-gather: each
+    iteration gathers the next layer's weights (backward: the layer before's) while it
+    computes with those the iteration before gathered, so a backend that runs
+    collectives asynchronously can issue the gather before the layer's dots. (XLA's
+    CPU backend runs them synchronously, and schedules them after the first dot.)
+    Under zs.layer each layer's dots wait for its own gather."""
+    for layer, overlaps in ((zs.layers, True), (zs.layer, False)):
+        hlo = compiled_step(4, loss=make_loss(layer)).as_text()
+        bodies = [(gathers, dots) for gathers, dots in loop_dependencies(hlo) if gathers]
+        assert len(bodies) == 2 and all(dots for _, dots in bodies), bodies
+        tied = any(
+            set(dots) & needs or set(gathers) & after
+            for gathers, dots in bodies
+            for needs in gathers.values()
+            for after in dots.values()
+        )
+        assert tied != overlaps, layer
+
+
+def test_prefetch_moves_what_zs_layer_moves():
+    """The same gathers forward and backward, the same gradient reduction (two layers:
+    each loop runs once, so the program text counts every collective)."""
+    ring = {}
+    for layer in (zs.layer, zs.layers):
+        hlo = compiled_step(2, optax.sgd(0.1), make_loss(layer, zs.gather, unroll=True)).as_text()
+        found = zs.summarize(zs.compiled_collectives(hlo, 8))
+        ring[layer] = sum(k["ring_bytes"] for k in found.values())
+    assert ring[zs.layers] == pytest.approx(ring[zs.layer], rel=0.01), ring
 
 
 def test_stage3_bytes_on_the_wire():

@@ -39,6 +39,11 @@ def stage3_loss(params, batch):
     return jnp.mean((x @ zs.gather(params["head"]) - batch["y"]) ** 2)
 
 
+def prefetch_loss(params, batch):
+    x = zs.layers(block)(params["blocks"], batch["x"])
+    return jnp.mean((x @ zs.gather(params["head"]) - batch["y"]) ** 2)
+
+
 def data(rng, steps=3, size=32, width=WIDTH):
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     return [{"x": f(size, width), "y": f(size, width)} for _ in range(steps)]
@@ -103,6 +108,20 @@ def test_stage2_through_gathers_matches_plain_optax(name, accum_steps, rng):
     layer_piece = (WIDTH * WIDTH + WIDTH) * 4 // 8
     assert largest_reduce_scatter(stage3_loss, params, batches[0]) == layer_piece
     assert largest_reduce_scatter(plain_loss, params, batches[0]) >= LAYERS * layer_piece
+
+
+@pytest.mark.parametrize("name,stage,accum_steps", [("sgd", 3, 1), ("sgd", 2, 2), ("adamw", 3, 2)])
+def test_prefetch_in_the_own_step_matches_plain_optax(name, stage, accum_steps, rng):
+    """zs.layers (each layer's weights gathered while the one before runs) trains as
+    plain optax does; at stage 2 it reduce-scatters one layer's gradient at a time."""
+    make, rtol = OPTIMIZERS[name]
+    params, batches = make_params(rng), data(rng)
+    expected = reference_run(plain_loss, make(), params, batches)
+    actual, _, _ = train(prefetch_loss, make(), params, batches, stage, accum_steps)
+    assert_trees_close(actual, expected, rtol=rtol)
+    if stage == 2:
+        layer_piece = (WIDTH * WIDTH + WIDTH) * 4 // 8
+        assert largest_reduce_scatter(prefetch_loss, params, batches[0]) == layer_piece
 
 
 def test_stage2_reads_through_gathers_or_not_at_all(rng):
