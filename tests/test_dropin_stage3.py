@@ -286,8 +286,10 @@ def loop_dependencies(hlo):
             called = re.search(r"calls=(%[\w.\-]+)", rest)
             is_dot = kind in ("dot", "convolution") or (called and called[1] in fused)
             kinds[name] = "dot" if is_dot else kind
-        pick = lambda kind: {n: needs[n] for n, k in kinds.items() if k == kind}
-        bodies.append((pick("all-gather"), pick("dot")))
+        picked = (
+            {n: needs[n] for n, k in kinds.items() if k == kind} for kind in ("all-gather", "dot")
+        )
+        bodies.append(tuple(picked))
     return bodies
 
 
