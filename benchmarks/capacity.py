@@ -13,7 +13,8 @@ weights, on N devices:
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
   reduce-scatters each layer's gradient in the backward pass, ``zeroshard.held``),
-  stage 1 with the plain one.
+  stage 1 with the plain one (``--prefetch``: stages 2 and 3 scan with ``zs.layers``,
+  each layer's weights gathered while the layer before runs).
 
 Per variant and size: the compiled step's per-device peak, ``arguments + outputs +
 temporaries - aliased`` (``compiled.memory_analysis()``: per device for an SPMD

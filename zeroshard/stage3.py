@@ -24,6 +24,9 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
         block = zs.layer(lambda w, x: jnp.tanh(x @ w["w"]))
         x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), batch["x"], params["blocks"])
         return jnp.mean((x - batch["y"]) ** 2)
+
+:func:`layers` is that scan, with each layer's weights gathered while the layer
+before runs.
 """
 
 from __future__ import annotations
