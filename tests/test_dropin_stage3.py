@@ -7,6 +7,7 @@ starting weights, and ``zs.layer`` around the scan body. The reference is plain 
 on one device on the global batch.
 """
 
+import functools
 import re
 
 import jax
@@ -22,6 +23,7 @@ import zeroshard as zs
 import zeroshard.flax as zf
 
 WIDTH, VOCAB = 64, 32
+SCATTERED = functools.partial(zs.layers, reduce_scatter=True)
 
 
 def auto_mesh(shape=(8,), names=("data",)):
@@ -48,7 +50,7 @@ def make_loss(layer, whole=lambda p: p, unroll=1):
         if "odd" in params:  # (leaves the devices cannot cut along their first dimension)
             x = x * params["odd"]["a"].sum(0) + jnp.mean(params["odd"]["b"])
         block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
-        if layer is zs.layers:
+        if getattr(layer, "func", layer) is zs.layers:
             x = block(params["blocks"], x)
         else:
             x, _ = jax.lax.scan(
@@ -123,17 +125,26 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
 
 
+@pytest.mark.parametrize("layers", [zs.layers, SCATTERED], ids=["prefetch", "scattered"])
 @pytest.mark.parametrize(
-    "stage, inner",
-    [(3, optax.sgd(0.5, momentum=0.9)), (3, optax.adam(1e-2)), (2, optax.sgd(0.5, momentum=0.9))],
-    ids=["sgd-3", "adam-3", "sgd-2"],
+    "stage, inner, axes",
+    [
+        (3, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, optax.adam(1e-2), AxisType.Auto),
+        (2, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, optax.sgd(0.5, momentum=0.9), AxisType.Explicit),
+    ],
+    ids=["sgd-3", "adam-3", "sgd-2", "sgd-3-explicit"],
 )
-def test_prefetch_gives_plain_optax(stage, inner):
-    """zs.layers (the scan, each layer's weights gathered while the one before runs)."""
+def test_prefetch_gives_plain_optax(stage, inner, axes, layers):
+    """zs.layers (the scan, each layer's weights gathered while the one before runs),
+    with each layer's backward manual over the batch axis too (reduce_scatter=True)."""
     params, data = make_params(4), batches(6)
     expected, expected_losses = reference(inner, params, data)
     tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
-    got, _, losses = dropin(tx, auto_mesh(), params, data, zs.layers)
+    got, _, losses = dropin(
+        tx, jax.make_mesh((8,), ("data",), axis_types=(axes,)), params, data, layers
+    )
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert_trees_close(got, expected, rtol=1e-5)
 
@@ -314,33 +325,27 @@ def test_prefetch_gathers_the_next_layer_while_this_one_runs():
         assert tied != overlaps, layer
 
 
-def test_prefetch_moves_what_zs_layer_moves():
-    """The same gathers forward and backward, the same gradient reduction (two layers:
-    each loop runs once, so the program text counts every collective)."""
-    ring = {}
-    for layer in (zs.layer, zs.layers):
-        hlo = compiled_step(2, optax.sgd(0.1), make_loss(layer, zs.gather, unroll=True)).as_text()
-        found = zs.summarize(zs.compiled_collectives(hlo, 8))
-        ring[layer] = sum(k["ring_bytes"] for k in found.values())
-    assert ring[zs.layers] == pytest.approx(ring[zs.layer], rel=0.01), ring
-
-
-def test_stage3_bytes_on_the_wire():
-    """Each weight all-gathered forward (the blocks again in the backward pass), the
-    gradient reduced to pieces: at most 2x one all-reduce of the weights. XLA's CPU
-    pipeline reduces as all-reduce + dynamic-slice; GPU and TPU fuse the pair into a
-    reduce-scatter. (The scan unrolled, so that each layer's collectives are in the
-    program text once per layer.)"""
-    loss = make_loss(zs.layer, zs.gather, unroll=True)
-    found = zs.compiled_collectives(compiled_step(4, optax.sgd(0.1), loss).as_text(), 8)
-    structs = jax.eval_shape(lambda: make_params(4))
+def test_prefetch_moves_what_zs_layer_moves_and_scattered_zero3s_bytes():
+    """zs.layers: the same gathers forward and backward and the same gradient
+    reduction as zs.layer, 2x the bytes of one all-reduce of the weights (two layers:
+    each loop runs once, so the program text counts every collective). With
+    reduce_scatter=True each layer's weight gradient is reduce-scattered from the
+    devices' partial sums instead (the layer's backward manual over the batch axis):
+    ZeRO-3's 1.5x, with the embedding and the head, gathered whole by zs.gather,
+    still all-reduced and sliced (their gradients' only all-reduce)."""
+    structs = jax.eval_shape(lambda: make_params(2))
     weights = sum(x.size * 4 for x in jax.tree.leaves(structs))
-    blocks = sum(x.size * 4 for x in jax.tree.leaves(structs["blocks"]))
-    ring = zs.summarize(found)
-    gathered, reduced = ring["all-gather"]["ring_bytes"], ring["all-reduce"]["ring_bytes"]
-    assert gathered == pytest.approx(7 / 8 * (weights + blocks), rel=0.01), ring
-    assert reduced == pytest.approx(2 * 7 / 8 * weights, rel=0.01), ring
-    assert (gathered + reduced) / (2 * 7 / 8 * weights) <= 2.0
+    outside = (structs["embed"].size + structs["head"].size) * 4
+    ring = {}
+    for layer in (zs.layer, zs.layers, SCATTERED):
+        hlo = compiled_step(2, optax.sgd(0.1), make_loss(layer, zs.gather, unroll=True)).as_text()
+        ring[layer] = zs.summarize(zs.compiled_collectives(hlo, 8))
+    total = lambda layer: sum(k["ring_bytes"] for k in ring[layer].values()) / (2 * 7 / 8 * weights)
+    assert total(zs.layers) == pytest.approx(total(zs.layer), rel=0.01), ring
+    assert total(SCATTERED) == pytest.approx(1.5, rel=0.01), ring
+    scattered = ring[SCATTERED]
+    assert scattered["reduce-scatter"]["ring_bytes"] == 7 / 8 * (weights - outside), ring
+    assert scattered["all-reduce"]["ring_bytes"] == pytest.approx(2 * 7 / 8 * outside, rel=0.01)
 
 
 def test_stage2_reduces_each_layer_in_the_backward_pass():

@@ -421,7 +421,9 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
     return wrapped
 
 
-def layers(fn: Callable[[PyTree, Any], Any], axis_name: str | None = None) -> Callable:
+def layers(
+    fn: Callable[[PyTree, Any], Any], axis_name: str | None = None, reduce_scatter: bool = False
+) -> Callable:
     """A scan of :func:`layer` over stacked layers that prefetches: layer ``l + 1``'s
     weights are gathered before layer ``l`` runs, and in the backward pass layer
     ``l - 1``'s before layer ``l``'s gradient is made (where collectives run
@@ -431,6 +433,12 @@ def layers(fn: Callable[[PyTree, Any], Any], axis_name: str | None = None) -> Ca
     Args:
       fn: ``fn(layer_params, x) -> x``: one layer (``x`` a pytree of a fixed type).
       axis_name: as for :func:`gather`.
+      reduce_scatter: in your own ``jax.jit``, each layer's backward pass runs manual
+        over the batch axis: every device differentiates its rows of ``x`` (their
+        leading dimension) and the weight gradient's partial sums are reduce-scattered
+        onto the pieces, ZeRO-3's bytes (without it the gradient ``jax.grad`` reduced
+        is sliced: an all-reduce). Only for a layer whose rows are independent (no
+        statistic over the batch, no sharding call naming the batch axis).
 
     Returns:
       ``run(stacked_params, x)``: ``x`` through every layer of ``stacked_params`` (a
@@ -455,8 +463,11 @@ def layers(fn: Callable[[PyTree, Any], Any], axis_name: str | None = None) -> Ca
         stack, x, outs = residuals
 
         def grad(w: PyTree, x: Any, g: Any, i: Any, grads: PyTree) -> tuple:
-            dw, g = jax.vjp(fn, w, x)[1](g)
-            dw = jax.vjp(lambda p: gather(p, axis_name), take(stack, i))[1](dw)[0]
+            if reduce_scatter and jit_gather.in_users_jit(stack, is_shard):
+                dw, g = _scattered(fn, w, x, g, axis_name, take(stack, i))
+            else:
+                dw, g = jax.vjp(fn, w, x)[1](g)
+                dw = jax.vjp(lambda p: gather(p, axis_name), take(stack, i))[1](dw)[0]
             put = lambda a, d: (
                 jax.lax.dynamic_update_index_in_dim(a, d, i, 0) if _is_float(a) else a
             )
@@ -483,6 +494,33 @@ def layers(fn: Callable[[PyTree, Any], Any], axis_name: str | None = None) -> Ca
         return prefetched(stack, x)
 
     return run
+
+
+def _scattered(
+    fn: Callable, w: PyTree, x: Any, g: Any, axis_name: str | None, pieces: PyTree
+) -> tuple:
+    """``fn``'s vjp at ``(w, x)`` for the cotangent ``g``, manual over the batch axis:
+    each device differentiates its rows, and the weight gradient's partial sums are
+    reduce-scattered onto the ``pieces`` (summed whole for a leaf kept whole)."""
+    on = getattr(jax.typeof(jax.tree.leaves(pieces)[0]).sharding, "mesh", None)
+    mesh = on if on is not None and not on.empty else jax.sharding.get_abstract_mesh()
+    axis = axis_name or tuple(mesh.axis_names)
+    n = math.prod(mesh.shape[a] for a in axes_of(axis))
+    typed = jax.sharding.AxisType.Explicit in mesh.axis_types  # (the types say which are cut)
+    cut = lambda p: any(jax.typeof(p).sharding.spec) if typed else p.ndim and p.shape[0] % n == 0
+    specs = jax.tree.map(lambda p: P(axis) if cut(p) else P(), pieces)
+
+    def local(w: PyTree, x: Any, g: Any) -> tuple:
+        dw, dx = jax.vjp(fn, jax.lax.pcast(w, axis, to="varying"), x)[1](g)
+        scatter = lambda d, s: (
+            jax.lax.psum_scatter(d, axis, tiled=True) if s else jax.lax.psum(d, axis)
+        )
+        return jax.tree.map(scatter, dw, specs), dx
+
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(specs, P(axis))
+    )
+    return run(w, x, g)
 
 
 def _is_float(x: Any) -> bool:
