@@ -281,13 +281,13 @@ def test_stage3_temporaries_grow_by_pieces_not_layers():
     assert temp(8, kept) - temp(4, kept) >= 4 * layer
 
 
-def loop_dependencies(hlo):
-    """Per while-loop body of a compiled HLO module: its all-gathers and its dots (a
-    dot or a convolution, or a fusion of one), each with the set of the body's
-    instructions it depends on."""
+def loop_ties(hlo):
+    """Per while-loop body of a compiled HLO module that has all-gathers: whether one
+    of them depends on a dot (a dot or a convolution, or a fusion of one) of the body,
+    or a dot on one of them."""
     computations = dict(re.findall(r"^(%\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S))
     fused = {c for c, text in computations.items() if re.search(r" (dot|convolution)\(", text)}
-    bodies = []
+    ties = []
     for body in set(re.findall(r"body=(%[\w.\-]+)", hlo)):
         needs, kinds = {}, {}
         for line in computations[body].splitlines():
@@ -297,11 +297,13 @@ def loop_dependencies(hlo):
             called = re.search(r"calls=(%[\w.\-]+)", rest)
             is_dot = kind in ("dot", "convolution") or (called and called[1] in fused)
             kinds[name] = "dot" if is_dot else kind
-        picked = (
-            {n: needs[n] for n, k in kinds.items() if k == kind} for kind in ("all-gather", "dot")
+        gathers, dots = (
+            {n for n, k in kinds.items() if k == kind} for kind in ("all-gather", "dot")
         )
-        bodies.append(tuple(picked))
-    return bodies
+        if gathers:
+            assert dots, body
+            ties.append(any(needs[n] & (dots if n in gathers else gathers) for n in gathers | dots))
+    return ties
 
 
 def test_prefetch_gathers_the_next_layer_while_this_one_runs():
@@ -314,15 +316,7 @@ def test_prefetch_gathers_the_next_layer_while_this_one_runs():
     Under zs.layer each layer's dots wait for its own gather."""
     for layer, overlaps in ((zs.layers, True), (zs.layer, False)):
         hlo = compiled_step(4, loss=make_loss(layer)).as_text()
-        bodies = [(gathers, dots) for gathers, dots in loop_dependencies(hlo) if gathers]
-        assert len(bodies) == 2 and all(dots for _, dots in bodies), bodies
-        tied = any(
-            set(dots) & needs or set(gathers) & after
-            for gathers, dots in bodies
-            for needs in gathers.values()
-            for after in dots.values()
-        )
-        assert tied != overlaps, layer
+        assert loop_ties(hlo) == [not overlaps] * 2, layer
 
 
 def test_prefetch_moves_what_zs_layer_moves_and_scattered_zero3s_bytes():

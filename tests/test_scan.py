@@ -124,6 +124,20 @@ def test_prefetch_in_the_own_step_matches_plain_optax(name, stage, accum_steps, 
         assert largest_reduce_scatter(prefetch_loss, params, batches[0]) == layer_piece
 
 
+def test_prefetch_in_the_own_step_leaves_gathers_and_dots_independent(rng):
+    """In the own step's compiled loop bodies, zs.layers' gathers and dots depend on
+    each other in neither direction (a backend with asynchronous collectives can
+    overlap them); zs.layer's dots wait for their layer's gather."""
+    from test_dropin_stage3 import loop_ties
+
+    params, batch, mesh = make_params(rng), data(rng, steps=1)[0], make_mesh(8)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", stacked=("blocks",))
+    state = zs.init_train_state(params, tx, mesh, stage=3)
+    for loss_fn, overlaps in ((prefetch_loss, True), (stage3_loss, False)):
+        hlo = zs.make_train_step(loss_fn, tx, mesh, stage=3).lower(state, batch).compile()
+        assert loop_ties(hlo.as_text()) == [not overlaps] * 2, loss_fn
+
+
 def test_stage2_reads_through_gathers_or_not_at_all(rng):
     """A stage-2 loss that reads a parameter other than through zs.gather (cast first,
     or not gathered at all) runs the plain stage-2 step: the full gradient, then one
