@@ -137,12 +137,12 @@ class ShardConfig:
         once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
 
-    def check_in_jit(self, mesh: Any) -> None:
+    def check_in_jit(self, mesh: Any, pieces: bool) -> None:
         """Refuses what stages 2 and 3 of ``update`` in the user's own ``jax.jit`` do
         not do, on ``mesh`` (:mod:`zeroshard.jit_pieces`): there ``jax.grad`` reduces
-        the gradients, and the compiler gathers stage 3's weights where ``zs.layer``
-        lays them out whole, so zeroshard can neither fix the sums' order nor quantize
-        them.
+        the gradients, and the compiler gathers the weights held as ``pieces`` (stage
+        3) where ``zs.layer`` lays them out whole, so zeroshard can neither fix the
+        sums' order nor quantize them.
 
         Raises:
           ValueError: naming the options (or the mesh's axes) and what to do instead.
@@ -151,7 +151,7 @@ class ShardConfig:
         options = {
             "replica_axis": self.replica_axis,
             "quantize_grads": self.quantize_grads,
-            "quantize_weights": self.quantize_weights if self.stage == 3 else None,
+            "quantize_weights": self.quantize_weights if pieces else None,
         }
         given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
         if sum(n > 1 for n in mesh.shape.values()) > 1:  # (an axis of one device: none)

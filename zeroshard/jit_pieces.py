@@ -88,7 +88,7 @@ def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
     (:func:`weight_spec`) and its function on each device, whose block of a weight,
     raveled, is its piece. No weight is whole on any device (an owned leaf is, for
     its owner), so a model whose weights fit no one device starts."""
-    opt.config.check_in_jit(mesh)
+    opt.config.check_in_jit(mesh, pieces=True)
     layout, axis = plan.layout, opt.config.axis_name
     specs = [P() if s.owned else weight_spec(s, axis) for s in layout.slots]
 

@@ -242,7 +242,7 @@ class Sharded:
         and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
-        self.config.check_in_jit(mesh)
+        self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 
