@@ -243,8 +243,8 @@ class Sharded:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
         self.config.check_in_jit(mesh)
-        opt = self.spanning(mesh)
-        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
+        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
+        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits), mesh
 
     def apply_mean(
         self,
