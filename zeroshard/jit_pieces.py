@@ -53,14 +53,12 @@ def weight_spec(slot: Slot, axis_name: str | tuple[str, ...]) -> P:
     device's block, raveled, is its piece; its own layout (whole, as at stage 2) where
     the devices do not divide that dimension or the blocks are not the pieces (a
     layer of a size they do not divide)."""
-    k, block, split = slot.stacked, slot.moved, slot.split
+    k, block = slot.stacked, slot.moved
     if len(slot.shape) <= k or slot.held_shape[k] % block.num_shards:
         return slot.leaf_spec()
     if block.width * block.num_shards != block.size // block.layers:
         return slot.leaf_spec()
-    entries = [split.axes if d == split.dim else () for d in range(len(slot.shape))]
-    entries[k] = (*entries[k], *axes_of(split.over or axis_name))
-    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+    return slot.cut_spec(axes_of(slot.cut_over(axis_name)))
 
 
 def laid_out(opt: object, plan: Plan) -> list[P]:
@@ -143,7 +141,7 @@ def apply_pieces(
         new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
         if three:  # (a cut weight's block from its piece; a leaf kept whole gathered)
-            new = [_block(x, s, c, p, axis) for x, s, c, p in zip(new, slots, cut, params)]
+            new = [_block(*x, axis) for x in zip(new, slots, cut, params, strict=True)]
         return new, state
 
     step = jax.shard_map(
@@ -165,7 +163,7 @@ def _block(piece: jax.Array, s: Slot, cut: bool, old: jax.Array, axis: object) -
     block where the block is the piece, else gathered over the axes it is cut over."""
     if cut:
         return piece.reshape(old.shape)
-    rows = all_gathered(piece.reshape(-1), s.split.over or axis, to="invarying")
+    rows = all_gathered(piece.reshape(-1), s.cut_over(axis), to="invarying")
     return s.moved.uncut(rows).astype(old.dtype)
 
 

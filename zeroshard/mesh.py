@@ -13,8 +13,8 @@ the one set with ``jax.set_mesh``, else the one the arrays are laid out on
 from __future__ import annotations
 
 import contextlib
-import itertools
 import contextvars
+import itertools
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
