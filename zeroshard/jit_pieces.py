@@ -1,9 +1,11 @@
 """Stages 2 and 3 of the one-line drop-in: the gradients, and the weights, as 1/N pieces.
 
 ``zs.sharded(inner, stage=3)`` in the user's own ``jax.jit`` step keeps every
-parameter as a global array split over the batch axis along its first dimension
-after its stacked layer axes (:func:`weight_spec`; lay them out once with
-``tx.shard_params(params)``). Each device's block, raveled, is exactly the piece of
+parameter as a global array cut over the batch axes along its first dimension
+after its stacked layer axes, within its own block over the mesh's other axes
+(tensor parallelism's, as the weights' types say on Explicit axes; on a mesh
+without them, or on Auto axes, over every axis: :func:`weight_spec`; lay them out
+once with ``tx.shard_params(params)``). Each device's block, raveled, is exactly the piece of
 the leaf that the optimizer state keeps (the layout cuts each layer's raveled values
 into N equal runs), so ``tx.update`` runs the stage-3 update where the pieces lie:
 the gradient's piece in, the new weights' piece out, no collective. The program still
@@ -21,8 +23,8 @@ alive (GSPMD FSDP, with any ``jax.checkpoint`` policy); ``zs.layer`` gathers ins
 the scan body, gathers again in the backward pass, and ties each gather to its layer.
 The numbers are plain optax's either way.
 
-What this path refuses (at trace time, naming the option): a mesh with a second
-axis of more than one device (tensor parallelism), ``replica_axis``,
+What this path refuses (at trace time, naming the option): a mesh whose batch axes
+are not its first, ``replica_axis``,
 ``quantize_grads``, ``quantize_weights``, ``state_bits``, ``deterministic``. A leaf
 whose first dimension after its layer axes the N devices do not divide is kept
 whole, as at stage 2.

@@ -410,8 +410,9 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def shard_params(self, params: PyTree) -> PyTree:
         """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each
-        leaf split over the mesh's batch axis along its first dimension after its
-        stacked layer axes (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
+        leaf cut over the mesh's batch axes along its first dimension after its
+        stacked layer axes, within its own tensor-parallel block
+        (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
         traced function, constrained. Call it once on the parameters you start from."""
         return shard_params(self.optimizer, params)
 
