@@ -337,8 +337,9 @@ def minigpt_run(tx, mesh, batches, marked=False):
 def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     """The miniGPT example at stage 3 through nnx.Optimizer gives plain optax's numbers
     (one device, the global batch), on its ("data", "model") mesh with one model
-    device (two: test_minigpt_on_its_tensor_parallel_mesh_at_stage3). Its leaves that 8 does not cut along their first dimension (attention's
-    (2, 8) biases, (2, 8, 16) output kernels) stay whole."""
+    device (two: test_minigpt_on_its_tensor_parallel_mesh_at_stage3). Its leaves that 8
+    does not cut along their first dimension (attention's (2, 8) biases, (2, 8, 16)
+    output kernels) stay whole."""
     from test_flax_programs import token_batches
 
     batches = token_batches(rng)
