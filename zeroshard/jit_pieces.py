@@ -122,15 +122,13 @@ def apply_pieces(
     route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
     # The gradients arrive cut as stage 3's weights are, where they can be (at stage 2
     # too: zs.layer's backward lays them out so), the weights as they are kept.
-    cuts = [weight_spec(s, axis) for s in slots]
+    cuts, specs = [weight_spec(s, axis) for s in slots], laid_out(opt, plan)
     cut = [spec != s.leaf_spec() for s, spec in zip(slots, cuts, strict=True)]
-    specs = cuts if three else [s.leaf_spec() for s in slots]
-    # The gradients cast to the inner optimizer's dtype once, behind a barrier, and
-    # each device's block of a cut weight reshaped to its piece in the update (a
-    # bitcast). (Reshaped and cast in the update, the compiler kept two more float32
-    # copies of each stacked gradient alive: 32 layers of capacity.py, 103 MiB of
-    # temporaries, not 57 on jax 0.12; without the barrier jax 0.10.2 still kept
-    # them: 103, not 92.)
+    # The gradients cast to the inner optimizer's dtype once, behind a barrier, before
+    # the update (which reshapes each device's block of a cut one to its piece, a
+    # bitcast). (Cast in the update, the compiler kept two more float32 copies of each
+    # stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries, not 57
+    # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92.)
     grads = [g.astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
     grads = jax.lax.optimization_barrier(grads)
 
