@@ -90,6 +90,8 @@ SLOW = [
     r"test_scopes.py::test_scopes_change_no_bit\[1\]",
     # Programs: a second optimizer or mesh shape of a program the default tier trains.
     r"test_flax_programs.py::test_annotated_minigpt_on_its_mesh",  # test_dropin.py's stays
+    r"test_dropin_gemma.py::test_a_gemma_like_model_at_stage3_in_its_own_nnx_jit\[adam\]",
+    r"test_dropin_stage3.py::test_minigpt_on_its_tensor_parallel_mesh_at_stage3\[inner1\]",
     r"test_flax_programs.py::test_linen_mnist_example_matches_plain_optax\[lamb_owned\]",
     r"test_flax_programs.py::test_nnx_mnist_tutorial_with_muon",
     r"test_dropin.py::test_the_nnx_mnist_tutorial\[adamw\]",

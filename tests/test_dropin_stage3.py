@@ -433,9 +433,9 @@ def test_what_stage3_in_your_jit_refuses():
         tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=stage, **{option: value})
         with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=match):
             tx.shard_params(params)
-    tp = auto_mesh((4, 2), ("data", "model"))
+    tp = auto_mesh((2, 4), ("model", "data"))  # (the pieces are cut batch-major)
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
-    with jax.set_mesh(tp), pytest.raises(ValueError, match="tensor parallelism"):
+    with jax.set_mesh(tp), pytest.raises(ValueError, match="batch axes are not its first"):
         tx.shard_params(params)
 
 
@@ -466,8 +466,8 @@ def minigpt_run(tx, mesh, batches, marked=False):
         model = MiniGPT(rngs=nnx.Rngs(0))
         model.eval()
         if marked:
-            zf.nnx_gathered(model.token_emb, model.pos_emb, model.output_layer)
-            zf.nnx_gathered(*model.transformer_blocks.layers)
+            zf.nnx_gathered(model.token_emb, model.pos_emb, model.output_layer, axis_name="data")
+            zf.nnx_gathered(*model.transformer_blocks.layers, axis_name="data")
         if getattr(tx, "config", None) is not None and tx.config.stage == 3:
             nnx.update(model, tx.shard_params(nnx.state(model, nnx.Param)))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -488,9 +488,9 @@ def minigpt_run(tx, mesh, batches, marked=False):
 def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     """The miniGPT example at stage 3 through nnx.Optimizer gives plain optax's numbers
     (one device, the global batch), on its ("data", "model") mesh with one model
-    device (a model axis of more is tensor parallelism, which stage 3 in your own jit
-    refuses). Its leaves that 8 does not cut along their first dimension (attention's
-    (2, 8) biases, (2, 8, 16) output kernels) stay whole."""
+    device (two: test_minigpt_on_its_tensor_parallel_mesh_at_stage3). Its leaves that 8
+    does not cut along their first dimension (attention's (2, 8) biases, (2, 8, 16)
+    output kernels) stay whole."""
     from test_flax_programs import token_batches
 
     batches = token_batches(rng)
@@ -507,6 +507,26 @@ def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     # 1/8 of every leaf per device, but those whose first dimension 8 does not divide
     cut = lambda x: x.nbytes / 8 if x.shape[0] % 8 == 0 else x.nbytes
     assert zs.state_bytes_per_device(got) == sum(map(cut, jax.tree.leaves(got)))
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2)])
+def test_minigpt_on_its_tensor_parallel_mesh_at_stage3(inner, rng):
+    """The miniGPT example on its (4, 2) mesh (its kernels split over "model" by its
+    own annotations, Explicit axes), marked, at stage 3 through nnx.Optimizer: stage
+    1's numbers, each weight's "model" block cut over "data"."""
+    from test_flax_programs import token_batches
+
+    batches, mesh = token_batches(rng), jax.make_mesh((4, 2), ("data", "model"))
+    expected_losses, expected = minigpt_run(zs.sharded(inner), mesh, batches)
+    losses, got = minigpt_run(zs.sharded(inner, stage=3), mesh, batches, marked=True)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for tree in (got, expected):  # attention's key bias has a zero gradient: rounding only
+        for block in range(2):
+            tree["transformer_blocks"]["layers"][block]["mha"]["key"].pop("bias")
+    assert_trees_close(got, expected, rtol=1e-5)
+    kernel = got["transformer_blocks"]["layers"][0]["mlp"]["layers"][0]["kernel"]
+    assert kernel.sharding.spec == P("data", "model")  # (16, 16): its own split, cut
+    assert zs.state_bytes_per_device(kernel) == kernel.nbytes / 8
 
 
 def test_a_marked_module_that_changes_its_state_is_refused(rng):
@@ -586,3 +606,51 @@ def test_linen_scan_through_train_state_at_stage3(inner, axes, marked):
     assert_trees_close(got, expected, rtol=1e-5)
     total = sum(x.nbytes for x in jax.tree.leaves(got))
     assert zs.state_bytes_per_device(got) == total / 8
+
+
+# Tensor parallelism: a 4 data x 2 model mesh, the user's own split over "model" kept.
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("axes", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_fsdp_by_tensor_parallel_pieces(rng, axes, inner, stage):
+    """The MLP of test_step_whole_mesh.py (w1 column-, w2 row-parallel, on Explicit
+    axes its second matmul's output laid out over "data" by the model) in the user's
+    own jit at stages 2 and 3: plain optax's numbers. At stage 3 every weight is 1/8
+    per device: its block over "model" (Explicit axes: the user's split; Auto ones
+    carry none) cut over "data", gathered over "data" alone."""
+    from test_step_whole_mesh import data_and_params, explicit_loss, mlp_loss, plain_run
+
+    params, data = data_and_params(rng)
+    explicit = axes == AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axes,) * 2)
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    loss = explicit_loss if explicit else mlp_loss
+    tx = zs.sharded(inner, axis_name="data", stage=stage)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        whole = lambda p: zs.gather(p, axis_name="data")
+        value, grads = jax.value_and_grad(lambda p: loss(whole(p), batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with jax.set_mesh(mesh):
+        params_in = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        params_in = tx.shard_params(params_in)
+        opt_state, losses = tx.init(params_in), []
+        for batch in data:
+            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            params_in, opt_state, value = step(params_in, opt_state, batch)
+            losses.append(float(value))
+    plain_losses, plain = plain_run(inner, params, data)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_trees_close(params_in, plain, 1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(params_in))
+    held = zs.state_bytes_per_device(params_in)
+    assert held == (total / 8 if stage == 3 else total / (2 if explicit else 1))
+    if stage == 3 and explicit:
+        assert params_in["w1"].sharding.spec == P("data", "model")
+        assert params_in["w2"].sharding.spec == P(("model", "data"), None)
+    assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64

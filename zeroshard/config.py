@@ -154,15 +154,17 @@ class ShardConfig:
             "quantize_weights": self.quantize_weights if pieces else None,
         }
         given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
-        if sum(n > 1 for n in mesh.shape.values()) > 1:  # (an axis of one device: none)
-            given.append(f"a mesh of axes {dict(mesh.shape)} (tensor parallelism)")
+        first = next((i for i, a in enumerate(mesh.axis_names) if a in self.axes), 0)
+        if any(mesh.shape[a] > 1 for a in mesh.axis_names[:first]):  # (the pieces: batch-major)
+            given.append(f"a mesh of axes {dict(mesh.shape)} whose batch axes are not its first")
         if given:
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit does not support "
-                f"{', '.join(given)}: it runs on a mesh of one (batch) axis, and there "
-                "jax.grad reduces the gradients and (at stage 3) the compiler gathers the "
-                "weights, not zeroshard, so neither can travel as int8 codes (stage 2 "
-                "quantizes its all-gather of the new weights). Leave it out, or train with "
+                f"{', '.join(given)}: there jax.grad reduces the gradients and (at stage 3) "
+                "the compiler gathers the weights, not zeroshard, so neither can travel as "
+                "int8 codes (stage 2 quantizes its all-gather of the new weights), and the "
+                "pieces are cut over a mesh whose batch axes come first. Leave it out, or "
+                "train with "
                 f"zs.make_train_step(..., stage={self.stage})."
             )
 

@@ -4,9 +4,11 @@
 (no zeroshard step and no ``shard_map`` around them), gather here. Each floating leaf
 is made whole on every device right where the layer runs (inside a scan over stacked
 layers, this iteration's layer): at ``zs.sharded(inner, stage=3)`` its weights are
-global arrays cut 1/N over the batch axis (:mod:`zeroshard.jit_pieces`), and this is
-the compiler's all-gather of one layer; at stage 2 they are whole already, and it
-moves nothing. The ``custom_vjp`` returns the cotangent laid out as the piece:
+global arrays cut 1/N over the batch axes (:mod:`zeroshard.jit_pieces`; over
+Explicit axes within a tensor-parallel split, which the gather keeps: it gathers
+over the batch axes only), and this is the compiler's all-gather of one layer; at
+stage 2 they are whole already, and it moves nothing. The ``custom_vjp`` returns
+the cotangent laid out as the piece:
 ``jax.grad`` of the mean loss has reduced it over the batch already, so it is the
 gradient itself, and the compiler moves it as all-reduce + slice (or a
 reduce-scatter, where its passes fuse the pair) as the backward pass makes each
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.comm import axes_of, mesh_size
+from zeroshard.comm import axes_of
 from zeroshard.layout import PyTree
-from zeroshard.mesh import current_step
+from zeroshard.mesh import current_step, keep_axes
 from zeroshard.scopes import GATHER, scope
 
 
@@ -63,21 +65,24 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     mesh = mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
     if mesh.empty:  # (on one device, laid out over no mesh: whole already)
         return x
-    axis = axis_name or _only_axis(mesh)
-    if x.ndim == 0 or x.shape[0] % mesh_size(mesh, axis):
-        return x
-    explicit = AxisType.Explicit in (
-        mesh.axis_types[mesh.axis_names.index(a)] for a in axes_of(axis)
-    )
-    if explicit and not any(jax.typeof(x).sharding.spec):
-        return x  # (whole in its type, as its cotangent must be: no piece to give it)
-    lay = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
-    gathered = lambda x: lay(x, NamedSharding(mesh, P()))
+    batch = axes_of(axis_name or _only_axis(mesh))
+    if AxisType.Explicit in (mesh.axis_types[mesh.axis_names.index(a)] for a in batch):
+        # (the piece in its type: its own layout, cut over the batch axes minor to it)
+        piece = jax.typeof(x).sharding.spec
+        if not any(a in batch for e in piece if e is not None for a in axes_of(e)):
+            return x  # (whole in its type, as its cotangent must be: no piece to give it)
+        rest = [a for a in mesh.axis_names if a not in batch]
+        whole, lay = keep_axes(piece, rest, leading=True), jax.sharding.reshard
+    else:  # (Auto axes: cut over every axis, and gathered whole)
+        if x.ndim == 0 or x.shape[0] % mesh.size:
+            return x
+        piece, whole, lay = P(tuple(mesh.axis_names)), P(), jax.lax.with_sharding_constraint
+    gathered = lambda x: lay(x, NamedSharding(mesh, whole))
     # (the cotangent is reduced over the batch already: the device keeps its piece)
-    piece = lambda _, cotangent: (lay(cotangent, NamedSharding(mesh, P(axis))),)
-    whole = jax.custom_vjp(gathered)
-    whole.defvjp(lambda x: (gathered(x), None), piece)
-    return whole(x)
+    keep = lambda _, cotangent: (lay(cotangent, NamedSharding(mesh, piece)),)
+    whole_x = jax.custom_vjp(gathered)
+    whole_x.defvjp(lambda x: (gathered(x), None), keep)
+    return whole_x(x)
 
 
 def _only_axis(mesh: Any) -> tuple[str, ...]:

@@ -348,6 +348,19 @@ class Slot:
         """``PartitionSpec`` of the leaf where the update runs: its block per device."""
         return self.split.leaf_spec(len(self.shape))
 
+    def cut_over(self, axis_name: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        """The axes its block's pieces are cut over: the batch axes (``axis_name``, every
+        axis of the state, for a leaf of one block)."""
+        return self.split.over or axis_name
+
+    def cut_spec(self, over: tuple[str, ...]) -> P:
+        """``PartitionSpec`` of the leaf with its block cut over ``over`` along its first
+        dimension after its layer axes, minor to its own split there."""
+        entries, k = [()] * len(self.shape), self.stacked
+        entries[self.split.dim] = self.split.axes
+        entries[k] = (*entries[k], *over)
+        return _spec(entries)
+
     def _padded(self, leaf: jax.Array) -> jax.Array:
         """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
         rows = jnp.reshape(leaf, (self.layers, -1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
@@ -197,13 +198,16 @@ def run_on_mesh(
     return jax.jit(run)(*placed)
 
 
-def keep_axes(specs: PyTree, axes: Collection[str]) -> PyTree:
+def keep_axes(specs: PyTree, axes: Collection[str], leading: bool = False) -> PyTree:
     """``specs`` (a tree of ``PartitionSpec``) naming only the mesh axes in ``axes``:
     how a ``shard_map`` manual over ``axes`` sees arrays laid out as ``specs`` say (an
-    outer one over the batch axes, a nested one over the others)."""
+    outer one over the batch axes, a nested one over the others). With ``leading``,
+    of each dimension's axes only those before the first not in ``axes``."""
 
     def entry(e: Any) -> Any:
-        kept = tuple(a for a in axes_of(e) if a in axes) if e is not None else ()
+        named = axes_of(e) if e is not None else ()
+        ours = itertools.takewhile if leading else filter
+        kept = tuple(ours(lambda a: a in axes, named))
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     keep = lambda spec: P(*(entry(e) for e in spec))
@@ -223,9 +227,11 @@ def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
     """Each leaf's layout over ``axes`` as its type says (``jax.typeof``: the same
     eagerly and under ``jax.jit``), which it does over Explicit mesh axes only: a
     ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where the type says
-    none."""
+    none. Of each dimension's axes, those before the first of another axis: a weight
+    that stage 3 in the user's ``jax.jit`` cuts over the batch axes, minor to its
+    own split (:func:`zeroshard.jit_pieces.weight_spec`), reads as its own layout."""
     spec = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
-    return jax.tree.map(lambda x: keep_axes(spec(x), axes), tree)
+    return jax.tree.map(lambda x: keep_axes(spec(x), axes, leading=True), tree)
 
 
 def laid_out(tree: PyTree, specs: PyTree) -> PyTree:

@@ -243,8 +243,8 @@ class Sharded:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
         self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
-        opt = self.spanning(mesh)
-        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
+        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
+        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits), mesh
 
     def apply_mean(
         self,
@@ -410,8 +410,9 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def shard_params(self, params: PyTree) -> PyTree:
         """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each
-        leaf split over the mesh's batch axis along its first dimension after its
-        stacked layer axes (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
+        leaf cut over the mesh's batch axes along its first dimension after its
+        stacked layer axes, within its own tensor-parallel block
+        (:mod:`zeroshard.jit_pieces`). Eagerly placed; inside a
         traced function, constrained. Call it once on the parameters you start from."""
         return shard_params(self.optimizer, params)
 
