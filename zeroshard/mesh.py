@@ -200,13 +200,15 @@ def run_on_mesh(
 def keep_axes(specs: PyTree, axes: Collection[str]) -> PyTree:
     """``specs`` (a tree of ``PartitionSpec``) naming only the mesh axes in ``axes``:
     how a ``shard_map`` manual over ``axes`` sees arrays laid out as ``specs`` say (an
-    outer one over the batch axes, a nested one over the others)."""
+    outer one over the batch axes, a nested one over the others; those its type is
+    ``reduced`` or ``unreduced`` over too)."""
 
     def entry(e: Any) -> Any:
         kept = tuple(a for a in axes_of(e) if a in axes) if e is not None else ()
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
-    keep = lambda spec: P(*(entry(e) for e in spec))
+    kept = lambda spec: dict(reduced=spec.reduced & {*axes}, unreduced=spec.unreduced & {*axes})
+    keep = lambda spec: P(*map(entry, spec.partitions), **kept(spec))
     return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -220,11 +222,13 @@ def own_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
 
 
 def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
-    """Each leaf's layout over ``axes`` as its type says (``jax.typeof``: the same
-    eagerly and under ``jax.jit``), which it does over Explicit mesh axes only: a
-    ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where the type says
-    none."""
-    spec = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
+    """Each leaf's layout over ``axes``: a placed array's own (:func:`own_layout`),
+    else as its type says (``jax.typeof``), which a traced array's does over Explicit
+    mesh axes only: a ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where
+    neither says one."""
+    typed = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
+    named = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
+    spec = lambda x: x.sharding.spec if named(x) else typed(x)
     return jax.tree.map(lambda x: keep_axes(spec(x), axes), tree)
 
 

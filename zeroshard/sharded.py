@@ -20,10 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.annotations import annotated, check_layout, unboxed
+from zeroshard.arrival import PartialSums
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
@@ -156,14 +158,22 @@ class Sharded:
         return annotated(state, specs, boxed)
 
     def typed_splits(
-        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, params: PyTree
+        self,
+        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+        params: PyTree,
+        made: LayoutKey | None = None,
     ) -> dict[int, Split]:
         """The one-line drop-in's :meth:`splits` on ``mesh``: those its parameters'
-        types show (Explicit axes, jax's default), alike when ``tx.init`` and
-        ``tx.update`` are traced. A split leaf's mean gradient is cut within its block,
-        and its new weights all-gathered over the batch axes only. On Auto axes a
-        traced array carries no layout: every leaf is gathered whole."""
-        return self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
+        layouts show (:func:`zeroshard.mesh.typed_layout`). A split leaf's mean
+        gradient is cut within its block, and its new weights all-gathered over the
+        batch axes only, so its gradient never crosses the other axes. On Auto axes a
+        traced weight carries no layout: there ``tx.update`` takes those the state
+        was ``made`` with (``tx.init`` saw the placed weights)."""
+        others = self.other_axes(mesh)
+        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        if made is not None and AxisType.Explicit not in {types[a] for a in others}:
+            return made.by_leaf
+        return self.splits(mesh, typed_layout(params, others))
 
     def init_local(
         self,
@@ -221,7 +231,7 @@ class Sharded:
         grads = unboxed(updates)[0]
         if local:
             new, state = self.apply(grads, state, params, **extra_args)
-        elif kept_apart(self.config.stage)[1]:  # (stages 2 and 3: the gradients as pieces)
+        elif kept_apart(self.config.stage)[1] and not partial_sums(grads):  # (as pieces)
             new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
@@ -262,27 +272,34 @@ class Sharded:
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
-        splits = self.typed_splits(mesh, params) if splits is None else splits
-        opt = self.spanning(mesh)
+        made = getattr(state, "layout", None)
+        splits = self.typed_splits(mesh, params, made) if splits is None else splits
+        opt, summed = self.spanning(mesh), partial_sums(grads)
         route = Route.of(opt.config, 1, mean=True)
+        if summed:  # (reduce-scattered here, not all-reduced by the compiler first)
+            route = route._replace(arrival=PartialSums(opt.config, summed))
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
         opt.check_state(plan, state)
         specs = opt.specs_of(plan)
         check_layout(state, specs)
-        leaves = plan.layout.leaf_specs()
+        typed = lambda **kind: jax.tree.map(lambda x: x.update(**kind), plan.layout.leaf_specs())
+        grads_at, leaves = typed(unreduced=summed), typed(reduced=summed)
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
         step = jax.shard_map(
             functools.partial(opt._local_update, route, plan=plan if splits else None),
             mesh=mesh,
-            in_specs=(leaves, specs, leaves, P()),
+            in_specs=(grads_at, specs, leaves, P()),
             out_specs=(leaves, specs),
             axis_names=set(mesh.axis_names),
-            check_vma=num_shards > 1,
+            check_vma=num_shards > 1 and not summed,  # (jax types no sum of partial sums)
         )
-        grads_in, params_in = (each_laid_out(t, leaves, mesh) for t in (grads, params))
+        grads_in, params_in = (
+            each_laid_out(grads, grads_at, mesh),
+            each_laid_out(params, leaves, mesh),
+        )
         new, state = step(grads_in, state, params_in, extra_args)
         return with_layout(new, params), state
 
@@ -330,6 +347,14 @@ class Sharded:
                 f"weights have the structure {mine}, these params need {master}."
             )
         check_made(plan.layout, key_of(state), self.config.axes, plan.layout.splits)
+
+
+def partial_sums(grads: PyTree) -> frozenset[str]:
+    """The mesh axes every leaf of ``grads`` holds partial sums over (jax's
+    ``unreduced`` type), where all agree; else none."""
+    unreduced = lambda g: getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
+    kinds = {unreduced(g) for g in jax.tree.leaves(grads)}
+    return kinds.pop() if len(kinds) == 1 else frozenset()
 
 
 NO_MESH = (
