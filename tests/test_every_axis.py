@@ -222,6 +222,42 @@ def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):
             np.testing.assert_array_equal(by_device[mesh.devices[coords]], by_device[twin])
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_dropin_sums_partial_sums_over_the_replicas_too(inner, rng):
+    """Weights typed reduced over "replica" and "data" (Explicit 2 x 2 x 2, kernels
+    tensor-parallel over "model"): the gradients arrive as partial sums over both, are
+    reduce-scattered over "data" and summed over the replicas: plain optax's weights
+    on one device (a mean over the replicas would halve the gradient)."""
+    params = tp_params(rng)
+    x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
+    expected, _ = jit_loop(inner, params, (x, y), steps=3)
+    names, batch = ("replica", "data", "model"), P(("replica", "data"))
+    mesh = jax.make_mesh((2, 2, 2), names, axis_types=(AxisType.Explicit,) * 3)
+    typed = {
+        k: NamedSharding(mesh, s.update(reduced={"replica", "data"})) for k, s in TP_SPECS.items()
+    }
+
+    def loss(params, x, y):
+        h, b = jax.nn.relu(x @ params["up"]), reshard(params["b"], P())
+        return jnp.mean((jnp.dot(h, params["down"], out_sharding=batch) + b - y) ** 2)
+
+    tx = zs.sharded(inner, replica_axis="replica")
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        updates, opt_state = tx.update(jax.grad(loss)(params, x, y), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.set_mesh(mesh):
+        got = jax.device_put(params, typed)
+        data = jax.device_put((x, y), NamedSharding(mesh, batch))
+        opt_state = tx.init(got)
+        for _ in range(3):
+            got, opt_state = step(got, opt_state, *data)
+    assert jax.typeof(got["up"]).sharding.spec == typed["up"].spec  # (as they went in)
+    assert_trees_close(got, expected, 1e-5)
+
+
 class Block(nnx.Module):
     """A pre-norm MLP block written for an Explicit ("fsdp", "tensor") mesh, as flax's
     Gemma example shards it: kernels FSDP x tensor-parallel, the norm replicated."""

@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
@@ -157,23 +156,16 @@ class Sharded:
         state = jax.jit(init)(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
 
-    def typed_splits(
-        self,
-        mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
-        params: PyTree,
-        made: LayoutKey | None = None,
-    ) -> dict[int, Split]:
+    def typed_splits(self, mesh: Any, params: PyTree, made: Any = None) -> dict[int, Split]:
         """The one-line drop-in's :meth:`splits` on ``mesh``: those its parameters'
         layouts show (:func:`zeroshard.mesh.typed_layout`). A split leaf's mean
         gradient is cut within its block, and its new weights all-gathered over the
-        batch axes only, so its gradient never crosses the other axes. On Auto axes a
-        traced weight carries no layout: there ``tx.update`` takes those the state
-        was ``made`` with (``tx.init`` saw the placed weights)."""
-        others = self.other_axes(mesh)
-        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-        if made is not None and AxisType.Explicit not in {types[a] for a in others}:
-            return made.by_leaf
-        return self.splits(mesh, typed_layout(params, others))
+        batch axes only, so its gradient never crosses the other axes. Where they
+        show none (a traced weight on Auto axes carries no layout), ``tx.update``
+        takes those the state was ``made`` with (its :class:`LayoutKey`: ``tx.init``
+        saw the placed weights)."""
+        splits = self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
+        return made.by_leaf if made is not None and not splits else splits
 
     def init_local(
         self,
@@ -296,11 +288,8 @@ class Sharded:
             axis_names=set(mesh.axis_names),
             check_vma=num_shards > 1 and not summed,  # (jax types no sum of partial sums)
         )
-        grads_in, params_in = (
-            each_laid_out(grads, grads_at, mesh),
-            each_laid_out(params, leaves, mesh),
-        )
-        new, state = step(grads_in, state, params_in, extra_args)
+        laid = lambda tree, specs: each_laid_out(tree, specs, mesh)
+        new, state = step(laid(grads, grads_at), state, laid(params, leaves), extra_args)
         return with_layout(new, params), state
 
     def _local_update(
