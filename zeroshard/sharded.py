@@ -208,7 +208,8 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_mean`; at ``stage=2`` and ``3`` pieces of it,
+        the mean gradient (:meth:`apply_mean`, or its partial sums: weights typed
+        ``reduced``; at ``stage=2`` and ``3`` pieces of it,
         :mod:`zeroshard.jit_pieces`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
@@ -258,7 +259,9 @@ class Sharded:
     ) -> tuple[PyTree, ShardedState]:
         """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
         ``grads`` is the mean gradient, already reduced by the program that computed
-        it; each device cuts its part out, updates it, and the new parameters are
+        it (or its partial sums, typed ``unreduced``:
+        :class:`zeroshard.arrival.PartialSums` reduce-scatters them); each device cuts
+        its part out, updates it, and the new parameters are
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
         over every device (:meth:`spanning`), its leaves of ``splits`` kept block by
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
@@ -496,7 +499,9 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
     see ``pack_bytes``). Anywhere else (the user's own ``jax.jit`` or ``nnx.jit`` step,
     ``nnx.Optimizer``, a Linen ``TrainState``) it takes the mean gradient that
     ``jax.grad`` returns there, and each device cuts its part out: the one-line
-    drop-in for ``inner`` (see ``mesh``).
+    drop-in for ``inner`` (see ``mesh``). Where the weights are typed ``reduced`` over
+    the batch axes (Explicit axes: ``P(None, "model", reduced={"data"})``), ``jax.grad``
+    returns the gradient's partial sums (``unreduced``), and it reduce-scatters them.
 
     Each leaf is placed where ``inner`` computes on it exactly. Where its update is
     elementwise (sgd, adam, lion, ...) or mixes elements only through sums (the
