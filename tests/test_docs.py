@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import optax
 import pytest
 
 import zeroshard
@@ -62,3 +63,18 @@ def test_reference_documents_public_names_once():
             f"docs/api/{pages[0]} documents {module}.{name}, which is not public"
         )
         assert len(pages) == 1, f"{module}.{name} is documented twice: {pages}"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("Shard", "zs.Piece", lambda: zeroshard.Piece),
+        ("Sharded", "tx.optimizer", lambda: zeroshard.sharded(optax.sgd(0.1)).optimizer.__class__),
+        ("collectives", "zs.compiled_collectives", lambda: zeroshard.compiled_collectives),
+    ],
+)
+def test_earlier_names_still_work_and_warn_of_the_new_one(old, new, expected):
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        got = getattr(zeroshard, old)
+    assert got is expected()
+    assert old not in zeroshard.__all__

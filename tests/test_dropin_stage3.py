@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
@@ -18,12 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
 import zeroshard.flax as zf
+from zeroshard.checkpointing import ShardedRestore, ShardedSave
+from zeroshard.lowbit import Codes
 
 WIDTH, VOCAB = 64, 32
 
 
-def auto_mesh(shape=(8,), names=("data",)):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+def auto_mesh(shape=(8,), names=("data",), **kwargs):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), **kwargs)
 
 
 def make_params(layers, seed=0):
@@ -59,8 +62,8 @@ def batches(steps, seed=1):
     return [{"tokens": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
-def reference(inner, params, data):
-    loss, state, losses = make_loss(lambda f: f), inner.init(params), []
+def reference(inner, params, data, state=None):
+    loss, state, losses = make_loss(lambda f: f), state or inner.init(params), []
     for batch in data:
         value, grads = jax.value_and_grad(loss)(params, batch)
         updates, state = inner.update(grads, state, params)
@@ -69,9 +72,11 @@ def reference(inner, params, data):
     return params, losses
 
 
-def dropin(tx, mesh, params, data):
-    """The user's own loop: jitted step, weights laid out once with tx.shard_params."""
-    loss = make_loss(zs.layer)
+def dropin(tx, mesh, params, data, opt_state=None, shard=None):
+    """The user's own loop: jitted step, weights laid out once with tx.shard_params
+    (``shard``'s: the zs.sharded of an optimizer that wraps it), from ``opt_state``
+    (default: ``tx.init``)."""
+    loss, shard = make_loss(zs.layer), shard or tx
 
     @jax.jit
     def step(params, opt_state, batch):
@@ -80,8 +85,8 @@ def dropin(tx, mesh, params, data):
         return optax.apply_updates(params, updates), opt_state, value
 
     with jax.set_mesh(mesh):
-        params = tx.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
-        opt_state, losses = tx.init(params), []
+        params = shard.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+        opt_state, losses = tx.init(params) if opt_state is None else opt_state, []
         for batch in data:
             batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
             params, opt_state, value = step(params, opt_state, batch)
@@ -97,8 +102,9 @@ def dropin(tx, mesh, params, data):
         optax.adam(1e-2),
         optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),  # a norm over pieces
         optax.adafactor(1e-2, min_dim_size_to_factor=32),  # factored: owned or blocked leaves
+        optax.MultiSteps(optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5, 0.9)), 2),
     ],
-    ids=["sgd", "adam", "clip_adamw", "adafactor"],
+    ids=["sgd", "adam", "clip_adamw", "adafactor", "accumulated_clip_sgd"],
 )
 def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     params, data, mesh = make_params(4), batches(6), auto_mesh()
@@ -113,6 +119,60 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+def test_accumulation_around_the_optimizer_keeps_pieces():
+    """optax.MultiSteps around the stage-3 optimizer (as nnx.Optimizer users wrap
+    theirs): its accumulator is laid out as the gradients, pieces, so 1/8 per device;
+    the numbers are plain optax's."""
+    inner, params, data = optax.adam(1e-2), make_params(4), batches(6)
+    expected, expected_losses = reference(optax.MultiSteps(inner, 2), params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=3)
+    got, opt_state, losses = dropin(optax.MultiSteps(tx, 2), auto_mesh(), params, data, shard=tx)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert zs.state_bytes_per_device(opt_state.acc_grads) == total / 8
+
+
+@pytest.mark.parametrize(
+    "stage, bits, inner",
+    [(2, 8, optax.adam(1e-2)), (3, 4, optax.adam(1e-2)), (3, 8, optax.sgd(0.5, 0.9))],
+    ids=["stage2-8-adam", "stage3-4-adam", "stage3-8-sgd"],
+)
+def test_low_bit_state_trains_and_restores_on_4_devices(stage, bits, inner, tmp_path):
+    """state_bits at stages 2 and 3: the moments are codes, the weights (stage 3) 1/8
+    per device. The state, saved after 4 steps on 8 devices with the user's own orbax
+    manager, restores on 4 as the same logical state (plain optax's form), and the
+    next step there is plain optax's on one device from that decoded state (the
+    tolerance of tests/test_lowbit.py, where the own step is checked so)."""
+    params, data = make_params(4), batches(5)
+    options = dict(stacked=["blocks"], stage=stage, state_bits=bits)
+    tx = zs.sharded(inner, **options)
+    mesh, four = auto_mesh(), auto_mesh((4,), devices=jax.devices()[:4])
+    got, opt_state, _ = dropin(tx, mesh, params, data[:4])
+    coded = lambda x: isinstance(x, Codes)  # (Adam's moments, SGD's trace)
+    assert sum(map(coded, jax.tree.leaves(opt_state, is_leaf=coded))) >= 3
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
+    state = zs.TrainState(jax.device_put(4, NamedSharding(mesh, P())), got, opt_state, None)
+    saved = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+    with ocp.CheckpointManager(tmp_path) as manager:
+        assert manager.save(4, args=ocp.args.Composite(state=ShardedSave(state, tx)))
+        manager.wait_until_finished()
+    tx = zs.sharded(inner, mesh=four, **options)
+    with jax.set_mesh(four):
+        target = zs.TrainState(jax.device_put(0, P()), params, tx.init(params), None)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        args = ocp.args.Composite(state=ShardedRestore(target, tx, four))
+        state = manager.restore(4, args=args).state
+    restored = jax.tree.map(np.asarray, zs.to_optax_state(state, tx))
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+    got, _, _ = dropin(tx, four, state.params, data[4:], state.opt_state)
+    expected, _ = reference(inner, saved[0], data[4:], saved[1])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)])
@@ -145,22 +205,24 @@ def test_on_explicit_axes_too(stage):
     assert_trees_close(got, expected, rtol=1e-5)
 
 
-def test_stage3_init_reads_the_pieces_never_a_whole_weight():
+@pytest.mark.parametrize("bits", [None, 8])
+def test_stage3_init_reads_the_pieces_never_a_whole_weight(bits):
     """tx.init from the weights laid out as pieces (bfloat16, so that the float32
     master weights are made from their values): the compiled init reads each device's
     block of every weight and holds no whole one, so a model whose weights fit no one
-    device starts; the state is stage 1's, made from the whole weights."""
+    device starts; the state is stage 1's, made from the whole weights (with
+    ``state_bits``, its codes)."""
     mesh = auto_mesh()
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params(8))
     whole = sum(x.size * 4 for x in jax.tree.leaves(bf16))  # the weights in float32
-    tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], stage=3, mesh=mesh)
+    tx = zs.sharded(optax.adam(1e-3), stacked=["blocks"], stage=3, mesh=mesh, state_bits=bits)
     pieces = tx.shard_params(jax.eval_shape(lambda: bf16))
     memory = jax.jit(tx.init).lower(pieces).compile().memory_analysis()
     assert memory.argument_size_in_bytes == whole / 2 / 8  # (the bfloat16 pieces)
     assert memory.temp_size_in_bytes <= whole / 8, memory  # (whole weights: 11x this)
     with jax.set_mesh(mesh):
         state = tx.init(tx.shard_params(bf16))
-        expected = zs.sharded(optax.adam(1e-3), stacked=["blocks"]).init(bf16)
+        expected = zs.sharded(optax.adam(1e-3), stacked=["blocks"], state_bits=bits).init(bf16)
     assert jax.tree.structure(state) == jax.tree.structure(expected)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -278,10 +340,16 @@ def test_what_stage3_in_your_jit_refuses():
     params = make_params(2)
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         zs.sharded(optax.sgd(0.1), stage=4)
-    mesh = auto_mesh()
-    tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3, quantize_grads="int8")
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="quantize_grads='int8'"):
-        tx.shard_params(params)
+    refused = {  # (stage, option, value): what the error says
+        (2, "quantize_grads", "int8"): "quantize_grads='int8'.*jax.grad reduces",
+        (3, "quantize_grads", "int8"): "quantize_grads='int8'.*jax.grad reduces",
+        (3, "quantize_weights", "int8"): "quantize_weights='int8'.*gathers the",
+        (3, "deterministic", 8): "deterministic=8.* order that depends on the device",
+    }
+    for (stage, option, value), match in refused.items():
+        tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=stage, **{option: value})
+        with jax.set_mesh(auto_mesh()), pytest.raises(ValueError, match=match):
+            tx.shard_params(params)
     tp = auto_mesh((4, 2), ("data", "model"))
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
     with jax.set_mesh(tp), pytest.raises(ValueError, match="tensor parallelism"):

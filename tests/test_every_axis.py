@@ -857,6 +857,7 @@ def test_a_step_checkpoint_saved_on_4x2_restores_on_another_mesh(shape, stage, r
     with zs.CheckpointManager(tmp_path, tx) as manager:
         manager.save(state)
         manager.wait_until_finished()
+        assert manager.metadata()["num_shards"] == 8  # (split over data and model)
     with jax.set_mesh(mesh):
         for batch in data[2:]:
             state, _ = step(state, batch)

@@ -378,18 +378,22 @@ def test_a_nonfinite_gradient_still_skips_the_step(rng):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_dropin_gathers_quantized_weights_and_says_grads_are_not(rng, caplog):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dropin_gathers_quantized_weights_and_says_grads_are_not(stage, rng, caplog):
     """In the user's own jit the mean gradient arrives reduced: the weights' gather is
-    quantized, the gradient is not, and a warning says so."""
+    quantized (stage 2 too, whose update all-gathers them), the gradient is not, and
+    a warning says so (stage 2 refuses quantize_grads: test_dropin_stage3.py). The
+    weights are the numpy reference's, and zeroshard's own step's at the stage."""
     n, block = 8, 8
     params, batch = awkward_params(rng), batches(rng, 1)[0]
     mesh = make_mesh(n)
     tx = zs.sharded(
         optax.sgd(0.1),
-        quantize_grads="int8",
+        quantize_grads="int8" if stage == 1 else None,
         quantize_weights="int8",
         quantize_block=block,
         mesh=mesh,
+        stage=stage,
     )
 
     @jax.jit
@@ -398,13 +402,16 @@ def test_dropin_gathers_quantized_weights_and_says_grads_are_not(rng, caplog):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    with caplog.at_level("WARNING", logger="zeroshard.sharded"):
+    with caplog.at_level("WARNING", logger="zeroshard.sharded"), jax.set_mesh(mesh):
         new, _ = step(params, tx.init(params), batch)
-    assert "no gradient is quantized" in caplog.text
+    assert ("no gradient is quantized" in caplog.text) == (stage == 1)
     master = sgd_after(params, jax.grad(awkward_loss)(params, batch))
     expected = dequantized_weights(master, n, block)
-    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+    own = zs.sharded(optax.sgd(0.1), quantize_weights="int8", quantize_block=block)
+    own = one_step(own, params, batch, n, stage).params
+    for got, want, mine in zip(*map(jax.tree.leaves, (new, expected, own)), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(mine), rtol=0, atol=1e-6)
 
 
 def test_bad_options_are_clear_errors():

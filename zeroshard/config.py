@@ -137,19 +137,21 @@ class ShardConfig:
         once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
 
-    def check_in_jit(self, mesh: Any) -> None:
+    def check_in_jit(self, mesh: Any, pieces: bool) -> None:
         """Refuses what stages 2 and 3 of ``update`` in the user's own ``jax.jit`` do
-        not do yet, on ``mesh`` (:mod:`zeroshard.jit_pieces`).
+        not do, on ``mesh`` (:mod:`zeroshard.jit_pieces`): there ``jax.grad`` reduces
+        the gradients, and the compiler gathers the weights held as ``pieces`` (stage
+        3) where ``zs.layer`` lays them out whole, so zeroshard can neither fix the
+        sums' order nor quantize them.
 
         Raises:
           ValueError: naming the options (or the mesh's axes) and what to do instead.
         """
+        self.sum_order.check_drop_in()  # (deterministic=)
         options = {
             "replica_axis": self.replica_axis,
             "quantize_grads": self.quantize_grads,
-            "quantize_weights": self.quantize_weights,
-            "state_bits": self.state_bits,
-            "deterministic": self.deterministic,
+            "quantize_weights": self.quantize_weights if pieces else None,
         }
         given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
         if sum(n > 1 for n in mesh.shape.values()) > 1:  # (an axis of one device: none)
@@ -157,8 +159,10 @@ class ShardConfig:
         if given:
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit does not support "
-                f"{', '.join(given)} yet: it runs on a mesh of one (batch) axis, with exact "
-                "collectives and float32 state. Leave it out, or train with "
+                f"{', '.join(given)}: it runs on a mesh of one (batch) axis, and there "
+                "jax.grad reduces the gradients and (at stage 3) the compiler gathers the "
+                "weights, not zeroshard, so neither can travel as int8 codes (stage 2 "
+                "quantizes its all-gather of the new weights). Leave it out, or train with "
                 f"zs.make_train_step(..., stage={self.stage})."
             )
 

@@ -21,11 +21,16 @@ alive (GSPMD FSDP, with any ``jax.checkpoint`` policy); ``zs.layer`` gathers ins
 the scan body, gathers again in the backward pass, and ties each gather to its layer.
 The numbers are plain optax's either way.
 
-What this path refuses (at trace time, naming the option): a mesh with a second
-axis of more than one device (tensor parallelism), ``replica_axis``,
-``quantize_grads``, ``quantize_weights``, ``state_bits``, ``deterministic``. A leaf
-whose first dimension after its layer axes the N devices do not divide is kept
-whole, as at stage 2.
+The update is zeroshard's own (:func:`zeroshard.update.updated`), so low-bit state
+(``state_bits``), the global-norm clip over the pieces and accumulation in the
+inner optimizer (``optax.MultiSteps``) work as in zeroshard's step, and stage 2's
+all-gather of the new weights carries ``quantize_weights``' codes. What the user's
+step reduces or gathers is the compiler's, so this path refuses (at trace time,
+naming the option): ``quantize_grads``; ``quantize_weights`` at stage 3;
+``deterministic``; ``replica_axis``; a mesh with a second axis of more than one
+device (tensor parallelism). A leaf whose first dimension after its layer axes the
+N devices do not divide (or, with ``state_bits``, whose pieces are not whole blocks
+of codes) is kept whole, as at stage 2.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
     (:func:`weight_spec`) and its function on each device, whose block of a weight,
     raveled, is its piece. No weight is whole on any device (an owned leaf is, for
     its owner), so a model whose weights fit no one device starts."""
-    opt.config.check_in_jit(mesh)
+    opt.config.check_in_jit(mesh, pieces=True)
     layout, axis = plan.layout, opt.config.axis_name
     specs = [P() if s.owned else weight_spec(s, axis) for s in layout.slots]
 

@@ -245,7 +245,7 @@ class Sharded:
         and 3 (:mod:`zeroshard.jit_pieces`; what they refuse:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
-        self.config.check_in_jit(mesh)
+        self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name)), mesh
 
@@ -620,13 +620,15 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
         links slower than the step's compute (across hosts). In stage 3 the
         reduction is the transpose of each layer's gather. Where ``update`` takes
         the mean gradient (the user's own ``jax.jit``), ``jax.grad`` reduced it
-        already and nothing is quantized (a warning says so). ``None``: exact.
+        already and nothing is quantized (a warning says so; at ``stage`` 2 and 3 it
+        is refused). ``None``: exact.
       quantize_weights: ``"int8"`` to send the new weights as blockwise int8 codes:
-        the all-gather after the update (stages 1 and 2, and the one-line drop-in)
-        or every stage-3 gather, forward and backward. All devices, the owner too,
-        compute with the same decoded weights; the exact weights stay in the
-        optimizer state, whose master weights every leaf then keeps (``4 / N``
-        bytes per float32 parameter more, where none was needed). ``None``: exact.
+        the all-gather after the update (stages 1 and 2, and the one-line drop-in
+        at ``stage`` 1 and 2) or every stage-3 gather, forward and backward. All
+        devices, the owner too, compute with the same decoded weights; the exact
+        weights stay in the optimizer state, whose master weights every leaf then
+        keeps (``4 / N`` bytes per float32 parameter more, where none was needed).
+        ``None``: exact.
       quantize_block: the most elements per quantization block. Blocks never span
         two leaves; a leaf's piece of ``w`` elements is cut in ``ceil(w / block)``
         equal blocks. The scales cost ``4 / block`` bytes per element (1.6% of the

@@ -18,8 +18,8 @@ Its fields, in the order they are written (:func:`save_item`):
   ``optax_version``, ``saved_at``, ``step``;
 - ``skipped_steps`` (non-finite steps skipped) and ``loss_scale`` (``[scale,
   good_steps]`` or ``null``): state that is not in the arrays;
-- ``num_shards``, ``axis_name``, ``mesh_shape``: how it was laid out at save (it
-  restores on any device count);
+- ``num_shards`` (the devices the state was split over), ``axis_name``,
+  ``mesh_shape``: how it was laid out at save (it restores on any device count);
 - ``master_dtype``, ``param_tree``, ``param_dtypes`` (the compute dtype of each
   parameter), and ``params``, ``opt_state``, ``model_state``: every logical leaf's
   ``{"shape", "dtype"}`` by path (:func:`zeroshard.logical.describe`);
@@ -132,7 +132,7 @@ def save_item(
         "step": int(state.step),
         "skipped_steps": int(state.opt_state.skipped),
         "loss_scale": None if scale is None else [float(scale.scale), int(scale.good_steps)],
-        "num_shards": mesh_size(mesh, tx.axis_name),
+        "num_shards": mesh_size(mesh, state.opt_state.layout.axes),
         "axis_name": tx.axis_name,
         "mesh_shape": {str(k): int(v) for k, v in mesh.shape.items()},
         "master_dtype": None if tx.config.master_dtype is None else tx.config.master_dtype.name,
