@@ -267,8 +267,7 @@ class Sharded:
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
-        made = getattr(state, "layout", None)
-        splits = self.typed_splits(mesh, params, made) if splits is None else splits
+        splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
         opt, summed = self.spanning(mesh), partial_sums(grads)
         route = Route.of(opt.config, 1, mean=True)
         if summed:  # (reduce-scattered here, not all-reduced by the compiler first)
