@@ -13,7 +13,8 @@ weights, on N devices:
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
   reduce-scatters each layer's gradient in the backward pass, ``zeroshard.held``),
-  stage 1 with the plain one.
+  stage 1 with the plain one (``--prefetch``: stages 2 and 3 scan with ``zs.layers``,
+  each layer's weights gathered while the layer before runs).
 
 Per variant and size: the compiled step's per-device peak, ``arguments + outputs +
 temporaries - aliased`` (``compiled.memory_analysis()``: per device for an SPMD
@@ -107,6 +108,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--remat", default=REMAT_POLICY, help="gspmd-fsdp's jax.checkpoint_policies name"
+    )
+    parser.add_argument(
+        "--prefetch", action="store_true", help="stages 2 and 3 scan with zs.layers (prefetch)"
     )
     parser.add_argument("--budgets", type=int, nargs="*", default=[], help="MiB per device")
     parser.add_argument("--real", action="store_true", help="one real step at each largest")
@@ -204,7 +208,7 @@ def variant_step(
 
     bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), structs)
     heads, inner = max(1, args.width // 64), optax.adam(1e-4)
-    loss = lambda stage: transformer_loss(gathering(stage), heads)
+    loss = lambda stage: transformer_loss(gathering(stage), heads, prefetch=args.prefetch)
     whole = NamedSharding(mesh, P())
     placed = lambda tree, sharding: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
@@ -356,7 +360,7 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
     )
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
-        loss = transformer_loss(gathering(stage), max(1, args.width // 64))
+        loss = transformer_loss(gathering(stage), max(1, args.width // 64), prefetch=args.prefetch)
         stats = zs.step_memory(
             loss, tx, mesh, structs, batch, stage=stage, param_dtype=jnp.bfloat16
         )
@@ -419,6 +423,7 @@ def search(args: argparse.Namespace, name: str, budget: int, bits: int | None = 
         command = [sys.executable, __file__, "--one", name, str(low), str(bits or "-")]
         command += ["--devices", str(args.devices), "--width", str(args.width)]
         command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
+        command += ["--prefetch"] * args.prefetch
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode == 0:
             row |= json.loads(done.stdout.strip().splitlines()[-1])

@@ -303,10 +303,11 @@ def embed_model(args: argparse.Namespace, width: int, rng: Any) -> Model:
     return Model(params, make_loss, batch, None, None, (1, 3))
 
 
-def transformer_loss(stage: int, heads: int, remat: Any = None) -> Any:
+def transformer_loss(stage: int, heads: int, remat: Any = None, prefetch: bool = False) -> Any:
     """The stacked model's loss; in stage 3 it gathers the embedding and the head whole
-    and each block inside the scan (one layer per iteration); with a ``remat`` policy,
-    the block under ``jax.checkpoint(block, policy=remat)``."""
+    and each block inside the scan (one layer per iteration; ``prefetch``: by
+    ``zs.layers``, the next layer's weights gathered while a layer runs); with a
+    ``remat`` policy, the block under ``jax.checkpoint(block, policy=remat)``."""
     import jax
     import optax
 
@@ -320,7 +321,10 @@ def transformer_loss(stage: int, heads: int, remat: Any = None) -> Any:
     def loss_fn(params, batch):
         embed = whole(params["embed"])  # a one-hot matmul: a lookup on the batch-sharded
         x = jax.nn.one_hot(batch["tokens"], embed.shape[0]) @ embed  # tokens needs out_sharding
-        x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), x, params["blocks"])
+        if prefetch and stage == 3:
+            x = zs.layers(functools.partial(transformer_block, heads=heads))(params["blocks"], x)
+        else:
+            x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), x, params["blocks"])
         head = whole({"ln": params["ln_f"], "w": params["head"]})
         logits = rms_norm(x, head["ln"]) @ head["w"]
         losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])

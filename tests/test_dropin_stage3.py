@@ -7,6 +7,9 @@ starting weights, and ``zs.layer`` around the scan body. The reference is plain 
 on one device on the global batch.
 """
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +26,7 @@ from zeroshard.checkpointing import ShardedRestore, ShardedSave
 from zeroshard.lowbit import Codes
 
 WIDTH, VOCAB = 64, 32
+SCATTERED = functools.partial(zs.layers, reduce_scatter=True)
 
 
 def auto_mesh(shape=(8,), names=("data",), **kwargs):
@@ -40,15 +44,21 @@ def make_params(layers, seed=0):
 
 
 def make_loss(layer, whole=lambda p: p, unroll=1):
-    """The model as written; ``layer`` wraps the scan body (``zs.layer``, or nothing),
-    ``whole`` the embedding and the head where they are used."""
+    """The model as written; ``layer`` wraps the scan body (``zs.layer``, or nothing;
+    ``zs.layers``: the whole scan), ``whole`` the embedding and the head where they are
+    used."""
 
     def loss(params, batch):
         x = jax.nn.one_hot(batch["tokens"], VOCAB) @ whole(params["embed"])
         if "odd" in params:  # (leaves the devices cannot cut along their first dimension)
             x = x * params["odd"]["a"].sum(0) + jnp.mean(params["odd"]["b"])
         block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
-        x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll)
+        if getattr(layer, "func", layer) is zs.layers:
+            x = block(params["blocks"], x)
+        else:
+            x, _ = jax.lax.scan(
+                lambda x, w: (block(w, x), None), x, params["blocks"], unroll=unroll
+            )
         logits = x @ whole(params["head"])
         return optax.losses.softmax_cross_entropy_with_integer_labels(
             logits, batch["targets"]
@@ -72,11 +82,11 @@ def reference(inner, params, data, state=None):
     return params, losses
 
 
-def dropin(tx, mesh, params, data, opt_state=None, shard=None):
+def dropin(tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer):
     """The user's own loop: jitted step, weights laid out once with tx.shard_params
     (``shard``'s: the zs.sharded of an optimizer that wraps it), from ``opt_state``
-    (default: ``tx.init``)."""
-    loss, shard = make_loss(zs.layer), shard or tx
+    (default: ``tx.init``); ``layer`` marks the scan (``zs.layer``, ``zs.layers``)."""
+    loss, shard = make_loss(layer), shard or tx
 
     @jax.jit
     def step(params, opt_state, batch):
@@ -119,6 +129,30 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+@pytest.mark.parametrize("layers", [zs.layers, SCATTERED], ids=["prefetch", "scattered"])
+@pytest.mark.parametrize(
+    "stage, inner, axes",
+    [
+        (3, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, optax.adam(1e-2), AxisType.Auto),
+        (2, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, optax.sgd(0.5, momentum=0.9), AxisType.Explicit),
+    ],
+    ids=["sgd-3", "adam-3", "sgd-2", "sgd-3-explicit"],
+)
+def test_prefetch_gives_plain_optax(stage, inner, axes, layers):
+    """zs.layers (the scan, each layer's weights gathered while the one before runs),
+    with each layer's backward manual over the batch axis too (reduce_scatter=True)."""
+    params, data = make_params(4), batches(6)
+    expected, expected_losses = reference(inner, params, data)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
+    got, _, losses = dropin(
+        tx, jax.make_mesh((8,), ("data",), axis_types=(axes,)), params, data, layer=layers
+    )
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=1e-5)
 
 
 def test_accumulation_around_the_optimizer_keeps_pieces():
@@ -291,34 +325,83 @@ def test_step_memory_of_your_own_step():
 
 
 def test_stage3_temporaries_grow_by_pieces_not_layers():
-    temp = lambda n, **kw: compiled_step(n, **kw).memory_analysis().temp_size_in_bytes
+    temp = lambda n, layer=zs.layer: (
+        compiled_step(n, loss=make_loss(layer)).memory_analysis().temp_size_in_bytes
+    )
     layer = (WIDTH * WIDTH + WIDTH) * 4  # one layer's full weights, float32
     # Each layer adds its saved input (8 x 64 activations per device) and its pieces
     # (1/8 of the layer: the residual and the gradient), never its whole weights.
     grown = temp(8) - temp(4)
     assert grown <= 4 * (8 * WIDTH * 4 + 2 * layer / 8), grown
+    # Prefetched (zs.layers), the same; it holds the next layer's whole weights besides
+    # this one's (and its gradient), not the stack's.
+    assert temp(8, zs.layers) - temp(4, zs.layers) <= 4 * (8 * WIDTH * 4 + 2 * layer / 8)
+    assert 0 < temp(4, zs.layers) - temp(4) <= 2 * layer
     # Gathered by zs.gather alone (no second gather in the backward pass), each
     # layer's whole weights are kept for it: a layer per layer.
-    kept = make_loss(lambda f: lambda w, x: f(zs.gather(w), x))
-    assert temp(8, loss=kept) - temp(4, loss=kept) >= 4 * layer
+    kept = lambda f: lambda w, x: f(zs.gather(w), x)
+    assert temp(8, kept) - temp(4, kept) >= 4 * layer
 
 
-def test_stage3_bytes_on_the_wire():
-    """Each weight all-gathered forward (the blocks again in the backward pass), the
-    gradient reduced to pieces: at most 2x one all-reduce of the weights. XLA's CPU
-    pipeline reduces as all-reduce + dynamic-slice; GPU and TPU fuse the pair into a
-    reduce-scatter. (The scan unrolled, so that each layer's collectives are in the
-    program text once per layer.)"""
-    loss = make_loss(zs.layer, zs.gather, unroll=True)
-    found = zs.compiled_collectives(compiled_step(4, optax.sgd(0.1), loss).as_text(), 8)
-    structs = jax.eval_shape(lambda: make_params(4))
+def loop_ties(hlo):
+    """Per while-loop body of a compiled HLO module that has all-gathers: whether one
+    of them depends on a dot (a dot or a convolution, or a fusion of one) of the body,
+    or a dot on one of them."""
+    computations = dict(re.findall(r"^(%\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S))
+    fused = {c for c, text in computations.items() if re.search(r" (dot|convolution)\(", text)}
+    ties = []
+    for body in set(re.findall(r"body=(%[\w.\-]+)", hlo)):
+        needs, kinds = {}, {}
+        for line in computations[body].splitlines():
+            name, kind, rest = re.match(r"\s*(?:ROOT )?(%\S+) = .*? ([\w\-]+)\((.*)", line).groups()
+            operands = re.findall(r"%[\w.\-]+", rest)
+            needs[name] = set(operands).union(*(needs.get(a, ()) for a in operands))
+            called = re.search(r"calls=(%[\w.\-]+)", rest)
+            is_dot = kind in ("dot", "convolution") or (called and called[1] in fused)
+            kinds[name] = "dot" if is_dot else kind
+        gathers, dots = (
+            {n for n, k in kinds.items() if k == kind} for kind in ("all-gather", "dot")
+        )
+        if gathers:
+            assert dots, body
+            ties.append(any(needs[n] & (dots if n in gathers else gathers) for n in gathers | dots))
+    return ties
+
+
+def test_prefetch_gathers_the_next_layer_while_this_one_runs():
+    """zs.layers: in the compiled scan bodies (the forward and the backward pass) no
+    all-gather depends on a dot of the body, nor a dot on an all-gather: each
+    iteration gathers the next layer's weights (backward: the layer before's) while it
+    computes with those the iteration before gathered, so a backend that runs
+    collectives asynchronously can issue the gather before the layer's dots. (XLA's
+    CPU backend runs them synchronously, and schedules them after the first dot.)
+    Under zs.layer each layer's dots wait for its own gather."""
+    for layer, overlaps in ((zs.layers, True), (zs.layer, False)):
+        hlo = compiled_step(4, loss=make_loss(layer)).as_text()
+        assert loop_ties(hlo) == [not overlaps] * 2, layer
+
+
+def test_prefetch_moves_what_zs_layer_moves_and_scattered_zero3s_bytes():
+    """zs.layers: the same gathers forward and backward and the same gradient
+    reduction as zs.layer, 2x the bytes of one all-reduce of the weights (two layers:
+    each loop runs once, so the program text counts every collective). With
+    reduce_scatter=True each layer's weight gradient is reduce-scattered from the
+    devices' partial sums instead (the layer's backward manual over the batch axis):
+    ZeRO-3's 1.5x, with the embedding and the head, gathered whole by zs.gather,
+    still all-reduced and sliced (their gradients' only all-reduce)."""
+    structs = jax.eval_shape(lambda: make_params(2))
     weights = sum(x.size * 4 for x in jax.tree.leaves(structs))
-    blocks = sum(x.size * 4 for x in jax.tree.leaves(structs["blocks"]))
-    ring = zs.summarize(found)
-    gathered, reduced = ring["all-gather"]["ring_bytes"], ring["all-reduce"]["ring_bytes"]
-    assert gathered == pytest.approx(7 / 8 * (weights + blocks), rel=0.01), ring
-    assert reduced == pytest.approx(2 * 7 / 8 * weights, rel=0.01), ring
-    assert (gathered + reduced) / (2 * 7 / 8 * weights) <= 2.0
+    outside = (structs["embed"].size + structs["head"].size) * 4
+    ring = {}
+    for layer in (zs.layer, zs.layers, SCATTERED):
+        hlo = compiled_step(2, optax.sgd(0.1), make_loss(layer, zs.gather, unroll=True)).as_text()
+        ring[layer] = zs.summarize(zs.compiled_collectives(hlo, 8))
+    total = lambda layer: sum(k["ring_bytes"] for k in ring[layer].values()) / (2 * 7 / 8 * weights)
+    assert total(zs.layers) == pytest.approx(total(zs.layer), rel=0.01), ring
+    assert total(SCATTERED) == pytest.approx(1.5, rel=0.01), ring
+    scattered = ring[SCATTERED]
+    assert scattered["reduce-scatter"]["ring_bytes"] == 7 / 8 * (weights - outside), ring
+    assert scattered["all-reduce"]["ring_bytes"] == pytest.approx(2 * 7 / 8 * outside, rel=0.01)
 
 
 def test_stage2_reduces_each_layer_in_the_backward_pass():

@@ -39,6 +39,11 @@ def stage3_loss(params, batch):
     return jnp.mean((x @ zs.gather(params["head"]) - batch["y"]) ** 2)
 
 
+def prefetch_loss(params, batch):
+    x = zs.layers(block)(params["blocks"], batch["x"])
+    return jnp.mean((x @ zs.gather(params["head"]) - batch["y"]) ** 2)
+
+
 def data(rng, steps=3, size=32, width=WIDTH):
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     return [{"x": f(size, width), "y": f(size, width)} for _ in range(steps)]
@@ -103,6 +108,34 @@ def test_stage2_through_gathers_matches_plain_optax(name, accum_steps, rng):
     layer_piece = (WIDTH * WIDTH + WIDTH) * 4 // 8
     assert largest_reduce_scatter(stage3_loss, params, batches[0]) == layer_piece
     assert largest_reduce_scatter(plain_loss, params, batches[0]) >= LAYERS * layer_piece
+
+
+@pytest.mark.parametrize("name,stage,accum_steps", [("sgd", 3, 1), ("sgd", 2, 2), ("adamw", 3, 2)])
+def test_prefetch_in_the_own_step_matches_plain_optax(name, stage, accum_steps, rng):
+    """zs.layers (each layer's weights gathered while the one before runs) trains as
+    plain optax does; at stage 2 it reduce-scatters one layer's gradient at a time."""
+    make, rtol = OPTIMIZERS[name]
+    params, batches = make_params(rng), data(rng)
+    expected = reference_run(plain_loss, make(), params, batches)
+    actual, _, _ = train(prefetch_loss, make(), params, batches, stage, accum_steps)
+    assert_trees_close(actual, expected, rtol=rtol)
+    if stage == 2:
+        layer_piece = (WIDTH * WIDTH + WIDTH) * 4 // 8
+        assert largest_reduce_scatter(prefetch_loss, params, batches[0]) == layer_piece
+
+
+def test_prefetch_in_the_own_step_leaves_gathers_and_dots_independent(rng):
+    """In the own step's compiled loop bodies, zs.layers' gathers and dots depend on
+    each other in neither direction (a backend with asynchronous collectives can
+    overlap them); zs.layer's dots wait for their layer's gather."""
+    from test_dropin_stage3 import loop_ties
+
+    params, batch, mesh = make_params(rng), data(rng, steps=1)[0], make_mesh(8)
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", stacked=("blocks",))
+    state = zs.init_train_state(params, tx, mesh, stage=3)
+    for loss_fn, overlaps in ((prefetch_loss, True), (stage3_loss, False)):
+        hlo = zs.make_train_step(loss_fn, tx, mesh, stage=3).lower(state, batch).compile()
+        assert loop_ties(hlo.as_text()) == [not overlaps] * 2, loss_fn
 
 
 def test_stage2_reads_through_gathers_or_not_at_all(rng):

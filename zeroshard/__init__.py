@@ -33,7 +33,7 @@ from zeroshard.memory import MemoryEstimate, StepMemory, estimate_memory, step_m
 from zeroshard.peers import PeerWatchdog
 from zeroshard.preemption import PreemptionGuard
 from zeroshard.sharded import ShardedState, ShardedTransformation, sharded
-from zeroshard.stage3 import Piece, gather, layer
+from zeroshard.stage3 import Piece, gather, layer, layers
 from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
 
 try:  # The one source of the version is pyproject.toml, read from the installed metadata.
@@ -73,6 +73,7 @@ __all__ = [
     "global_norm",
     "init_train_state",
     "layer",
+    "layers",
     "lowered_collectives",
     "make_train_step",
     "sharded",

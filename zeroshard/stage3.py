@@ -24,6 +24,9 @@ are cut layer by layer, so a scan over them gathers one layer per iteration::
         block = zs.layer(lambda w, x: jnp.tanh(x @ w["w"]))
         x, _ = jax.lax.scan(lambda x, w: (block(w, x), None), batch["x"], params["blocks"])
         return jnp.mean((x - batch["y"]) ** 2)
+
+:func:`layers` is that scan, with each layer's weights gathered while the layer
+before runs.
 """
 
 from __future__ import annotations
@@ -418,6 +421,112 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
     return wrapped
 
 
+def layers(
+    fn: Callable[[PyTree, Any], Any], axis_name: str | None = None, reduce_scatter: bool = False
+) -> Callable:
+    """A scan of :func:`layer` over stacked layers that prefetches: layer ``l + 1``'s
+    weights are gathered before layer ``l`` runs, and in the backward pass layer
+    ``l - 1``'s before layer ``l``'s gradient is made (where collectives run
+    asynchronously, as on GPU and TPU, each gather then overlaps a layer's compute).
+    Two layers' whole weights are held at a time, never the stack's.
+
+    Args:
+      fn: ``fn(layer_params, x) -> x``: one layer (``x`` a pytree of a fixed type).
+      axis_name: as for :func:`gather`.
+      reduce_scatter: in your own ``jax.jit``, each layer's backward pass runs manual
+        over the batch axis: every device differentiates its rows of ``x`` (their
+        leading dimension) and the weight gradient's partial sums are reduce-scattered
+        onto the pieces, ZeRO-3's bytes (without it the gradient ``jax.grad`` reduced
+        is sliced: an all-reduce). Only for a layer whose rows are independent (no
+        statistic over the batch, no sharding call naming the batch axis).
+
+    Returns:
+      ``run(stacked_params, x)``: ``x`` through every layer of ``stacked_params`` (a
+      leading layer axis on each leaf), as
+      ``jax.lax.scan(lambda x, w: (layer(fn)(w, x), None), x, stacked_params)[0]``.
+    """
+    take = lambda tree, i: jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree
+    )
+    whole = lambda tree, anchor: gather(jax.lax.optimization_barrier((tree, anchor))[0], axis_name)
+
+    def forward(stack: PyTree, x: Any) -> tuple[Any, tuple]:
+        def body(carry: tuple, i: Any) -> tuple:
+            y = fn(carry[1], carry[0])
+            return (y, whole(take(stack, i + 1), carry[0])), y
+
+        steps = jnp.arange(len(jax.tree.leaves(stack)[0]) - 1)
+        (y, w), outs = jax.lax.scan(body, (x, whole(take(stack, 0), x)), steps)
+        return fn(w, y), (stack, x, outs)  # (outs[l]: layer l + 1's input)
+
+    def backward(residuals: tuple, g: Any) -> tuple:
+        stack, x, outs = residuals
+
+        def grad(w: PyTree, x: Any, g: Any, i: Any, grads: PyTree) -> tuple:
+            if reduce_scatter and jit_gather.in_users_jit(stack, is_shard):
+                dw, g = _scattered(fn, w, x, g, axis_name, take(stack, i))
+            else:
+                dw, g = jax.vjp(fn, w, x)[1](g)
+                dw = jax.vjp(lambda p: gather(p, axis_name), take(stack, i))[1](dw)[0]
+            put = lambda a, d: (
+                jax.lax.dynamic_update_index_in_dim(a, d, i, 0) if _is_float(a) else a
+            )
+            return _after(g, dw), jax.tree.map(put, grads, dw)
+
+        def body(carry: tuple, step: tuple) -> tuple:
+            (g, grads, w), (i, x) = carry, step
+            behind = whole(take(stack, i - 1), g)
+            return (*grad(w, x, g, i, grads), behind), None
+
+        n, grads = len(jax.tree.leaves(stack)[0]), jax.tree.map(jnp.zeros_like, stack)
+        start = (g, grads, whole(take(stack, n - 1), g))
+        (g, grads, w), _ = jax.lax.scan(body, start, (jnp.arange(1, n), outs), reverse=True)
+        g, grads = grad(w, x, g, 0, grads)
+        zero = lambda a: a if _is_float(a) else np.zeros(a.shape, jax.dtypes.float0)
+        return jax.tree.map(zero, grads), g
+
+    prefetched = jax.custom_vjp(lambda stack, x: forward(stack, x)[0])
+    prefetched.defvjp(forward, backward)
+
+    def run(stack: PyTree, x: Any) -> Any:
+        if is_marking():  # (a loss traced to read its gathers: read as the scan it is)
+            return jax.lax.scan(lambda x, w: (layer(fn, axis_name)(w, x), None), x, stack)[0]
+        return prefetched(stack, x)
+
+    return run
+
+
+def _scattered(
+    fn: Callable, w: PyTree, x: Any, g: Any, axis_name: str | None, pieces: PyTree
+) -> tuple:
+    """``fn``'s vjp at ``(w, x)`` for the cotangent ``g``, manual over the batch axis:
+    each device differentiates its rows, and the weight gradient's partial sums are
+    reduce-scattered onto the ``pieces`` (summed whole for a leaf kept whole)."""
+    on = getattr(jax.typeof(jax.tree.leaves(pieces)[0]).sharding, "mesh", None)
+    mesh = on if on is not None and not on.empty else jax.sharding.get_abstract_mesh()
+    axis = axis_name or tuple(mesh.axis_names)
+    n = math.prod(mesh.shape[a] for a in axes_of(axis))
+    typed = jax.sharding.AxisType.Explicit in mesh.axis_types  # (the types say which are cut)
+    cut = lambda p: any(jax.typeof(p).sharding.spec) if typed else p.ndim and p.shape[0] % n == 0
+    specs = jax.tree.map(lambda p: P(axis) if cut(p) else P(), pieces)
+
+    def local(w: PyTree, x: Any, g: Any) -> tuple:
+        dw, dx = jax.vjp(fn, jax.lax.pcast(w, axis, to="varying"), x)[1](g)
+        scatter = lambda d, s: (
+            jax.lax.psum_scatter(d, axis, tiled=True) if s else jax.lax.psum(d, axis)
+        )
+        return jax.tree.map(scatter, dw, specs), dx
+
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(specs, P(axis))
+    )
+    return run(w, x, g)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     """``tree`` plus an exact zero computed from ``anchor``: the same values, but a data
     dependency the compiler must respect. It orders the gathers of stage 3 layer by
@@ -425,7 +534,7 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     forward twin, which would keep every layer's weights alive until the backward)."""
     if is_marking():  # (a loss traced to read its gathers: the tie would read the weights)
         return tree
-    leaves = [x for x in jax.tree.leaves(anchor) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    leaves = [x for x in jax.tree.leaves(anchor) if _is_float(x)]
     if not leaves:
         return tree
     whole = [x for x in leaves if not any(getattr(jax.typeof(x).sharding, "spec", ()))]
@@ -436,7 +545,7 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
             return x.tree_unflatten(x.tree_flatten()[1], (tie(x.piece), x.full))
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        if _is_float(x):
             return x + zero.astype(jnp.result_type(x))
         return x
 
