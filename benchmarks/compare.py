@@ -441,7 +441,7 @@ def dropin(model: Model, inner: Any, mesh: Any, batch: Any, options: dict) -> Va
     return Variant(
         lambda s: ds(*s, batch),
         lambda s: ds.lower(*s, batch),
-        (params, tx.init(replicate(model.params, mesh))),
+        (params, tx.init(params)),
         lambda s: (s[1].inner_state, s[1].master, s[1].owned),
         tx,
         inner,

@@ -14,6 +14,8 @@ collectives, their named scopes (:mod:`zeroshard.scopes`) and their bytes
   to their owners;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
   where ``jax.grad`` reduced it); each device cuts its part out;
+- :class:`PartialSums`: there, its partial sums (weights typed ``reduced`` over the
+  batch axes), reduce-scattered;
 - :class:`QuantizedReduceScatter` and :class:`QuantizedPieces`: the first two with
   the gradients reduced as blockwise integer codes (``quantize_grads``;
   :mod:`zeroshard.quantized`);
@@ -166,6 +168,27 @@ class ReduceScatter(Arrival):
             (b.row_size + b.owned_width) * jnp.dtype(self.dtype(b)).itemsize
             for b in plan.layout.buckets
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSums(ReduceScatter):
+    """The mean gradient as partial sums over the batch axes ``summed`` (jax's
+    ``unreduced`` type: ``jax.grad`` in a user's ``jax.jit`` of weights typed
+    ``reduced`` over them, on Explicit axes), reduce-scattered and summed, each copy
+    over the state's other axes (a leaf replicated over ``"model"``) counted once."""
+
+    summed: frozenset[str] = frozenset()
+
+    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
+        axes = axes or self.config.axis_name
+        partial = math.prod(jax.lax.axis_size(a) for a in axes_of(axes) if a in self.summed)
+        return summed_parts(blocks, axes, over=len(blocks[0]) // partial)
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        if self.config.replica_axis not in self.summed:
+            return parts
+        with scope(REPLICA_MEAN):
+            return jax.lax.psum(parts, self.config.replica_axis)
 
 
 @dataclasses.dataclass(frozen=True)

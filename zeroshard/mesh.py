@@ -201,8 +201,9 @@ def run_on_mesh(
 def keep_axes(specs: PyTree, axes: Collection[str], leading: bool = False) -> PyTree:
     """``specs`` (a tree of ``PartitionSpec``) naming only the mesh axes in ``axes``:
     how a ``shard_map`` manual over ``axes`` sees arrays laid out as ``specs`` say (an
-    outer one over the batch axes, a nested one over the others). With ``leading``,
-    of each dimension's axes only those before the first not in ``axes``."""
+    outer one over the batch axes, a nested one over the others; those its type is
+    ``reduced`` or ``unreduced`` over too). With ``leading``, of each dimension's axes
+    only those before the first not in ``axes``."""
 
     def entry(e: Any) -> Any:
         named = axes_of(e) if e is not None else ()
@@ -210,7 +211,8 @@ def keep_axes(specs: PyTree, axes: Collection[str], leading: bool = False) -> Py
         kept = tuple(ours(lambda a: a in axes, named))
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
-    keep = lambda spec: P(*(entry(e) for e in spec))
+    kept = lambda spec: dict(reduced=spec.reduced & {*axes}, unreduced=spec.unreduced & {*axes})
+    keep = lambda spec: P(*map(entry, spec.partitions), **kept(spec))
     return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -224,13 +226,16 @@ def own_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
 
 
 def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
-    """Each leaf's layout over ``axes`` as its type says (``jax.typeof``: the same
-    eagerly and under ``jax.jit``), which it does over Explicit mesh axes only: a
-    ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where the type says
-    none. Of each dimension's axes, those before the first of another axis: a weight
-    that stage 3 in the user's ``jax.jit`` cuts over the batch axes, minor to its
-    own split (:func:`zeroshard.jit_pieces.weight_spec`), reads as its own layout."""
-    spec = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
+    """Each leaf's layout over ``axes``: a placed array's own (:func:`own_layout`),
+    else as its type says (``jax.typeof``), which a traced array's does over Explicit
+    mesh axes only: a ``PartitionSpec`` per leaf, naming only ``axes``, ``P()`` where
+    neither says one. Of each dimension's axes, those before the first of another
+    axis: a weight that stage 3 in the user's ``jax.jit`` cuts over the batch axes,
+    minor to its own split (:func:`zeroshard.jit_pieces.weight_spec`), reads as its
+    own layout."""
+    typed = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
+    named = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
+    spec = lambda x: x.sharding.spec if named(x) else typed(x)
     return jax.tree.map(lambda x: keep_axes(spec(x), axes, leading=True), tree)
 
 

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.annotations import annotated, check_layout, unboxed
+from zeroshard.arrival import PartialSums
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
@@ -155,15 +156,16 @@ class Sharded:
         state = jax.jit(init)(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
 
-    def typed_splits(
-        self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, params: PyTree
-    ) -> dict[int, Split]:
+    def typed_splits(self, mesh: Any, params: PyTree, made: Any = None) -> dict[int, Split]:
         """The one-line drop-in's :meth:`splits` on ``mesh``: those its parameters'
-        types show (Explicit axes, jax's default), alike when ``tx.init`` and
-        ``tx.update`` are traced. A split leaf's mean gradient is cut within its block,
-        and its new weights all-gathered over the batch axes only. On Auto axes a
-        traced array carries no layout: every leaf is gathered whole."""
-        return self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
+        layouts show (:func:`zeroshard.mesh.typed_layout`). A split leaf's mean
+        gradient is cut within its block, and its new weights all-gathered over the
+        batch axes only, so its gradient never crosses the other axes. Where they
+        show none (a traced weight on Auto axes carries no layout), ``tx.update``
+        takes those the state was ``made`` with (its :class:`LayoutKey`: ``tx.init``
+        saw the placed weights)."""
+        splits = self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
+        return made.by_leaf if made is not None and not splits else splits
 
     def init_local(
         self,
@@ -206,7 +208,8 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_mean`; at ``stage=2`` and ``3`` pieces of it,
+        the mean gradient (:meth:`apply_mean`, or its partial sums: weights typed
+        ``reduced``; at ``stage=2`` and ``3`` pieces of it,
         :mod:`zeroshard.jit_pieces`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
@@ -221,7 +224,7 @@ class Sharded:
         grads = unboxed(updates)[0]
         if local:
             new, state = self.apply(grads, state, params, **extra_args)
-        elif kept_apart(self.config.stage)[1]:  # (stages 2 and 3: the gradients as pieces)
+        elif kept_apart(self.config.stage)[1] and not partial_sums(grads):  # (as pieces)
             new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
@@ -243,7 +246,8 @@ class Sharded:
         :meth:`zeroshard.config.ShardConfig.check_in_jit`)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
         self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
-        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
+        made = tree.layout if isinstance(tree, ShardedState) else None  # (in tx.update)
+        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params, made)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits), mesh
 
     def apply_mean(
@@ -256,34 +260,39 @@ class Sharded:
     ) -> tuple[PyTree, ShardedState]:
         """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
         ``grads`` is the mean gradient, already reduced by the program that computed
-        it; each device cuts its part out, updates it, and the new parameters are
+        it (or its partial sums, typed ``unreduced``:
+        :class:`zeroshard.arrival.PartialSums` reduce-scatters them); each device cuts
+        its part out, updates it, and the new parameters are
         all-gathered whole (see :class:`zeroshard.arrival.CutMean`), the state split
         over every device (:meth:`spanning`), its leaves of ``splits`` kept block by
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
-        splits = self.typed_splits(mesh, params) if splits is None else splits
-        opt = self.spanning(mesh)
+        splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
+        opt, summed = self.spanning(mesh), partial_sums(grads)
         route = Route.of(opt.config, 1, mean=True)
+        if summed:  # (reduce-scattered here, not all-reduced by the compiler first)
+            route = route._replace(arrival=PartialSums(opt.config, summed))
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
         opt.check_state(plan, state)
         specs = opt.specs_of(plan)
         check_layout(state, specs)
-        leaves = plan.layout.leaf_specs()
+        typed = lambda **kind: jax.tree.map(lambda x: x.update(**kind), plan.layout.leaf_specs())
+        grads_at, leaves = typed(unreduced=summed), typed(reduced=summed)
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
         step = jax.shard_map(
             functools.partial(opt._local_update, route, plan=plan if splits else None),
             mesh=mesh,
-            in_specs=(leaves, specs, leaves, P()),
+            in_specs=(grads_at, specs, leaves, P()),
             out_specs=(leaves, specs),
             axis_names=set(mesh.axis_names),
-            check_vma=num_shards > 1,
+            check_vma=num_shards > 1 and not summed,  # (jax types no sum of partial sums)
         )
-        grads_in, params_in = (each_laid_out(t, leaves, mesh) for t in (grads, params))
-        new, state = step(grads_in, state, params_in, extra_args)
+        laid = lambda tree, specs: each_laid_out(tree, specs, mesh)
+        new, state = step(laid(grads, grads_at), state, laid(params, leaves), extra_args)
         return with_layout(new, params), state
 
     def _local_update(
@@ -330,6 +339,14 @@ class Sharded:
                 f"weights have the structure {mine}, these params need {master}."
             )
         check_made(plan.layout, key_of(state), self.config.axes, plan.layout.splits)
+
+
+def partial_sums(grads: PyTree) -> frozenset[str]:
+    """The mesh axes every leaf of ``grads`` holds partial sums over (jax's
+    ``unreduced`` type), where all agree; else none."""
+    unreduced = lambda g: getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
+    kinds = {unreduced(g) for g in jax.tree.leaves(grads)}
+    return kinds.pop() if len(kinds) == 1 else frozenset()
 
 
 NO_MESH = (
@@ -483,7 +500,9 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
     see ``pack_bytes``). Anywhere else (the user's own ``jax.jit`` or ``nnx.jit`` step,
     ``nnx.Optimizer``, a Linen ``TrainState``) it takes the mean gradient that
     ``jax.grad`` returns there, and each device cuts its part out: the one-line
-    drop-in for ``inner`` (see ``mesh``).
+    drop-in for ``inner`` (see ``mesh``). Where the weights are typed ``reduced`` over
+    the batch axes (Explicit axes: ``P(None, "model", reduced={"data"})``), ``jax.grad``
+    returns the gradient's partial sums (``unreduced``), and it reduce-scatters them.
 
     Each leaf is placed where ``inner`` computes on it exactly. Where its update is
     elementwise (sgd, adam, lion, ...) or mixes elements only through sums (the
