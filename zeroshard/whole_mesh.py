@@ -15,6 +15,7 @@ so the same loss works with no option to set.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.jit_pieces import apply_pieces, relaid
 from zeroshard.layout import PyTree
-from zeroshard.sharded import optimizer_of
+from zeroshard.mesh import StepContext, in_step
+from zeroshard.sharded import Sharded, optimizer_of
+from zeroshard.stage3 import stage_of
 from zeroshard.state import TrainState
 from zeroshard.state_layout import drop_in_is_step, state_layout
 from zeroshard.step_io import step_loss, step_metrics
@@ -40,16 +44,26 @@ class WholeMeshStep:
     def __init__(self, loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict):
         self.tx, self.opt, self.mesh = tx, optimizer_of(tx), mesh
         self.loss = step_loss(loss_fn, options["has_aux"], None)
+        # (stage 3: the drop-in's, whose pieces are the step's bytes)
+        config = dataclasses.replace(self.opt.config, stage=3)
+        self.three = Sharded(self.opt.inner, config).spanning(mesh)
         donate = (0,) if options["donate"] else ()
         self.jitted = jax.jit(self._step, static_argnums=3, donate_argnums=donate)
 
     def _step(self, state: TrainState, batch: PyTree, key: Any, splits: tuple) -> Any:
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
-        (loss, (aux, model_state)), grads = value_and_grad(
-            state.params, batch, key, state.model_state
-        )
-        update = self.opt.apply_mean  # (the state kept as zeroshard's step keeps it)
-        params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
+        axis, pieces = self.three.config.axis_name, stage_of(state.params) == 3
+        weights = relaid(state.params, self.mesh, axis) if pieces else state.params
+        with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
+            (loss, (aux, model_state)), grads = value_and_grad(
+                weights, batch, key, state.model_state
+            )
+        if pieces:  # (the drop-in's update of its weights, as pieces again)
+            params, opt_state = apply_pieces(self.three, grads, state.opt_state, weights, {})
+            params = relaid(params, self.mesh, axis, state.params)
+        else:  # (the state kept as zeroshard's step keeps it)
+            update = self.opt.apply_mean
+            params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
         states = (state.opt_state, opt_state)
         metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
@@ -58,7 +72,13 @@ class WholeMeshStep:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
         if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             batch = jax.device_put(batch, rows)
-        return state, batch, key, state_layout(self.tx, self.mesh, state.params).splits
+        pieces = stage_of(state.params) == 3
+        return (
+            state,
+            batch,
+            key,
+            () if pieces else state_layout(self.tx, self.mesh, state.params).splits,
+        )
 
     def __call__(self, state: TrainState, batch: PyTree, key: Any = None) -> Any:
         return self.jitted(*self._args(state, batch, key))
@@ -118,10 +138,11 @@ def whole_mesh_step(
     except ValueError:
         fixed = True
     refused = {
-        f"stage={options['stage']}": options["stage"] > 2,
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
         "loss_scale": config.loss_scale is not None,
         "deterministic": fixed,
+        "quantize_grads or quantize_weights at stage 3": options["stage"] > 2
+        and (config.quantize_grads, config.quantize_weights) != (None, None),
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
         ),
@@ -130,7 +151,7 @@ def whole_mesh_step(
         error.add_note(
             "zeroshard: the loss's own sharding calls do not run per device in the step "
             "(they name the batch axis, or pass a PartitionSpec to reshard). The step runs "
-            "such a loss on the whole mesh instead, at stages 1 and 2, but not with "
+            "such a loss on the whole mesh instead, but not with "
             f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
             "zs.sharded(...) in your own jax.jit step."
         )
