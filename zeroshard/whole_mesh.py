@@ -9,8 +9,12 @@ names that are of type Auto or Manual"). Such a loss trains under the user's own
 global batch under ``jax.jit`` on the mesh as given (the compiler reduces the
 gradient), then the sharded update of the mean gradient
 (:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line drop-in's) on the state
-as the step laid it out. The steps fall back to it when the loss raises per device,
-so the same loss works with no option to set.
+as the step laid it out. At stage 3 the step's pieces are the drop-in's weights, the
+same bytes on each device (:func:`zeroshard.jit_pieces.relaid`, a reshape there):
+the loss reads them as arrays, its ``zs.gather`` / ``zs.layer`` gathering over the
+step's batch axes as in the user's own ``jax.jit``, and the drop-in's stage-3 update
+(:func:`zeroshard.jit_pieces.apply_pieces`) keeps them pieces. The steps fall back
+to it when the loss raises per device, so the same loss works with no option to set.
 """
 
 from __future__ import annotations
