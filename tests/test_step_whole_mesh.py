@@ -100,7 +100,7 @@ def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
     quantized = zs.sharded(optax.sgd(0.1), axis_name="data", quantize_weights="int8")
     explicit = (AxisType.Explicit,) * 2
     cases = [
-        ((4, 2), quantized, 3, 1, gathering, "quantize_weights at stage 3"),
+        ((4, 2), quantized, 3, 1, gathering, "quantize_weights"),
         ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
         ((4, 2), scaled, 2, 1, explicit_loss, "loss_scale"),
     ]

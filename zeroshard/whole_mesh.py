@@ -136,17 +136,16 @@ def whole_mesh_step(
         and what to do instead.
     """
     config = optimizer_of(tx).config
+    three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized collectives too)
     try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
-        config.sum_order.check_drop_in()
+        config.check_in_jit(mesh, pieces=True) if three else config.sum_order.check_drop_in()
         fixed = False
     except ValueError:
         fixed = True
     refused = {
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
         "loss_scale": config.loss_scale is not None,
-        "deterministic": fixed,
-        "quantize_grads or quantize_weights at stage 3": options["stage"] > 2
-        and (config.quantize_grads, config.quantize_weights) != (None, None),
+        "deterministic, quantize_grads or quantize_weights" if three else "deterministic": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
         ),
