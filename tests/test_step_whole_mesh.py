@@ -6,11 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from flax import nnx
+from helpers import assert_trees_close, per_device_bytes
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_every_axis import EXPLICIT, Net, nnx_losses
 
 import zeroshard as zs
+import zeroshard.flax as zf
 
 
 def mlp_loss(params, batch, out_sharding=None):
@@ -89,6 +92,36 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
     assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
     moments = [x for x in jax.tree.leaves(state.opt_state.inner_state) if x.ndim]
     assert all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
+
+
+def test_the_nnx_step_runs_an_explicit_mesh_model_at_stage_3(rng):
+    """The NNX step at stage 3 on a Gemma-like model whose reshard / out_sharding calls
+    name the batch axis "fsdp" (tests/test_every_axis.py), its blocks read through
+    zf.nnx_layer: plain optax's losses and weights, weights and state 1/8 per device."""
+    data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))]
+    data *= 3
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=EXPLICIT)
+    plain_losses, plain, _ = nnx_losses(lambda: optax.adamw(1e-2), mesh, data)
+
+    def loss(model, batch):
+        params, x = nnx.to_pure_dict(nnx.state(model, nnx.Param)), batch[0]
+        for i, block in enumerate(model.blocks):
+            x = zf.nnx_layer(block)(params["blocks"][i], x)
+        return jnp.mean((x - batch[1]) ** 2)
+
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="fsdp")
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        optimizer = zf.nnx_optimizer(model, tx, mesh, stage=3)
+        step = zf.nnx_train_step(loss, mesh, stage=3)
+        losses = [float(step(model, optimizer, batch)["loss"]) for batch in data]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    pieces = nnx.as_pure(nnx.state(model, nnx.Param))
+    state = zs.TrainState(optimizer.step[...], pieces, nnx.as_pure(optimizer.opt_state))
+    assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
+    total = 3 * sum(x.nbytes for x in jax.tree.leaves(plain))  # (weights, mu, nu)
+    held = per_device_bytes((state.params, state.opt_state))
+    assert max(held.values()) <= 1.10 * total / 8
 
 
 def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
