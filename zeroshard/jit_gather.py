@@ -91,8 +91,8 @@ def _only_axis(mesh: Any) -> tuple[str, ...]:
     """The batch axes of the step that runs the loss on the whole mesh; else every
     axis of ``mesh``, which the drop-in cuts its pieces over, where one at most has
     more than one device."""
-    if current_step() is not None:
-        return axes_of(current_step().axis_name)
+    if step := current_step():
+        return axes_of(step.axis_name)
     if sum(n > 1 for n in mesh.shape.values()) > 1:
         raise ValueError(
             f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "

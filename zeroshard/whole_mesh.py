@@ -76,13 +76,9 @@ class WholeMeshStep:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
         if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             batch = jax.device_put(batch, rows)
-        pieces = stage_of(state.params) == 3
-        return (
-            state,
-            batch,
-            key,
-            () if pieces else state_layout(self.tx, self.mesh, state.params).splits,
-        )
+        three = stage_of(state.params) == 3  # (the drop-in's stage 3: its own splits)
+        splits = () if three else state_layout(self.tx, self.mesh, state.params).splits
+        return state, batch, key, splits
 
     def __call__(self, state: TrainState, batch: PyTree, key: Any = None) -> Any:
         return self.jitted(*self._args(state, batch, key))
