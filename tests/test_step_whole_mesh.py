@@ -6,11 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from flax import nnx
+from helpers import assert_trees_close, per_device_bytes
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_every_axis import EXPLICIT, Net, nnx_losses
 
 import zeroshard as zs
+import zeroshard.flax as zf
 
 
 def mlp_loss(params, batch, out_sharding=None):
@@ -23,6 +26,10 @@ def mlp_loss(params, batch, out_sharding=None):
 
 def explicit_loss(params, batch):
     return mlp_loss(params, batch, out_sharding=P("data", None))
+
+
+def gathering(params, batch):
+    return explicit_loss(zs.gather(params), batch)
 
 
 def data_and_params(rng):
@@ -56,7 +63,7 @@ def plain_run(inner, params, data):
     return losses, params
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
 def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
     params, data = data_and_params(rng)
@@ -64,32 +71,69 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
     specs = {"w1": P(None, "model"), "w2": P("model", None)}
     laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     tx = zs.sharded(inner, axis_name="data")
+    loss = gathering if stage == 3 else explicit_loss  # (stage 3 reads pieces so)
     with jax.set_mesh(mesh):
         state = zs.init_train_state(laid, tx, mesh, stage=stage)
-        step = zs.make_train_step(explicit_loss, tx, mesh, stage=stage)
+        step = zs.make_train_step(loss, tx, mesh, stage=stage)
         losses = []
         for batch in data:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
     plain_losses, plain = plain_run(inner, params, data)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-    assert_trees_close(state.params, plain, 1e-5)
-    # The weights keep their tensor-parallel layout; the state is 1/8 per device.
-    assert state.params["w1"].sharding.spec == P(None, "model")
+    # The weights keep their tensor-parallel layout (at stage 3 as 1/8 pieces of
+    # its blocks); the state is 1/8 per device.
+    if stage == 3:
+        kept = jax.tree.leaves(state.params)
+        assert all(x.addressable_shards[0].data.size * 8 == x.size for x in kept)
+        assert state.params["w1"].piece.sharding.spec == P("model", "data")
+    else:
+        assert state.params["w1"].sharding.spec == P(None, "model")
+    assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
     moments = [x for x in jax.tree.leaves(state.opt_state.inner_state) if x.ndim]
     assert all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
 
 
+def test_the_nnx_step_runs_an_explicit_mesh_model_at_stage_3(rng):
+    """The NNX step at stage 3 on a Gemma-like model whose reshard / out_sharding calls
+    name the batch axis "fsdp" (tests/test_every_axis.py), its blocks read through
+    zf.nnx_layer: plain optax's losses and weights, weights and state 1/8 per device."""
+    data = [tuple(jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2))]
+    data *= 3
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=EXPLICIT)
+    plain_losses, plain, _ = nnx_losses(lambda: optax.adamw(1e-2), mesh, data)
+
+    def loss(model, batch):
+        params, x = nnx.to_pure_dict(nnx.state(model, nnx.Param)), batch[0]
+        for i, block in enumerate(model.blocks):
+            x = zf.nnx_layer(block)(params["blocks"][i], x)
+        return jnp.mean((x - batch[1]) ** 2)
+
+    tx = zs.sharded(optax.adamw(1e-2), axis_name="fsdp")
+    with jax.set_mesh(mesh):
+        model = Net(rngs=nnx.Rngs(0))
+        optimizer = zf.nnx_optimizer(model, tx, mesh, stage=3)
+        step = zf.nnx_train_step(loss, mesh, stage=3)
+        losses = [float(step(model, optimizer, batch)["loss"]) for batch in data]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    pieces = nnx.as_pure(nnx.state(model, nnx.Param))
+    state = zs.TrainState(optimizer.step[...], pieces, nnx.as_pure(optimizer.opt_state))
+    assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
+    total = 3 * sum(x.nbytes for x in jax.tree.leaves(plain))  # (weights, mu, nu)
+    held = per_device_bytes((state.params, state.opt_state))
+    assert max(held.values()) <= 1.10 * total / 8
+
+
 def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
-    """Stage 3 (whose loss reads pieces through zs.gather), micro-batches and loss
-    scaling: the loss's error, with a note naming the option."""
+    """Quantized collectives at stage 3 (whose loss reads pieces through zs.gather),
+    micro-batches and loss scaling: the loss's error, with a note naming the option."""
     params, data = data_and_params(rng)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     scaled = zs.sharded(optax.sgd(0.1), axis_name="data", loss_scale=zs.DynamicLossScale(8.0))
-    gathering = lambda p, b: explicit_loss(zs.gather(p), b)  # (stage 3 reads pieces so)
+    quantized = zs.sharded(optax.sgd(0.1), axis_name="data", quantize_weights="int8")
     explicit = (AxisType.Explicit,) * 2
     cases = [
-        ((8, 1), tx, 3, 1, gathering, "stage=3"),
+        ((4, 2), quantized, 3, 1, gathering, "quantize_weights"),
         ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
         ((4, 2), scaled, 2, 1, explicit_loss, "loss_scale"),
     ]

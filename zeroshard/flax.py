@@ -264,8 +264,8 @@ def nnx_train_step(
     device under ``jax.vmap`` before the step's ``shard_map``, so its own sharding
     calls (``out_sharding=``) work; otherwise it runs inside the ``shard_map``, whose
     manual data axis such calls refuse. A model whose sharding calls fail per device
-    (they name the batch axis, or pass a ``PartitionSpec`` to ``reshard``) runs, at
-    stages 1 and 2 without micro-batches or loss scaling, on the whole mesh under
+    (they name the batch axis, or pass a ``PartitionSpec`` to ``reshard``) runs,
+    without micro-batches or loss scaling, on the whole mesh under
     ``jax.jit`` instead, updated as the one-line drop-in does (its gradient reduced
     by the compiler; :mod:`zeroshard.whole_mesh`); elsewhere jax's error is raised
     with a note.

@@ -37,8 +37,10 @@ from zeroshard.scopes import GATHER, scope
 
 def in_users_jit(tree: PyTree, is_piece: Any) -> bool:
     """Whether a gather of ``tree`` runs in the user's own ``jax.jit``: outside any
-    zeroshard step and ``shard_map``, on arrays (no zeroshard pieces, ``is_piece``)."""
-    if current_step() is not None or jax.sharding.get_abstract_mesh().manual_axes:
+    zeroshard step and ``shard_map`` (but a step that runs the loss on the whole mesh,
+    :mod:`zeroshard.whole_mesh`), on arrays (no zeroshard pieces, ``is_piece``)."""
+    step = current_step()
+    if (step and step.gather) or jax.sharding.get_abstract_mesh().manual_axes:
         return False
     return not any(map(is_piece, jax.tree.leaves(tree, is_leaf=is_piece)))
 
@@ -86,8 +88,11 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
 
 
 def _only_axis(mesh: Any) -> tuple[str, ...]:
-    """Every axis of ``mesh``, which the drop-in cuts its pieces over, where one at most
-    has more than one device."""
+    """The batch axes of the step that runs the loss on the whole mesh; else every
+    axis of ``mesh``, which the drop-in cuts its pieces over, where one at most has
+    more than one device."""
+    if step := current_step():
+        return axes_of(step.axis_name)
     if sum(n > 1 for n in mesh.shape.values()) > 1:
         raise ValueError(
             f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "

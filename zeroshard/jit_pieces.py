@@ -37,6 +37,7 @@ at stage 2.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -48,7 +49,7 @@ from zeroshard.comm import all_gathered, axes_of
 from zeroshard.layout import PyTree, Slot
 from zeroshard.mesh import each_laid_out
 from zeroshard.placement import Plan
-from zeroshard.stage3 import Piece
+from zeroshard.stage3 import Piece, is_shard
 from zeroshard.update import Route, kept_apart, updated
 
 
@@ -139,8 +140,7 @@ def apply_pieces(
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         index = jax.lax.axis_index(axis)
-        piece = lambda s, x, c: Piece((x if c else s.own(x, index)).reshape(s.piece_shape), s)
-        held = lambda xs: treedef.unflatten(map(piece, slots, xs, cut))
+        held = lambda xs: treedef.unflatten(map(lambda *a: _piece(*a, index), xs, slots, cut))
         parts = route.arrival.bring(plan, held(grads))
         whole = (held if three else treedef.unflatten)(params)
         new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
@@ -161,6 +161,45 @@ def apply_pieces(
     params = laid(treedef.flatten_up_to(params), specs)
     new, state = step(laid(grads, cuts), state, params, extra_args)
     return treedef.unflatten(new), state
+
+
+def relaid(params: PyTree, mesh: Mesh, axis: object, pieces: PyTree | None = None) -> PyTree:
+    """Stage-3 weights of zeroshard's own step (:class:`zeroshard.stage3.Piece`
+    leaves, cut over ``axis``) as the drop-in keeps them (:func:`weight_spec`); with
+    ``pieces`` (those leaves), the drop-in's ``params`` back as pieces like them. Where
+    a device's block is its piece, the same bytes reshaped on each device (no
+    collective); a leaf kept whole is gathered within its block, and cut again."""
+    leaves, treedef = jax.tree.flatten(params if pieces is None else pieces, is_leaf=is_shard)
+    slots = [x.leaf for x in leaves]
+    blocks, each = [weight_spec(s, axis) for s in slots], [s.piece_spec(axis) for s in slots]
+    cut = [b != s.leaf_spec() for s, b in zip(slots, blocks, strict=True)]
+    if pieces is None:
+        old = [
+            jax.ShapeDtypeStruct(NamedSharding(mesh, b).shard_shape(s.shape), s.dtype)
+            for s, b in zip(slots, blocks, strict=True)
+        ]
+        local = lambda xs: list(map(lambda *a: _block(*a, axis), xs, slots, cut, old))
+        xs, ins, outs = [x.piece for x in leaves], each, blocks
+    else:
+        index = lambda: jax.lax.axis_index(axis)
+        local = lambda xs: [_piece(*a, index()).piece for a in zip(xs, slots, cut, strict=True)]
+        xs, ins, outs = treedef.flatten_up_to(params), blocks, each
+    many = math.prod(mesh.shape.values()) > 1
+    out = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(ins,),
+        out_specs=outs,
+        axis_names=set(mesh.axis_names),
+        check_vma=many,
+    )(each_laid_out(xs, ins, mesh))
+    return treedef.unflatten(out if pieces is None else map(Piece, out, slots))
+
+
+def _piece(x: jax.Array, s: Slot, cut: bool, index: jax.Array) -> Piece:
+    """The device's :class:`zeroshard.stage3.Piece` of a weight from its block ``x``:
+    reshaped where the block is the piece (``cut``), else cut out of it."""
+    return Piece((x if cut else s.own(x, index)).reshape(s.piece_shape), s)
 
 
 def _block(piece: jax.Array, s: Slot, cut: bool, old: jax.Array, axis: object) -> jax.Array:

@@ -131,13 +131,15 @@ class StepContext(NamedTuple):
     Attributes:
       axis_name: the axis :func:`zeroshard.gather` and :func:`zeroshard.layer` gather
         over when not told.
-      gather: how they gather (:attr:`zeroshard.update.Route.gather`).
+      gather: how they gather (:attr:`zeroshard.update.Route.gather`); ``None``
+        where the step runs the loss on the whole mesh under ``jax.jit``
+        (:mod:`zeroshard.whole_mesh`): as in the user's own ``jax.jit``.
       rest: the state's axes besides the batch's (tensor parallelism's ``"model"``,
         say), over which the pieces are cut too (:func:`zeroshard.gather`).
     """
 
     axis_name: str
-    gather: Callable[..., list]
+    gather: Callable[..., list] | None
     rest: tuple[str, ...] = ()
 
 

@@ -192,7 +192,7 @@ class TrainStep:
 
     A loss whose own sharding calls fail per device (they name the batch axis, or
     pass a ``PartitionSpec`` to ``reshard``) runs on the whole mesh instead
-    (:mod:`zeroshard.whole_mesh`), at stages 1 and 2, without micro-batches; the NNX
+    (:mod:`zeroshard.whole_mesh`), without micro-batches; the NNX
     step, which asks ``per_device_loss``, falls back itself, on its mesh as given.
     """
 

@@ -9,12 +9,17 @@ names that are of type Auto or Manual"). Such a loss trains under the user's own
 global batch under ``jax.jit`` on the mesh as given (the compiler reduces the
 gradient), then the sharded update of the mean gradient
 (:meth:`zeroshard.sharded.Sharded.apply_mean`, the one-line drop-in's) on the state
-as the step laid it out. The steps fall back to it when the loss raises per device,
-so the same loss works with no option to set.
+as the step laid it out. At stage 3 the step's pieces are the drop-in's weights, the
+same bytes on each device (:func:`zeroshard.jit_pieces.relaid`, a reshape there):
+the loss reads them as arrays, its ``zs.gather`` / ``zs.layer`` gathering over the
+step's batch axes as in the user's own ``jax.jit``, and the drop-in's stage-3 update
+(:func:`zeroshard.jit_pieces.apply_pieces`) keeps them pieces. The steps fall back
+to it when the loss raises per device, so the same loss works with no option to set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +28,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeroshard.jit_pieces import apply_pieces, relaid
 from zeroshard.layout import PyTree
-from zeroshard.sharded import optimizer_of
+from zeroshard.mesh import StepContext, in_step
+from zeroshard.sharded import Sharded, optimizer_of
+from zeroshard.stage3 import stage_of
 from zeroshard.state import TrainState
 from zeroshard.state_layout import drop_in_is_step, state_layout
 from zeroshard.step_io import step_loss, step_metrics
@@ -40,16 +48,26 @@ class WholeMeshStep:
     def __init__(self, loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict):
         self.tx, self.opt, self.mesh = tx, optimizer_of(tx), mesh
         self.loss = step_loss(loss_fn, options["has_aux"], None)
+        # (stage 3: the drop-in's, whose pieces are the step's bytes)
+        config = dataclasses.replace(self.opt.config, stage=3)
+        self.three = Sharded(self.opt.inner, config).spanning(mesh)
         donate = (0,) if options["donate"] else ()
         self.jitted = jax.jit(self._step, static_argnums=3, donate_argnums=donate)
 
     def _step(self, state: TrainState, batch: PyTree, key: Any, splits: tuple) -> Any:
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
-        (loss, (aux, model_state)), grads = value_and_grad(
-            state.params, batch, key, state.model_state
-        )
-        update = self.opt.apply_mean  # (the state kept as zeroshard's step keeps it)
-        params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
+        axis, pieces = self.three.config.axis_name, stage_of(state.params) == 3
+        weights = relaid(state.params, self.mesh, axis) if pieces else state.params
+        with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
+            (loss, (aux, model_state)), grads = value_and_grad(
+                weights, batch, key, state.model_state
+            )
+        if pieces:  # (the drop-in's update of its weights, as pieces again)
+            params, opt_state = apply_pieces(self.three, grads, state.opt_state, weights, {})
+            params = relaid(params, self.mesh, axis, state.params)
+        else:  # (the state kept as zeroshard's step keeps it)
+            update = self.opt.apply_mean
+            params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
         states = (state.opt_state, opt_state)
         metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
@@ -58,7 +76,9 @@ class WholeMeshStep:
         rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
         if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             batch = jax.device_put(batch, rows)
-        return state, batch, key, state_layout(self.tx, self.mesh, state.params).splits
+        three = stage_of(state.params) == 3  # (the drop-in's stage 3: its own splits)
+        splits = () if three else state_layout(self.tx, self.mesh, state.params).splits
+        return state, batch, key, splits
 
     def __call__(self, state: TrainState, batch: PyTree, key: Any = None) -> Any:
         return self.jitted(*self._args(state, batch, key))
@@ -112,16 +132,16 @@ def whole_mesh_step(
         and what to do instead.
     """
     config = optimizer_of(tx).config
+    three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized collectives too)
     try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
-        config.sum_order.check_drop_in()
+        config.check_in_jit(mesh, pieces=True) if three else config.sum_order.check_drop_in()
         fixed = False
     except ValueError:
         fixed = True
     refused = {
-        f"stage={options['stage']}": options["stage"] > 2,
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
         "loss_scale": config.loss_scale is not None,
-        "deterministic": fixed,
+        "deterministic, quantize_grads or quantize_weights" if three else "deterministic": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
         ),
@@ -130,7 +150,7 @@ def whole_mesh_step(
         error.add_note(
             "zeroshard: the loss's own sharding calls do not run per device in the step "
             "(they name the batch axis, or pass a PartitionSpec to reshard). The step runs "
-            "such a loss on the whole mesh instead, at stages 1 and 2, but not with "
+            "such a loss on the whole mesh instead, but not with "
             f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
             "zs.sharded(...) in your own jax.jit step."
         )
