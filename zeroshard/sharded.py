@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.annotations import annotated, check_layout, unboxed
-from zeroshard.arrival import PartialSums
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of, mesh_size
 from zeroshard.config import ShardConfig
@@ -270,9 +269,7 @@ class Sharded:
         mesh = find_mesh(self.config, state, any_axes=True)
         splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
         opt, summed = self.spanning(mesh), partial_sums(grads)
-        route = Route.of(opt.config, 1, mean=True)
-        if summed:  # (reduce-scattered here, not all-reduced by the compiler first)
-            route = route._replace(arrival=PartialSums(opt.config, summed))
+        route = Route.of(opt.config, 1, mean=True, summed=summed)
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
         opt.check_state(plan, state)

@@ -45,6 +45,7 @@ from zeroshard.arrival import (
     CutMean,
     GradParts,
     MeanPieces,
+    PartialSums,
     Pieces,
     QuantizedPieces,
     QuantizedReduceScatter,
@@ -92,11 +93,13 @@ class Route(NamedTuple):
         mean: bool = False,
         accum_steps: int = 1,
         held: bool = False,
+        summed: frozenset[str] = frozenset(),
     ) -> Route:
         """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
-        ``jax.jit``; at stages 2 and 3 there, its pieces as they arrive); with
+        ``jax.jit``; at stages 2 and 3 there, its pieces as they arrive; its partial
+        sums over the mesh axes ``summed``, reduce-scattered, where they arrive so); with
         ``held`` (stage 2, a loss that gathers: :mod:`zeroshard.held`), stage-3
         pieces in and all-gathered weights out. Each quantized, or summed in a fixed
         order, where ``config`` says so; the micro-batches as ``accum_steps`` and the
@@ -131,7 +134,7 @@ class Route(NamedTuple):
                 config.quantize_grads,
             )
         if mean:
-            arrival = CutMean(config)
+            arrival = PartialSums(config, summed) if summed else CutMean(config)
         elif parts:  # stage 1 sums each device's micro-batches first (canonical.LOW)
             arrival = CanonicalReduceScatter(
                 config, canonical.LOW if stage == 1 else canonical.HIGH
