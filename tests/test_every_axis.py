@@ -914,9 +914,8 @@ DROPIN_MESHES = {
 }
 
 
-# (stage 2 in your own jax.jit runs on a mesh of one axis, but with weights typed reduced)
 DROPIN_CASES = [
-    *[(c, s, False) for s in (1, 2) for c in DROPIN_MESHES if s == 1 or "tp" not in c],
+    *[(c, s, False) for s in (1, 2) for c in DROPIN_MESHES],
     *[(c, s, True) for s in (1, 2) for c in ("explicit-1d", "explicit-tp")],
 ]
 
