@@ -71,7 +71,7 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     if AxisType.Explicit in (mesh.axis_types[mesh.axis_names.index(a)] for a in batch):
         # (the piece in its type: its own layout, cut over the batch axes minor to it)
         piece = jax.typeof(x).sharding.spec
-        if not any(a in batch for e in piece if e is not None for a in axes_of(e)):
+        if not any(a in batch for e in piece.partitions if e is not None for a in axes_of(e)):
             return x  # (whole in its type, as its cotangent must be: no piece to give it)
         rest = [a for a in mesh.axis_names if a not in batch]
         whole, lay = keep_axes(piece, rest, leading=True), jax.sharding.reshard

@@ -130,19 +130,22 @@ def apply_pieces(
     # too: zs.layer's backward lays them out so), the weights as they are kept.
     cuts, specs = [weight_spec(s, axis) for s in slots], laid_out(opt, plan)
     cut = [spec != s.leaf_spec() for s, spec in zip(slots, cuts, strict=True)]
-    # The gradients cast to the inner optimizer's dtype once, behind a barrier, before
-    # the update (which reshapes each device's block of a cut one to its piece, a
-    # bitcast). (Cast in the update, the compiler kept two more float32 copies of each
+    # The gradients cast to the inner optimizer's dtype once, and each device's block
+    # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the
+    # update. (Cast in the update, the compiler kept two more float32 copies of each
     # stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries, not 57
-    # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92.)
+    # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92. With
+    # the barrier before the reshape, jax 0.12 laid the piece out as the update's
+    # conditional does not take it, and copied it: 96 MiB, not 57.)
     grads = [g.astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
-    grads = jax.lax.optimization_barrier(grads)
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         index = jax.lax.axis_index(axis)
-        held = lambda xs: treedef.unflatten(map(lambda *a: _piece(*a, index), xs, slots, cut))
+        pieces = lambda xs: [_piece(*a, index).piece for a in zip(xs, slots, cut, strict=True)]
+        held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
+        grads = jax.lax.optimization_barrier(pieces(grads))
         parts = route.arrival.bring(plan, held(grads))
-        whole = (held if three else treedef.unflatten)(params)
+        whole = held(pieces(params)) if three else treedef.unflatten(params)
         new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
         if three:  # (a cut weight's block from its piece; a leaf kept whole gathered)

@@ -534,10 +534,12 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     forward twin, which would keep every layer's weights alive until the backward)."""
     if is_marking():  # (a loss traced to read its gathers: the tie would read the weights)
         return tree
-    leaves = [x for x in jax.tree.leaves(anchor) if _is_float(x)]
+    spec = lambda x: getattr(jax.typeof(x).sharding, "spec", P())
+    # (a partial sum, typed unreduced, gives no zero its type allows)
+    leaves = [x for x in jax.tree.leaves(anchor) if _is_float(x) and not spec(x).unreduced]
     if not leaves:
         return tree
-    whole = [x for x in leaves if not any(getattr(jax.typeof(x).sharding, "spec", ()))]
+    whole = [x for x in leaves if not any(spec(x).partitions)]
     # (each laid out over an Explicit axis, where one element cannot be cut: a sum of
     # each; XLA's CPU pipeline drops optimization barriers before it combines collectives)
     zero = 0 * jnp.ravel(whole[0])[0] if whole else sum(0 * jnp.sum(x) for x in leaves)
