@@ -89,8 +89,9 @@ class WholeMeshStep:
 
 
 class Fallback:
-    """The loss of ``step`` (a :class:`zeroshard.step.TrainStep`), recording the
-    ``ValueError`` it raises while traced, and the :class:`WholeMeshStep` the step
+    """The loss of ``step`` (a :class:`zeroshard.step.TrainStep`), recording jax's
+    ``ValueError`` for a sharding call naming an axis the step runs manual over,
+    raised while traced, and the :class:`WholeMeshStep` the step
     falls back to once it has (``on``; else none)."""
 
     def __init__(self, step: Any, on: bool):
@@ -103,8 +104,9 @@ class Fallback:
         """``loss_fn``, recording what it raises."""
         try:
             return self.loss_fn(*args, **kwargs)
-        except ValueError as error:  # (jax's refusal of a sharding call is one)
-            self.error = error
+        except ValueError as error:  # (jax's refusal of a sharding call over a manual axis)
+            if "of type Auto or Manual" in str(error):  # (not another error of the loss)
+                self.error = error
             raise
 
     def run(self, per_device: Callable[[], Any], lower: bool, *args: Any) -> Any:
