@@ -63,8 +63,7 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
 def _gathered(x: Any, axis_name: str | None) -> Any:
     if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return x
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    mesh = mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
+    mesh = mesh_of(x)
     if mesh.empty:  # (on one device, laid out over no mesh: whole already)
         return x
     batch = axes_of(axis_name or _only_axis(mesh))
@@ -85,6 +84,12 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     whole_x = jax.custom_vjp(gathered)
     whole_x.defvjp(lambda x: (gathered(x), None), keep)
     return whole_x(x)
+
+
+def mesh_of(x: Any) -> Any:
+    """The mesh ``x`` is laid out on, as its type says; else the mesh in context."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
 
 
 def _only_axis(mesh: Any) -> tuple[str, ...]:

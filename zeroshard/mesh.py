@@ -223,8 +223,7 @@ def own_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
     its ``NamedSharding``'s ``PartitionSpec`` naming only those axes, ``P()`` where it
     has none (a NumPy array, or a leaf replicated over them). Hashable leaves: a step
     compiled for one layout is reused for the same."""
-    named = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
-    return jax.tree.map(lambda x: keep_axes(x.sharding.spec, axes) if named(x) else P(), tree)
+    return jax.tree.map(lambda x: keep_axes(x.sharding.spec, axes) if _placed(x) else P(), tree)
 
 
 def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
@@ -236,9 +235,13 @@ def typed_layout(tree: PyTree, axes: Collection[str]) -> PyTree:
     minor to its own split (:func:`zeroshard.jit_pieces.weight_spec`), reads as its
     own layout."""
     typed = lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
-    named = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)
-    spec = lambda x: x.sharding.spec if named(x) else typed(x)
+    spec = lambda x: x.sharding.spec if _placed(x) else typed(x)
     return jax.tree.map(lambda x: keep_axes(spec(x), axes, leading=True), tree)
+
+
+def _placed(x: Any) -> bool:
+    """Whether ``x`` is an array placed on a mesh (a ``NamedSharding``)."""
+    return isinstance(getattr(x, "sharding", None), NamedSharding)
 
 
 def laid_out(tree: PyTree, specs: PyTree) -> PyTree:

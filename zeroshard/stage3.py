@@ -502,8 +502,7 @@ def _scattered(
     """``fn``'s vjp at ``(w, x)`` for the cotangent ``g``, manual over the batch axis:
     each device differentiates its rows, and the weight gradient's partial sums are
     reduce-scattered onto the ``pieces`` (summed whole for a leaf kept whole)."""
-    on = getattr(jax.typeof(jax.tree.leaves(pieces)[0]).sharding, "mesh", None)
-    mesh = on if on is not None and not on.empty else jax.sharding.get_abstract_mesh()
+    mesh = jit_gather.mesh_of(jax.tree.leaves(pieces)[0])
     axis = axis_name or tuple(mesh.axis_names)
     n = math.prod(mesh.shape[a] for a in axes_of(axis))
     typed = jax.sharding.AxisType.Explicit in mesh.axis_types  # (the types say which are cut)
