@@ -94,6 +94,26 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
     assert all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_whole_mesh_step_lowers_abstract_values_as_it_runs(rng, stage):
+    """zs.step_memory lowers the step on abstract values (jax.ShapeDtypeStruct): on the
+    whole mesh their rows are split over the batch axis as the arrays' are in a call,
+    not whole on every device, so it compiles the program that runs."""
+    params, data = data_and_params(rng)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    tx = zs.sharded(optax.adam(1e-2), axis_name="data")
+    loss = gathering if stage == 3 else explicit_loss
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data[0])
+    with jax.set_mesh(mesh):
+        state = zs.init_train_state(params, tx, mesh, stage=stage)
+        step = zs.make_train_step(loss, tx, mesh, stage=stage)
+        compiled = [step.lower(state, batch).compile() for batch in (data[0], abstract)]
+    rows = [jax.tree.leaves(c.input_shardings[0][1]) for c in compiled]
+    assert [x.spec for x in rows[1]] == [P("data")] * 2 == [x.spec for x in rows[0]]
+    memory = [c.memory_analysis() for c in compiled]
+    assert memory[1].temp_size_in_bytes == memory[0].temp_size_in_bytes
+
+
 def test_the_nnx_step_runs_an_explicit_mesh_model_at_stage_3(rng):
     """The NNX step at stage 3 on a Gemma-like model whose reshard / out_sharding calls
     name the batch axis "fsdp" (tests/test_every_axis.py), its blocks read through

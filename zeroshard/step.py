@@ -405,12 +405,7 @@ class TrainStep:
         """``batch`` split over the batch axes; abstract values (``jax.ShapeDtypeStruct``,
         to :meth:`lower` the step without data) given that sharding, not placed."""
         self.route.loop.check_batch(batch, self.batch_parts)
-        rows = NamedSharding(self.mesh, P(self.batch_axes))
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), batch
-            )
-        return jax.device_put(batch, rows)
+        return step_io.placed(batch, NamedSharding(self.mesh, P(self.batch_axes)))
 
     def static_layout(self, specs: PyTree) -> tuple[P, ...] | None:
         """``specs`` (a ``PartitionSpec`` per leaf; the weights' own layout, which the

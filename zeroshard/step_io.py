@@ -132,6 +132,14 @@ def local_rows(batch: PyTree) -> int:
     return jnp.shape(jax.tree.leaves(batch)[0])[0]
 
 
+def placed(batch: PyTree, rows: NamedSharding) -> PyTree:
+    """``batch`` placed on ``rows``; abstract values (``jax.ShapeDtypeStruct``, to lower
+    a step without data) given that sharding, not placed."""
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), batch)
+    return jax.device_put(batch, rows)
+
+
 def step_loss(loss_fn: Callable[..., Any], has_aux: bool, scale: Any) -> Callable[..., Any]:
     """A user's loss in the step's convention: ``loss(params, batch, key, model_state)
     -> (loss, (aux, new_model_state))``, the loss times ``scale.scale`` when there is a

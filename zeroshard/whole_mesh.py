@@ -35,7 +35,7 @@ from zeroshard.sharded import Sharded, optimizer_of
 from zeroshard.stage3 import stage_of
 from zeroshard.state import TrainState
 from zeroshard.state_layout import drop_in_is_step, state_layout
-from zeroshard.step_io import step_loss, step_metrics
+from zeroshard.step_io import placed, step_loss, step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ class WholeMeshStep:
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _args(self, state: TrainState, batch: PyTree, key: Any) -> tuple:
-        rows = NamedSharding(self.mesh, P(self.opt.config.batch_axes))
-        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            batch = jax.device_put(batch, rows)
+        batch = placed(batch, NamedSharding(self.mesh, P(self.opt.config.batch_axes)))
         three = stage_of(state.params) == 3  # (the drop-in's stage 3: its own splits)
         splits = () if three else state_layout(self.tx, self.mesh, state.params).splits
         return state, batch, key, splits
