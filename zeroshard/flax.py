@@ -152,13 +152,20 @@ def _per_device(model: nnx.Module, axes: Any, sync: bool) -> Iterator[None]:
     ``nnx.Rngs`` stream is folded with the device index, so dropout masks differ
     across devices; afterwards the keys are the shared ones again (their counts
     advance as usual)."""
+    norms = [m for _, m in nnx.iter_modules(model) if isinstance(m, nnx.BatchNorm)]
+    norms = [m for m in norms if m.axis_name is None]
     if not set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes):
+        if norms and not sync:
+            raise ValueError(
+                "nnx_train_step(sync_batch_stats=False): this model runs on the whole mesh "
+                "(its own sharding calls do not run per device), where BatchNorm normalises "
+                "over the global batch. Leave sync_batch_stats at True, or make the model's "
+                "sharding calls run per device."
+            )
         yield
         return
-    if sync:
-        for _, module in nnx.iter_modules(model):
-            if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-                module.axis_name = axes
+    for module in norms if sync else ():
+        module.axis_name = axes
     keys = nnx.as_pure(nnx.state(model, nnx.RngKey))
     index = jax.lax.axis_index(axes)
     nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
