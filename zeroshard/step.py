@@ -181,9 +181,9 @@ class TrainStep:
     mesh with Explicit and Auto axes say only the Explicit ones), and ``jitted`` is
     the function of the state last stepped or lowered.
 
-    A loss whose own sharding calls fail per device (they name the batch axis, or
-    pass a ``PartitionSpec`` to ``reshard``) runs on the whole mesh instead
-    (:mod:`zeroshard.whole_mesh`), without micro-batches.
+    A loss whose own sharding calls fail per device (they name the batch axis, pass a
+    ``PartitionSpec`` to ``reshard``, or leave it with ``auto_axes``) runs on the whole
+    mesh instead (:mod:`zeroshard.whole_mesh`), without micro-batches.
     """
 
     loss_fn: Callable[..., Any]
