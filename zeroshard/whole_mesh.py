@@ -157,7 +157,8 @@ def whole_mesh_step(
     if any(refused.values()):
         error.add_note(
             "zeroshard: the loss's own sharding calls do not run per device in the step "
-            "(they name the batch axis, or pass a PartitionSpec to reshard). The step runs "
+            "(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
+            "auto_axes). The step runs "
             "such a loss on the whole mesh instead, but not with "
             f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
             "zs.sharded(...) in your own jax.jit step."
