@@ -153,21 +153,16 @@ def split_rows(tree: PyTree, k: int) -> PyTree:
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), tree)
 
 
-def auto_twin(mesh: jax.sharding.Mesh, axis_types: Any = None) -> jax.sharding.Mesh:
-    """``mesh`` with every axis ``AxisType.Auto`` (or the given ``axis_types``): the
-    same devices and layouts."""
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axis_types or auto)
-
-
 def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """The twin of ``mesh`` a step's outputs are typed on here: inside ``jax.set_mesh``,
-    with the context mesh's axis types (as a plain ``jax.jit``'s outputs are typed
-    there); outside any mesh context, all ``Auto`` (an Explicit type there makes
-    single-device code, e.g. ``nnx.MultiMetric.reset()``, raise)."""
+    """The twin of ``mesh`` (the same devices and layouts) a step's outputs are typed
+    on here: inside ``jax.set_mesh``, with the context mesh's axis types (as a plain
+    ``jax.jit``'s outputs are typed there); outside any mesh context, all ``Auto`` (an
+    Explicit type there makes single-device code, e.g. ``nnx.MultiMetric.reset()``,
+    raise)."""
     context = jax.sharding.get_abstract_mesh()
     same = not context.empty and tuple(context.axis_names) == tuple(mesh.axis_names)
-    return auto_twin(mesh, context.axis_types if same else None)
+    types = context.axis_types if same else (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
 def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
