@@ -393,3 +393,23 @@ def test_nnx_running_statistics_without_sync_are_the_mean_over_devices(rng):
         per_device.append(nnx.to_pure_dict(nnx.state(device, nnx.BatchStat)))
     expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *per_device)
     assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), expected, 1e-6)
+
+
+def test_nnx_per_device_statistics_are_refused_on_the_whole_mesh(rng):
+    """A model whose own sharding call names the batch axis runs on the whole mesh,
+    where BatchNorm cannot normalise with each device's rows: ``sync_batch_stats=False``
+    is refused there, naming the option; the default trains."""
+    batch = batches(rng, 1, size=32)[0]
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss(model, batch):
+        x = jax.sharding.reshard(batch["x"], jax.sharding.PartitionSpec("data", None))
+        return jnp.mean((model(x) - batch["y"]) ** 2)
+
+    with jax.set_mesh(mesh):
+        model = NNXBatchNormModel(nnx.Rngs(0))
+        optimizer = zf.nnx_optimizer(model, zs.sharded(optax.sgd(0.1)), mesh)
+        with pytest.raises(ValueError, match="sync_batch_stats=False"):
+            zf.nnx_train_step(loss, mesh, sync_batch_stats=False)(model, optimizer, batch)
+        metrics = zf.nnx_train_step(loss, mesh)(model, optimizer, batch)
+    assert int(optimizer.step[...]) == 1 and np.isfinite(float(metrics["loss"]))

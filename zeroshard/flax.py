@@ -66,9 +66,8 @@ from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import gather, layer
 from zeroshard.step import TrainState, TrainStep, init_train_state
-from zeroshard.step_io import auto_twin, output_mesh, plain_outputs
+from zeroshard.step_io import output_mesh, plain_outputs
 from zeroshard.update import Route
-from zeroshard.whole_mesh import WholeMeshStep, whole_mesh_step
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -146,18 +145,29 @@ def _spec(x: Any) -> P:
 
 
 @contextlib.contextmanager
-def _per_device(model: nnx.Module, axis_name: str, sync: bool) -> Iterator[None]:
-    """Inside: ``model`` as it runs on one device of the step. With ``sync``, every
-    ``nnx.BatchNorm`` without an ``axis_name`` uses global-batch statistics (over
-    ``axis_name``). Every ``nnx.Rngs`` stream is folded with the device index, so
-    dropout masks differ across devices; afterwards the keys are the shared ones again
-    (their counts advance as usual)."""
-    if sync:
-        for _, module in nnx.iter_modules(model):
-            if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-                module.axis_name = axis_name
+def _per_device(model: nnx.Module, axes: Any, sync: bool) -> Iterator[None]:
+    """Inside: ``model`` as it runs on one device of the step, where the batch ``axes``
+    are manual (on the whole mesh, as it is). With ``sync``, every ``nnx.BatchNorm``
+    without an ``axis_name`` uses global-batch statistics (over ``axes``). Every
+    ``nnx.Rngs`` stream is folded with the device index, so dropout masks differ
+    across devices; afterwards the keys are the shared ones again (their counts
+    advance as usual)."""
+    norms = [m for _, m in nnx.iter_modules(model) if isinstance(m, nnx.BatchNorm)]
+    norms = [m for m in norms if m.axis_name is None]
+    if not set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes):
+        if norms and not sync:
+            raise ValueError(
+                "nnx_train_step(sync_batch_stats=False): this model runs on the whole mesh "
+                "(its own sharding calls do not run per device), where BatchNorm normalises "
+                "over the global batch. Leave sync_batch_stats at True, or make the model's "
+                "sharding calls run per device."
+            )
+        yield
+        return
+    for module in norms if sync else ():
+        module.axis_name = axes
     keys = nnx.as_pure(nnx.state(model, nnx.RngKey))
-    index = jax.lax.axis_index(axis_name)
+    index = jax.lax.axis_index(axes)
     nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
     yield
     nnx.update(model, keys)
@@ -169,39 +179,21 @@ class NNXTrainStep:
     def __init__(self, loss_fn: Callable[..., Any], mesh: Any, sync: bool, options: dict):
         # options: the TrainStep's (axis_name, has_aux, donate, stage, accum_steps).
         self.loss_fn, self.mesh, self._sync, self._options = loss_fn, mesh, sync, options
-        # The step runs on an Auto-typed twin of the mesh (same devices, same layouts,
-        # no copies): the model's own sharding calls work there.
-        self._auto_mesh = auto_twin(mesh)
-        self._compiled: dict[Any, TrainStep | WholeMeshStep] = {}
-        self._model_error: Exception | None = None  # what the model raised per device
+        self._compiled: dict[Any, TrainStep] = {}
 
-    def _loss(self, graphdef: Any, wrt: Any, axes: Any) -> Callable[..., Any]:
+    def _loss(self, graphdef: Any, wrt: Any, axes: tuple) -> Callable[..., Any]:
         """The model's loss as :func:`zeroshard.make_train_step` takes it: of the
         ``wrt`` parameters, with the model's other variables as its model state; run
-        per device over the batch ``axes`` (``None``: on the whole mesh)."""
+        per device over the batch ``axes``, or on the whole mesh."""
 
         def loss(params, batch, model_state):
             model = nnx.merge(graphdef, params, model_state)
-            per_device = _per_device(model, axes, self._sync) if axes else contextlib.nullcontext()
-            with per_device:
-                try:
-                    out = self.loss_fn(model, batch)
-                except (ValueError, TypeError) as error:  # (see whole_mesh_step)
-                    self._model_error = error
-                    raise
+            with _per_device(model, axes, self._sync):
+                out = self.loss_fn(model, batch)
             rest = nnx.as_pure(nnx.state(model, nnx.Not(wrt)))
             return (out[0], (rest, out[1])) if self._options["has_aux"] else (out, rest)
 
         return loss
-
-    def _run(self, step: Any, state: TrainState, specs: TrainState, batch: PyTree) -> Any:
-        """``step`` on ``state`` laid out on its mesh (as ``specs`` say), and the new
-        state back in the layouts the model's variables had, typed as a plain jit's
-        outputs."""
-        on = lambda mesh: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-        with jax.set_mesh(step.mesh):
-            state, metrics = step(jax.device_put(state, on(step.mesh)), batch)
-        return jax.device_put(state, on(output_mesh(self.mesh))), metrics
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> dict:
         tx = getattr(optimizer, "tx", None)
@@ -215,24 +207,16 @@ class NNXTrainStep:
         specs = jax.tree.map(_spec, state)
         key = (graphdef, jax.tree.structure(state), tuple(jax.tree.leaves(specs)))
         if key not in self._compiled:
-            axes = tx.config.batch_axes
-            loss = self._loss(graphdef, optimizer.wrt, axes if len(axes) > 1 else axes[0])
-            # per_device_loss where it can: the model's sharding calls work.
-            step = TrainStep(loss, tx, self._auto_mesh, per_device_loss=True, **self._options)
-            self._compiled[key] = step
-        try:
-            state, metrics = self._run(self._compiled[key], state, specs, batch)
-        except (ValueError, TypeError) as error:  # (raised while tracing: nothing donated)
-            if error is not self._model_error:  # (not the model's own: the caller's to see)
-                raise
-            loss = self._loss(graphdef, optimizer.wrt, None)
-            step = whole_mesh_step(loss, tx, self.mesh, self._options, error)
-            self._compiled[key] = step
-            state, metrics = self._run(step, state, specs, batch)
+            loss = self._loss(graphdef, optimizer.wrt, tx.config.batch_axes)
+            self._compiled[key] = TrainStep(loss, tx, self.mesh, **self._options)
+        on = lambda mesh: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+        with jax.set_mesh(self.mesh):
+            state, metrics = self._compiled[key](jax.device_put(state, on(self.mesh)), batch)
+        state = jax.device_put(state, on(output_mesh(self.mesh)))
         nnx.update(model, state.params, state.model_state)
         nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
         optimizer.step.set_raw_value(state.step)
-        return plain_outputs(metrics, self.mesh)
+        return plain_outputs(metrics, self.mesh)  # (typed outside the step's mesh context)
 
 
 def nnx_train_step(
@@ -258,17 +242,15 @@ def nnx_train_step(
     folded with the device index so the masks differ across devices (the same seed
     gives the same run); ``nnx.BatchNorm`` (and any other non-``wrt`` variable) is
     updated in the step and averaged over the devices, so it stays identical on all.
-    The step runs on a twin of ``mesh`` whose axes are all ``Auto``, and parameters
-    keep their layout over the mesh's other axes (tensor parallelism). Without
-    micro-batches, below stage 3 and without a replica axis, the model runs once per
-    device under ``jax.vmap`` before the step's ``shard_map``, so its own sharding
-    calls (``out_sharding=``) work; otherwise it runs inside the ``shard_map``, whose
-    manual data axis such calls refuse. A model whose sharding calls fail per device
-    (they name the batch axis, or pass a ``PartitionSpec`` to ``reshard``) runs,
-    without micro-batches or loss scaling, on the whole mesh under
-    ``jax.jit`` instead, updated as the one-line drop-in does (its gradient reduced
-    by the compiler; :mod:`zeroshard.whole_mesh`); elsewhere jax's error is raised
-    with a note.
+    The model runs inside the step's ``shard_map``, manual over the batch axes, and
+    its parameters keep their layout over the mesh's other axes (tensor parallelism).
+    A model whose own sharding calls fail there (they name the batch axis, pass a
+    ``PartitionSpec`` to ``reshard``, or leave the manual axis with ``auto_axes``, as
+    ``nnx.Embed``'s ``out_sharding=`` does) runs, without micro-batches or loss
+    scaling, on the whole mesh under ``jax.jit`` instead, as
+    :func:`zeroshard.make_train_step` runs such a loss (:mod:`zeroshard.whole_mesh`):
+    one dropout stream and BatchNorm statistics over the global batch;
+    elsewhere jax's error is raised with a note.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, aux)``), the mean

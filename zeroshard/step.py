@@ -38,8 +38,6 @@ from zeroshard.mesh import (
     own_layout,
     run_on_mesh,
 )
-from zeroshard.microbatches import OneBatch
-from zeroshard.scopes import MODEL_STATE, scope
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
 from zeroshard.state import TrainState
@@ -183,17 +181,9 @@ class TrainStep:
     mesh with Explicit and Auto axes say only the Explicit ones), and ``jitted`` is
     the function of the state last stepped or lowered.
 
-    ``per_device_loss`` (keyword; the NNX step's): where the step has no
-    micro-batches, stage 1 or 2 and one batch axis, the loss and its gradients are
-    computed before the ``shard_map``, once per device under ``jax.vmap`` over the
-    batch axis, so that a model's own sharding calls (``out_sharding=``,
-    ``auto_axes``), which a manual axis refuses, work; the update flow is the same.
-    Elsewhere it is ``False``.
-
-    A loss whose own sharding calls fail per device (they name the batch axis, or
-    pass a ``PartitionSpec`` to ``reshard``) runs on the whole mesh instead
-    (:mod:`zeroshard.whole_mesh`), without micro-batches; the NNX
-    step, which asks ``per_device_loss``, falls back itself, on its mesh as given.
+    A loss whose own sharding calls fail per device (they name the batch axis, pass a
+    ``PartitionSpec`` to ``reshard``, or leave it with ``auto_axes``) runs on the whole
+    mesh instead (:mod:`zeroshard.whole_mesh`), without micro-batches.
     """
 
     loss_fn: Callable[..., Any]
@@ -204,8 +194,6 @@ class TrainStep:
     donate: bool = True
     stage: int = 1
     accum_steps: int = 1
-    _: dataclasses.KW_ONLY
-    per_device_loss: bool = False
 
     def __post_init__(self) -> None:
         self.opt = optimizer_of(self.tx)
@@ -228,16 +216,9 @@ class TrainStep:
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
-        self._fallback = Fallback(self, on=not self.per_device_loss)  # (see the class)
-        self.per_device_loss = (
-            self.per_device_loss
-            and type(self.route.loop) is OneBatch
-            and not self.route.departure.pieces
-            and len(axes) < 2
-        )
+        self._fallback = Fallback(self)  # (see the class)
         # Stage 2 with a loss that gathers (its pieces are over the batch axes)
-        held = not (self.per_device_loss or self.nested)
-        self.held_route = held_route(self.opt.config, stage, k) if held else None
+        self.held_route = None if self.nested else held_route(self.opt.config, stage, k)
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
 
@@ -251,11 +232,7 @@ class TrainStep:
         scale = state.opt_state.loss_scale
         value_and_grad = self._value_and_grad(scale)
         route, params = self.route, self._varying(state.params)
-        if self.per_device_loss:  # computed before the shard_map: this device's part
-            batch, ((loss, aux, grads), model_state) = batch
-            first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-            value_and_grad = lambda *_: ((loss[0], (first(aux), model_state)), first(grads))
-        elif self._holds(params, batch, key, state.model_state):
+        if self._holds(params, batch, key, state.model_state):
             route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
             value_and_grad = held.value_and_grad(loss, params)
             params = held.pieces_of(
@@ -278,7 +255,7 @@ class TrainStep:
         metrics = step_io.step_metrics(
             self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
         )
-        if not (self.per_device_loss or loop.reduced):  # (averaged already)
+        if not loop.reduced:  # (averaged already)
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
@@ -340,20 +317,6 @@ class TrainStep:
         loss = step_io.step_loss(self._fallback.loss, self.has_aux, scale)
         return jax.value_and_grad(loss, has_aux=True)
 
-    def _per_device(self, state: TrainState, batch: PyTree, key: Key) -> Any:
-        """``(loss, aux, grads)`` of each device under ``jax.vmap`` over the batch axis
-        (see ``per_device_loss``), with a leading axis over devices, and the new model
-        state: floating-point leaves averaged over the devices, others the first's."""
-        axis, grad_fn = self.axis_name, self._value_and_grad(state.opt_state.loss_scale)
-        device = lambda r: grad_fn(
-            state.params, r, step_io.device_key(key, axis), state.model_state
-        )
-        per_device = jax.vmap(device, axis_name=axis, spmd_axis_name=axis)
-        (loss, (aux, model_state)), grads = per_device(step_io.split_rows(batch, self.batch_parts))
-        with scope(MODEL_STATE):
-            model_state = jax.tree.map(step_io.across_devices, model_state)
-        return (loss, aux, grads), model_state
-
     def _varying(self, params: PyTree) -> PyTree:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
         input would be all-reduced automatically (a local gradient is what the
@@ -379,12 +342,7 @@ class TrainStep:
         built = self.layout_for(state.params, layout)
         built.tx.optimizer.check_state(built.plan, state.opt_state)  # (made for this layout)
         specs = keep_axes(built.specs(self.route.departure), self.opt.config.batch_axes)
-        split = lambda tree: jax.tree.map(lambda _: P(self.batch_axes), tree)
-        batch_specs = split(batch)
-        if self.per_device_loss:
-            computed, model_state = self._per_device(state, batch, key)
-            batch_specs = (batch_specs, (split(computed), P()))
-            batch = (batch, (computed, model_state))
+        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
         step = jax.shard_map(

@@ -55,15 +55,6 @@ def mean_state(tree: PyTree, axes: Axes) -> PyTree:
         return jax.tree.map(lambda x: pmean(x, axes) if is_floating(x) else x, tree)
 
 
-def across_devices(x: jax.Array) -> jax.Array:
-    """One value from a leaf stacked over devices (a leading axis, e.g. under ``vmap``):
-    the mean of floating-point state (e.g. BatchNorm statistics), the first device's
-    otherwise (counts, keys)."""
-    if is_floating(x):
-        return jnp.mean(x, axis=0).astype(x.dtype)
-    return x[0]
-
-
 def is_per_example(x: Any, rows: int) -> bool:
     """Whether an aux leaf has one entry per example of a ``rows``-row local batch."""
     return jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows
@@ -82,9 +73,9 @@ def global_aux(aux: PyTree, rows: int, axes: Axes) -> PyTree:
 
 
 def stacked_aux(x: jax.Array, rows: int) -> jax.Array:
-    """An aux leaf stacked over a leading axis (micro-batches, or devices under
-    ``vmap``): per-example leaves (``rows`` per entry) concatenated in batch order,
-    other leaves averaged over the stack."""
+    """An aux leaf stacked over a leading axis (micro-batches): per-example leaves
+    (``rows`` per entry) concatenated in batch order, other leaves averaged over the
+    stack."""
     if jnp.ndim(x) >= 2 and is_per_example(x[0], rows):
         return x.reshape(x.shape[0] * rows, *x.shape[2:])
     return jnp.mean(x.astype(jnp.float32), axis=0)
@@ -170,21 +161,16 @@ def split_rows(tree: PyTree, k: int) -> PyTree:
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), tree)
 
 
-def auto_twin(mesh: jax.sharding.Mesh, axis_types: Any = None) -> jax.sharding.Mesh:
-    """``mesh`` with every axis ``AxisType.Auto`` (or the given ``axis_types``): the
-    same devices and layouts."""
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axis_types or auto)
-
-
 def output_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """The twin of ``mesh`` a step's outputs are typed on here: inside ``jax.set_mesh``,
-    with the context mesh's axis types (as a plain ``jax.jit``'s outputs are typed
-    there); outside any mesh context, all ``Auto`` (an Explicit type there makes
-    single-device code, e.g. ``nnx.MultiMetric.reset()``, raise)."""
+    """The twin of ``mesh`` (the same devices and layouts) a step's outputs are typed
+    on here: inside ``jax.set_mesh``, with the context mesh's axis types (as a plain
+    ``jax.jit``'s outputs are typed there); outside any mesh context, all ``Auto`` (an
+    Explicit type there makes single-device code, e.g. ``nnx.MultiMetric.reset()``,
+    raise)."""
     context = jax.sharding.get_abstract_mesh()
     same = not context.empty and tuple(context.axis_names) == tuple(mesh.axis_names)
-    return auto_twin(mesh, context.axis_types if same else None)
+    types = context.axis_types if same else (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
 def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:

@@ -1,7 +1,7 @@
 """The step on the whole mesh, for a loss whose own sharding calls cannot run per device.
 
-zeroshard's steps run the loss with the batch axis manual (or under ``jax.vmap``
-over it). A model written for jax's Explicit meshes may name that axis in its own
+zeroshard's steps run the loss with the batch axis manual. A model written for jax's
+Explicit meshes may name that axis in its own
 sharding calls (``jnp.dot(h, w, out_sharding=P("data", None))``) or pass a
 ``PartitionSpec`` to ``reshard``, which jax refuses there ("... cannot contain axis
 names that are of type Auto or Manual"). Such a loss trains under the user's own
@@ -86,15 +86,21 @@ class WholeMeshStep:
         return self.jitted.lower(*self._args(state, batch, key))
 
 
+REFUSED = (ValueError, NotImplementedError)
+"""What jax raises for a sharding call over a manual axis: a ``PartitionSpec`` naming
+it (``ValueError``), or ``auto_axes`` leaving it (``NotImplementedError``)."""
+
+
 class Fallback:
     """The loss of ``step`` (a :class:`zeroshard.step.TrainStep`), recording jax's
-    ``ValueError`` for a sharding call naming an axis the step runs manual over,
-    raised while traced, and the :class:`WholeMeshStep` the step
-    falls back to once it has (``on``; else none)."""
+    refusal of a sharding call over an axis the step runs manual over (:data:`REFUSED`:
+    an ``out_sharding=`` or ``reshard`` naming it, an ``auto_axes`` such as
+    ``nnx.Embed``'s ``out_sharding=`` leaving it), raised while traced, and the
+    :class:`WholeMeshStep` the step falls back to once it has."""
 
-    def __init__(self, step: Any, on: bool):
+    def __init__(self, step: Any):
         options = {k: getattr(step, k) for k in ("stage", "accum_steps", "has_aux", "donate")}
-        self.loss_fn, self.args, self.on = step.loss_fn, (step.tx, step.mesh, options), on
+        self.loss_fn, self.args = step.loss_fn, (step.tx, step.mesh, options)
         self.error: Exception | None = None
         self.step: WholeMeshStep | None = None
 
@@ -102,8 +108,8 @@ class Fallback:
         """``loss_fn``, recording what it raises."""
         try:
             return self.loss_fn(*args, **kwargs)
-        except ValueError as error:  # (jax's refusal of a sharding call over a manual axis)
-            if "of type Auto or Manual" in str(error):  # (not another error of the loss)
+        except REFUSED as error:  # (jax's, not another error of the loss)
+            if any(m in str(error) for m in ("of type Auto or Manual", "from `Manual`")):
                 self.error = error
             raise
 
@@ -113,8 +119,8 @@ class Fallback:
         if self.step is None:
             try:
                 return per_device()
-            except ValueError as error:  # (raised while tracing: nothing donated)
-                if error is not self.error or not self.on:
+            except REFUSED as error:  # (raised while tracing: nothing donated)
+                if error is not self.error:
                     raise
                 self.step = whole_mesh_step(self.loss_fn, *self.args, error)
         return (self.step.lower if lower else self.step)(*args)
@@ -149,7 +155,8 @@ def whole_mesh_step(
     if any(refused.values()):
         error.add_note(
             "zeroshard: the loss's own sharding calls do not run per device in the step "
-            "(they name the batch axis, or pass a PartitionSpec to reshard). The step runs "
+            "(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
+            "auto_axes). The step runs "
             "such a loss on the whole mesh instead, but not with "
             f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
             "zs.sharded(...) in your own jax.jit step."
