@@ -82,10 +82,11 @@ def reference(inner, params, data, state=None):
     return params, losses
 
 
-def dropin(tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer):
+def dropin(tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer, placed=True):
     """The user's own loop: jitted step, weights laid out once with tx.shard_params
-    (``shard``'s: the zs.sharded of an optimizer that wraps it), from ``opt_state``
-    (default: ``tx.init``); ``layer`` marks the scan (``zs.layer``, ``zs.layers``)."""
+    (``shard``'s: the zs.sharded of an optimizer that wraps it; not ``placed``: left
+    on no mesh, as jax made them), from ``opt_state`` (default: ``tx.init``);
+    ``layer`` marks the scan (``zs.layer``, ``zs.layers``)."""
     loss, shard = make_loss(layer), shard or tx
 
     @jax.jit
@@ -95,7 +96,8 @@ def dropin(tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer):
         return optax.apply_updates(params, updates), opt_state, value
 
     with jax.set_mesh(mesh):
-        params = shard.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+        if placed:
+            params = shard.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
         opt_state, losses = tx.init(params) if opt_state is None else opt_state, []
         for batch in data:
             batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -227,16 +229,21 @@ def test_a_leaf_the_devices_cannot_cut_stays_whole(mesh, inner):
     assert zs.state_bytes_per_device(got["blocks"]) == got["blocks"]["w"].nbytes * 65 / 64 / 8
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "on-no-mesh"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_on_explicit_axes_too(stage):
+def test_on_explicit_axes_too(stage, placed):
     """jax's default mesh (Explicit axes): the weights' types carry their layout, and
-    the gather reshards them."""
+    the gather reshards them. Weights left on no mesh (no tx.shard_params) are placed
+    by tx.init and tx.update (at stage 3 they were refused by jax's shard_map), and
+    come back as pieces."""
     inner, params, data = optax.sgd(0.5, momentum=0.9), make_params(2), batches(3)
     expected, expected_losses = reference(inner, params, data)
     tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
-    got, _, losses = dropin(tx, jax.make_mesh((8,), ("data",)), params, data)
+    got, _, losses = dropin(tx, jax.make_mesh((8,), ("data",)), params, data, placed=placed)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert_trees_close(got, expected, rtol=1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
 
 
 @pytest.mark.parametrize("bits", [None, 8])
@@ -435,8 +442,9 @@ def test_what_stage3_in_your_jit_refuses():
             tx.shard_params(params)
     tp = auto_mesh((2, 4), ("model", "data"))  # (the pieces are cut batch-major)
     tx = zs.sharded(optax.sgd(0.1), stacked=["blocks"], stage=3)
-    with jax.set_mesh(tp), pytest.raises(ValueError, match="batch axes are not its first"):
-        tx.shard_params(params)
+    for first in (tx.shard_params, tx.init):  # (whichever the user calls first)
+        with jax.set_mesh(tp), pytest.raises(ValueError, match="batch axes are not its first"):
+            first(params)
 
 
 # Flax models as written, in their own steps: nnx.Optimizer and Linen's TrainState.
