@@ -97,7 +97,7 @@ def dropin(tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer, p
 
     with jax.set_mesh(mesh):
         if placed:
-            params = shard.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+            params = shard.shard_params(params)
         opt_state, losses = tx.init(params) if opt_state is None else opt_state, []
         for batch in data:
             batch = jax.device_put(batch, NamedSharding(mesh, P("data")))

@@ -87,8 +87,9 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
         if isinstance(x, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-        on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
-        return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
+        on = getattr(getattr(x, "sharding", None), "mesh", None)
+        on = on if isinstance(on, Mesh) else mesh  # (a device mesh, else the context's)
+        return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
     leaves = plan.layout.treedef.flatten_up_to(params)
     return plan.layout.treedef.unflatten(map(place, leaves, laid_out(opt, plan)))
