@@ -87,7 +87,7 @@ def is_cut(x: Any, batch: tuple[str, ...], mesh: Any) -> bool:
     (:func:`zeroshard.jit_pieces.weight_spec` cuts it so)."""
     if _typed(mesh, batch):
         spec = jax.typeof(x).sharding.spec
-        return any(a in batch for e in spec if e is not None for a in axes_of(e))
+        return any(a in batch for e in spec.partitions if e is not None for a in axes_of(e))
     return x.ndim > 0 and x.shape[0] % mesh.size == 0
 
 
