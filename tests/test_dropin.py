@@ -322,6 +322,17 @@ def test_no_mesh_known_is_a_clear_error():
         tx.init({"w": jnp.ones(4)})
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_state_another_optimizer_made_is_refused(stage):
+    """tx.update given the inner optimizer's own state (was: an AttributeError from
+    inside zeroshard) names what it got and the fix."""
+    mesh, tx = jax.make_mesh((8,), ("data",)), zs.sharded(optax.adam(1e-3), stage=stage)
+    with jax.set_mesh(mesh):
+        params = jax.device_put({"w": jnp.ones((8, 4))}, NamedSharding(mesh, P()))
+        with pytest.raises(TypeError, match=r"ScaleByAdamState.*tx\.init\(params\)"):
+            jax.jit(tx.update)(params, optax.adam(1e-3).init(params), params)
+
+
 def test_a_mesh_that_disagrees_with_the_context_is_zeroshards_error():
     """zs.sharded(mesh=...) called under jax.set_mesh of another mesh (another shape,
     or one without the axis): zeroshard's error names both meshes, not shard_map's."""

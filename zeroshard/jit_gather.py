@@ -25,12 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.comm import axes_of
-from zeroshard.layout import PyTree
+from zeroshard.layout import PyTree, is_floating
 from zeroshard.mesh import current_step, keep_axes
 from zeroshard.scopes import GATHER, scope
 
@@ -61,22 +60,17 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
 
 
 def _gathered(x: Any, axis_name: str | None) -> Any:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return x
     mesh = mesh_of(x)
-    if mesh.empty:  # (on one device, laid out over no mesh: whole already)
+    if not is_floating(x) or mesh.empty:  # (on no mesh, one device: whole already)
         return x
     batch = axes_of(axis_name or _only_axis(mesh))
-    if AxisType.Explicit in (mesh.axis_types[mesh.axis_names.index(a)] for a in batch):
-        # (the piece in its type: its own layout, cut over the batch axes minor to it)
+    if not is_cut(x, batch, mesh):
+        return x
+    if _typed(mesh, batch):  # (its own layout, cut over the batch axes minor to it)
         piece = jax.typeof(x).sharding.spec
-        if not any(a in batch for e in piece.partitions if e is not None for a in axes_of(e)):
-            return x  # (whole in its type, as its cotangent must be: no piece to give it)
         rest = [a for a in mesh.axis_names if a not in batch]
         whole, lay = keep_axes(piece, rest, leading=True), jax.sharding.reshard
     else:  # (Auto axes: cut over every axis, and gathered whole)
-        if x.ndim == 0 or x.shape[0] % mesh.size:
-            return x
         piece, whole, lay = P(tuple(mesh.axis_names)), P(), jax.lax.with_sharding_constraint
     gathered = lambda x: lay(x, NamedSharding(mesh, whole))
     # (the cotangent is reduced over the batch already: the device keeps its piece)
@@ -84,6 +78,23 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     whole_x = jax.custom_vjp(gathered)
     whole_x.defvjp(lambda x: (gathered(x), None), keep)
     return whole_x(x)
+
+
+def is_cut(x: Any, batch: tuple[str, ...], mesh: Any) -> bool:
+    """Whether the weight ``x`` on ``mesh`` is the drop-in's piece, cut over the
+    ``batch`` axes: as its type says on Explicit axes (whole in its type, its cotangent
+    must be whole too); on Auto ones, where the devices divide its first dimension
+    (:func:`zeroshard.jit_pieces.weight_spec` cuts it so)."""
+    if _typed(mesh, batch):
+        spec = jax.typeof(x).sharding.spec
+        return any(a in batch for e in spec.partitions if e is not None for a in axes_of(e))
+    return x.ndim > 0 and x.shape[0] % mesh.size == 0
+
+
+def _typed(mesh: Any, batch: tuple[str, ...]) -> bool:
+    """Whether the ``batch`` axes of ``mesh`` are Explicit: the weights' types say how
+    they are cut."""
+    return AxisType.Explicit in (mesh.axis_types[mesh.axis_names.index(a)] for a in batch)
 
 
 def mesh_of(x: Any) -> Any:

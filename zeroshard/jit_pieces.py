@@ -87,19 +87,19 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
         if isinstance(x, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-        on = getattr(getattr(x, "sharding", None), "mesh", None)  # (a device mesh, not abstract)
-        return jax.device_put(x, NamedSharding(on if isinstance(on, Mesh) else mesh, spec))
+        on = getattr(getattr(x, "sharding", None), "mesh", None)
+        on = on if isinstance(on, Mesh) else mesh  # (a device mesh, else the context's)
+        return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
     leaves = plan.layout.treedef.flatten_up_to(params)
     return plan.layout.treedef.unflatten(map(place, leaves, laid_out(opt, plan)))
 
 
-def init_pieces(opt: object, plan: Plan, mesh: Mesh) -> tuple[PyTree, Callable]:
+def init_pieces(opt: object, plan: Plan) -> tuple[PyTree, Callable]:
     """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights' layout it reads
     (:func:`weight_spec`) and its function on each device, whose block of a weight,
     raveled, is its piece. No weight is whole on any device (an owned leaf is, for
     its owner), so a model whose weights fit no one device starts."""
-    opt.config.check_in_jit(mesh, pieces=True)
     layout, axis = plan.layout, opt.config.axis_name
     specs = [s.leaf_spec() if s.owned else weight_spec(s, axis) for s in layout.slots]
 

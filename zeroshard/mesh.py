@@ -281,6 +281,8 @@ def with_layout(tree: PyTree, like: Any) -> PyTree:
         own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if not isinstance(target, P) and (mesh is None or mesh.empty):
             return x
+        if own is None or own.empty:  # (on no mesh, one device: placed on the target's)
+            own = jax.sharding.get_abstract_mesh() if mesh is None else mesh
         types = zip(getattr(own, "axis_names", ()), getattr(own, "axis_types", ()), strict=True)
         explicit = [a for a, t in types if t == AxisType.Explicit]
         if not explicit:

@@ -138,13 +138,16 @@ class Sharded:
         except ValueError as error:
             error.add_note(NO_MESH)
             raise
+        three = kept_apart(self.config.stage)[2]  # (stage 3: from the pieces, never whole)
+        if three:  # (on the mesh as given: spanning it, every axis is the batch's)
+            self.config.check_in_jit(mesh, pieces=True)
         opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
         plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
         specs, leaves = opt.specs_of(plan), plan.layout.leaf_specs()
         # (each leaf whole, or a split leaf's block; laid out so, or not placed)
         local = functools.partial(opt.init_local, plan=plan)
-        if kept_apart(self.config.stage)[2]:  # (stage 3: from the pieces, never whole)
-            leaves, local = init_pieces(opt, plan, mesh)
+        if three:
+            leaves, local = init_pieces(opt, plan)
         init = jax.shard_map(
             local,
             mesh=mesh,
@@ -214,12 +217,15 @@ class Sharded:
         (:func:`zeroshard.analysis.check_extra_args`).
 
         Raises:
-          ValueError: with ``deterministic=``, which only a zeroshard step provides.
+          ValueError: with ``deterministic=``, which only a zeroshard step provides;
+            without ``params``.
+          TypeError: for a state this transformation's ``init`` did not make.
         """
         check_extra_args(extra_args)
         self.config.sum_order.check_drop_in()
         (state, reboxed), (params, like) = unboxed(state), unboxed(params)
-        local = params is None or bound_axis_size(self.config.axis_name) is not None
+        self.check_arguments(state, params)
+        local = bound_axis_size(self.config.axis_name) is not None
         grads = unboxed(updates)[0]
         if local:
             new, state = self.apply(grads, state, params, **extra_args)
@@ -304,7 +310,6 @@ class Sharded:
         """The update flow inside ``shard_map``, for gradients arriving by ``route``
         (by ``plan``, or the plan of the arguments, checked)."""
         if plan is None:
-            self.check_arguments(state, params)
             plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
         self.check_state(plan, state)
         parts = route.arrival.bring(plan, grads)
@@ -318,9 +323,13 @@ class Sharded:
                 "call tx.update(grads, opt_state, params)."
             )
         if not isinstance(state, ShardedState):
+            kinds = state if isinstance(state, tuple) else (state,)
             raise TypeError(
-                f"zs.sharded(...).update got a {type(state).__name__} state; pass the state "
-                "returned by the same transformation's init."
+                "zs.sharded(...).update got an optimizer state of "
+                f"{', '.join(type(x).__name__ for x in kinds)}, not a zeroshard one (was it "
+                "made by another optimizer's init, e.g. the inner optax one's?): make it with "
+                "the same transformation, opt_state = tx.init(params), or convert a plain "
+                "optax state with zs.from_optax_state."
             )
 
     def check_state(self, plan: Plan, state: ShardedState) -> None:

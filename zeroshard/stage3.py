@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard import jit_gather
 from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.comm import all_gathered_parts, axes_of, from_bits, is_identity
-from zeroshard.layout import Layout, PyTree, Slot, Split
+from zeroshard.layout import Layout, PyTree, Slot, Split, is_floating
 from zeroshard.mesh import axis_of_step, current_step, own_layout
 from zeroshard.rows import pack
 from zeroshard.scopes import GATHER, scope
@@ -382,13 +382,23 @@ def exact_gather(pieces: list[jax.Array], axis_name: str, dtype: Any) -> list[ja
     return all_gathered_parts([p.astype(dtype) for p in pieces], axis_name)
 
 
-def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[..., Any]:
+def layer(
+    fn: Callable[..., Any], axis_name: str | None = None, reduce_scatter: bool = False
+) -> Callable[..., Any]:
     """``fn(gather(params), *args)``, with the weights gathered again in the backward pass.
 
     Args:
       fn: ``fn(full_params, *args)``: one layer's computation.
       axis_name: the axis the pieces are spread over; ``None`` (default): the axis of
         the zeroshard step the layer runs in (see :func:`gather`).
+      reduce_scatter: in your own ``jax.jit``, the backward pass runs manual over the
+        batch axis: every device differentiates its rows of ``args`` (the leading
+        dimension of each) and the weight gradient's partial sums are
+        reduce-scattered onto the pieces, ZeRO-3's bytes (without it the gradient
+        ``jax.grad`` reduced is sliced: an all-reduce). Only for a row-independent
+        ``fn``: each row of its output depends on the same row of ``args`` alone (an
+        embedding lookup, a matmul; no statistic over the batch, no sharding call
+        naming the batch axis).
 
     Returns:
       ``wrapped(params, *args)`` taking the layer's ``Piece`` tree. Only the pieces
@@ -410,8 +420,11 @@ def layer(fn: Callable[..., Any], axis_name: str | None = None) -> Callable[...,
 
     def backward(residuals: tuple[PyTree, tuple], cotangent: Any) -> tuple:
         params, args = residuals
-        _, vjp = jax.vjp(run, _after(params, cotangent), *args)
-        grads, *arg_grads = vjp(cotangent)
+        if reduce_scatter and jit_gather.in_users_jit(params, is_shard):
+            w = jit_gather.gather(_after(params, cotangent), axis_name)
+            grads, arg_grads = _scattered(fn, w, args, cotangent, axis_name, params)
+        else:
+            grads, *arg_grads = jax.vjp(run, _after(params, cotangent), *args)[1](cotangent)
         # The cotangents flowing on to earlier layers wait for this layer's weight
         # gradients, so each layer's full-size gradient is reduce-scattered (and freed)
         # before the next one is made.
@@ -433,12 +446,7 @@ def layers(
     Args:
       fn: ``fn(layer_params, x) -> x``: one layer (``x`` a pytree of a fixed type).
       axis_name: as for :func:`gather`.
-      reduce_scatter: in your own ``jax.jit``, each layer's backward pass runs manual
-        over the batch axis: every device differentiates its rows of ``x`` (their
-        leading dimension) and the weight gradient's partial sums are reduce-scattered
-        onto the pieces, ZeRO-3's bytes (without it the gradient ``jax.grad`` reduced
-        is sliced: an all-reduce). Only for a layer whose rows are independent (no
-        statistic over the batch, no sharding call naming the batch axis).
+      reduce_scatter: as for :func:`layer`, each layer's backward pass.
 
     Returns:
       ``run(stacked_params, x)``: ``x`` through every layer of ``stacked_params`` (a
@@ -464,12 +472,12 @@ def layers(
 
         def grad(w: PyTree, x: Any, g: Any, i: Any, grads: PyTree) -> tuple:
             if reduce_scatter and jit_gather.in_users_jit(stack, is_shard):
-                dw, g = _scattered(fn, w, x, g, axis_name, take(stack, i))
+                dw, (g,) = _scattered(fn, w, (x,), g, axis_name, take(stack, i))
             else:
                 dw, g = jax.vjp(fn, w, x)[1](g)
                 dw = jax.vjp(lambda p: gather(p, axis_name), take(stack, i))[1](dw)[0]
             put = lambda a, d: (
-                jax.lax.dynamic_update_index_in_dim(a, d, i, 0) if _is_float(a) else a
+                jax.lax.dynamic_update_index_in_dim(a, d, i, 0) if is_floating(a) else a
             )
             return _after(g, dw), jax.tree.map(put, grads, dw)
 
@@ -482,7 +490,7 @@ def layers(
         start = (g, grads, whole(take(stack, n - 1), g))
         (g, grads, w), _ = jax.lax.scan(body, start, (jnp.arange(1, n), outs), reverse=True)
         g, grads = grad(w, x, g, 0, grads)
-        zero = lambda a: a if _is_float(a) else np.zeros(a.shape, jax.dtypes.float0)
+        zero = lambda a: a if is_floating(a) else np.zeros(a.shape, jax.dtypes.float0)
         return jax.tree.map(zero, grads), g
 
     prefetched = jax.custom_vjp(lambda stack, x: forward(stack, x)[0])
@@ -497,33 +505,40 @@ def layers(
 
 
 def _scattered(
-    fn: Callable, w: PyTree, x: Any, g: Any, axis_name: str | None, pieces: PyTree
-) -> tuple:
-    """``fn``'s vjp at ``(w, x)`` for the cotangent ``g``, manual over the batch axis:
-    each device differentiates its rows, and the weight gradient's partial sums are
-    reduce-scattered onto the ``pieces`` (summed whole for a leaf kept whole)."""
+    fn: Callable, w: PyTree, args: tuple, g: Any, axis_name: str | None, pieces: PyTree
+) -> tuple[PyTree, tuple]:
+    """``fn``'s vjp at ``(w, *args)`` for the cotangent ``g``, manual over the batch
+    axis: each device differentiates its rows (the leading dimension of ``args`` and
+    ``g``), and the weight gradient's partial sums are reduce-scattered onto the
+    ``pieces`` (summed whole for a leaf kept whole).
+
+    Raises:
+      ValueError: for an argument with no leading dimension the devices divide.
+    """
     mesh = jit_gather.mesh_of(jax.tree.leaves(pieces)[0])
     axis = axis_name or tuple(mesh.axis_names)
     n = math.prod(mesh.shape[a] for a in axes_of(axis))
-    typed = jax.sharding.AxisType.Explicit in mesh.axis_types  # (the types say which are cut)
-    cut = lambda p: any(jax.typeof(p).sharding.spec) if typed else p.ndim and p.shape[0] % n == 0
+    if odd := [jnp.shape(x) for x in jax.tree.leaves(args) if jnp.ndim(x) < 1 or len(x) % n]:
+        raise ValueError(
+            f"zs.layer(fn, reduce_scatter=True) got an argument of shape {odd[0]}: each is "
+            f"split over {axis!r} ({n} devices) by its rows, its leading dimension. Pass "
+            "the batch's rows alone (a constant closed over by fn; a weight in its "
+            "params), or leave reduce_scatter off."
+        )
+    cut = lambda p: jit_gather.is_cut(p, axes_of(axis), mesh)
     specs = jax.tree.map(lambda p: P(axis) if cut(p) else P(), pieces)
 
-    def local(w: PyTree, x: Any, g: Any) -> tuple:
-        dw, dx = jax.vjp(fn, jax.lax.pcast(w, axis, to="varying"), x)[1](g)
+    def local(w: PyTree, args: tuple, g: Any) -> tuple:
+        dw, *dargs = jax.vjp(fn, jax.lax.pcast(w, axis, to="varying"), *args)[1](g)
         scatter = lambda d, s: (
             jax.lax.psum_scatter(d, axis, tiled=True) if s else jax.lax.psum(d, axis)
         )
-        return jax.tree.map(scatter, dw, specs), dx
+        return jax.tree.map(scatter, dw, specs), tuple(dargs)
 
     run = jax.shard_map(
         local, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(specs, P(axis))
     )
-    return run(w, x, g)
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    return run(w, args, g)
 
 
 def _after(tree: PyTree, anchor: PyTree) -> PyTree:
@@ -535,7 +550,7 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
         return tree
     spec = lambda x: getattr(jax.typeof(x).sharding, "spec", P())
     # (a partial sum, typed unreduced, gives no zero its type allows)
-    leaves = [x for x in jax.tree.leaves(anchor) if _is_float(x) and not spec(x).unreduced]
+    leaves = [x for x in jax.tree.leaves(anchor) if is_floating(x) and not spec(x).unreduced]
     if not leaves:
         return tree
     whole = [x for x in leaves if not any(spec(x).partitions)]
@@ -546,7 +561,7 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
             return x.tree_unflatten(x.tree_flatten()[1], (tie(x.piece), x.full))
-        if _is_float(x):
+        if is_floating(x):
             return x + zero.astype(jnp.result_type(x))
         return x
 
