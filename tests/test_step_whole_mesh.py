@@ -63,14 +63,24 @@ def plain_run(inner, params, data):
     return losses, params
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
-def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
+SCALED = {"loss_scale": zs.DynamicLossScale(2.0**10)}
+
+
+@pytest.mark.parametrize(
+    "stage, inner, options",
+    [(s, i, {}) for s in (1, 2, 3) for i in ("sgd", "adam")]
+    + [(1, "sgd", SCALED), (3, "sgd", SCALED)],
+    ids=lambda x: "scaled" if x is SCALED else "unscaled" if x == {} else None,
+)
+def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner, options):
+    """Plain optax's numbers at every stage, with dynamic loss scaling too (the
+    metrics' loss unscaled, the scale unchanged: no step overflowed)."""
     params, data = data_and_params(rng)
+    inner = optax.sgd(0.1) if inner == "sgd" else optax.adam(1e-2)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     specs = {"w1": P(None, "model"), "w2": P("model", None)}
     laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    tx = zs.sharded(inner, axis_name="data")
+    tx = zs.sharded(inner, axis_name="data", **options)
     loss = gathering if stage == 3 else explicit_loss  # (stage 3 reads pieces so)
     with jax.set_mesh(mesh):
         state = zs.init_train_state(laid, tx, mesh, stage=stage)
@@ -81,6 +91,8 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner):
             losses.append(float(metrics["loss"]))
     plain_losses, plain = plain_run(inner, params, data)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    if options:
+        assert float(metrics["loss_scale"]) == 2.0**10
     # The weights keep their tensor-parallel layout (at stage 3 as 1/8 pieces of
     # its blocks); the state is 1/8 per device.
     if stage == 3:
@@ -146,16 +158,17 @@ def test_the_nnx_step_runs_an_explicit_mesh_model_at_stage_3(rng):
 
 def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
     """Quantized collectives at stage 3 (whose loss reads pieces through zs.gather),
-    micro-batches and loss scaling: the loss's error, with a note naming the option."""
+    micro-batches and a fixed order of sums: the loss's error, with a note naming the
+    option."""
     params, data = data_and_params(rng)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
-    scaled = zs.sharded(optax.sgd(0.1), axis_name="data", loss_scale=zs.DynamicLossScale(8.0))
+    fixed = zs.sharded(optax.sgd(0.1), axis_name="data", deterministic=8)
     quantized = zs.sharded(optax.sgd(0.1), axis_name="data", quantize_weights="int8")
     explicit = (AxisType.Explicit,) * 2
     cases = [
         ((4, 2), quantized, 3, 1, gathering, "quantize_weights"),
         ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
-        ((4, 2), scaled, 2, 1, explicit_loss, "loss_scale"),
+        ((4, 2), fixed, 2, 1, explicit_loss, "deterministic"),
     ]
     for shape, tx, stage, accum_steps, loss, option in cases:
         mesh = jax.make_mesh(shape, ("data", "model"), axis_types=explicit)

@@ -47,7 +47,7 @@ class WholeMeshStep:
 
     def __init__(self, loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict):
         self.tx, self.opt, self.mesh = tx, optimizer_of(tx), mesh
-        self.loss = step_loss(loss_fn, options["has_aux"], None)
+        self.loss_fn, self.has_aux = loss_fn, options["has_aux"]
         # (stage 3: the drop-in's, whose pieces are the step's bytes)
         config = dataclasses.replace(self.opt.config, stage=3)
         self.three = Sharded(self.opt.inner, config).spanning(mesh)
@@ -55,13 +55,16 @@ class WholeMeshStep:
         self.jitted = jax.jit(self._step, static_argnums=3, donate_argnums=donate)
 
     def _step(self, state: TrainState, batch: PyTree, key: Any, splits: tuple) -> Any:
-        value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
+        scale = state.opt_state.loss_scale  # (the update divides the gradients by it)
+        loss_fn = step_loss(self.loss_fn, self.has_aux, scale)
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
         axis, pieces = self.three.config.axis_name, stage_of(state.params) == 3
         weights = relaid(state.params, self.mesh, axis) if pieces else state.params
         with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
             (loss, (aux, model_state)), grads = value_and_grad(
                 weights, batch, key, state.model_state
             )
+        loss = loss if scale is None else loss / scale.scale
         if pieces:  # (the drop-in's update of its weights, as pieces again)
             params, opt_state = apply_pieces(self.three, grads, state.opt_state, weights, {})
             params = relaid(params, self.mesh, axis, state.params)
@@ -134,7 +137,8 @@ def whole_mesh_step(
 
     Raises:
       ValueError: ``error``, with a note naming the option this step cannot run so
-        (stage 3, ``accum_steps``, loss scaling, ``deterministic=``, a replica axis)
+        (``accum_steps``, ``deterministic=``, quantized collectives at stage 3, a
+        replica axis)
         and what to do instead.
     """
     config = optimizer_of(tx).config
@@ -146,7 +150,6 @@ def whole_mesh_step(
         fixed = True
     refused = {
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
-        "loss_scale": config.loss_scale is not None,
         "deterministic, quantize_grads or quantize_weights" if three else "deterministic": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
