@@ -246,8 +246,8 @@ def nnx_train_step(
     its parameters keep their layout over the mesh's other axes (tensor parallelism).
     A model whose own sharding calls fail there (they name the batch axis, pass a
     ``PartitionSpec`` to ``reshard``, or leave the manual axis with ``auto_axes``, as
-    ``nnx.Embed``'s ``out_sharding=`` does) runs, without micro-batches or loss
-    scaling, on the whole mesh under ``jax.jit`` instead, as
+    ``nnx.Embed``'s ``out_sharding=`` does) runs, without micro-batches, on
+    the whole mesh under ``jax.jit`` instead, as
     :func:`zeroshard.make_train_step` runs such a loss (:mod:`zeroshard.whole_mesh`):
     one dropout stream and BatchNorm statistics over the global batch;
     elsewhere jax's error is raised with a note.
