@@ -158,17 +158,19 @@ def test_the_nnx_step_runs_an_explicit_mesh_model_at_stage_3(rng):
 
 def test_what_the_whole_mesh_step_cannot_run_is_refused_naming_the_option(rng):
     """Quantized collectives at stage 3 (whose loss reads pieces through zs.gather),
-    micro-batches and a fixed order of sums: the loss's error, with a note naming the
-    option."""
+    micro-batches, a fixed order of sums and quantized gradients (jax.grad reduces
+    them there): the loss's error, with a note naming the option."""
     params, data = data_and_params(rng)
     tx = zs.sharded(optax.sgd(0.1), axis_name="data")
     fixed = zs.sharded(optax.sgd(0.1), axis_name="data", deterministic=8)
+    reduced_int8 = zs.sharded(optax.sgd(0.1), axis_name="data", quantize_grads="int8")
     quantized = zs.sharded(optax.sgd(0.1), axis_name="data", quantize_weights="int8")
     explicit = (AxisType.Explicit,) * 2
     cases = [
         ((4, 2), quantized, 3, 1, gathering, "quantize_weights"),
         ((4, 2), tx, 1, 2, explicit_loss, "accum_steps=2"),
         ((4, 2), fixed, 2, 1, explicit_loss, "deterministic"),
+        ((4, 2), reduced_int8, 1, 1, explicit_loss, "quantize_grads"),
     ]
     for shape, tx, stage, accum_steps, loss, option in cases:
         mesh = jax.make_mesh(shape, ("data", "model"), axis_types=explicit)

@@ -137,20 +137,21 @@ def whole_mesh_step(
 
     Raises:
       ValueError: ``error``, with a note naming the option this step cannot run so
-        (``accum_steps``, ``deterministic=``, quantized collectives at stage 3, a
-        replica axis)
+        (``accum_steps``, ``deterministic=``, ``quantize_grads``, at stage 3
+        ``quantize_weights``, a replica axis)
         and what to do instead.
     """
     config = optimizer_of(tx).config
     three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized collectives too)
     try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
         config.check_in_jit(mesh, pieces=True) if three else config.sum_order.check_drop_in()
-        fixed = False
+        fixed = config.quantize_grads is not None  # (jax.grad reduces the gradients there)
     except ValueError:
         fixed = True
+    quantized = "quantize_grads or quantize_weights" if three else "quantize_grads"
     refused = {
         f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
-        "deterministic, quantize_grads or quantize_weights" if three else "deterministic": fixed,
+        f"deterministic, {quantized}": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
             tx, mesh
         ),
