@@ -142,10 +142,10 @@ def whole_mesh_step(
         and what to do instead.
     """
     config = optimizer_of(tx).config
-    three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized collectives too)
-    try:  # (deterministic= fixes an order of sums that only the per-device step keeps)
-        config.check_in_jit(mesh, pieces=True) if three else config.sum_order.check_drop_in()
-        fixed = config.quantize_grads is not None  # (jax.grad reduces the gradients there)
+    three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized weights too)
+    try:  # (jax.grad reduces the gradients there: in its order, not quantized)
+        config.check_in_jit(mesh, pieces=three)
+        fixed = False
     except ValueError:
         fixed = True
     quantized = "quantize_grads or quantize_weights" if three else "quantize_grads"
