@@ -98,6 +98,58 @@ def test_a_pure_optax_loop(name, axis_type, rng):
     assert_one_nth(state, plain_state)  # lamb too: its norms are sums, its leaves sliced
 
 
+INJECTED = {
+    "sgd": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+    "adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+}
+
+
+def set_rate_loop(tx, batches, params, place=lambda x: x, new_rate=None, at=2):
+    """The user's jitted loop; before step ``at`` the learning rate is set to
+    ``new_rate`` with ``optax.tree_utils.tree_set``, as optax documents."""
+
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        updates, opt_state = tx.update(jax.grad(loss)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for i, batch in enumerate(batches):
+        if i == at and new_rate is not None:
+            opt_state = optax.tree_utils.tree_set(opt_state, learning_rate=jnp.asarray(new_rate))
+            assert optax.tree_utils.tree_get(opt_state, "learning_rate") == new_rate
+        params, opt_state = step(params, opt_state, place(batch))
+    return params, opt_state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(INJECTED))
+def test_the_learning_rate_set_mid_run_with_optax_tree_set(name, stage, rng):
+    """optax.tree_utils.tree_set / tree_get on the drop-in's state of
+    optax.inject_hyperparams (was: "Too many leaves for PyTreeDef" from inside optax,
+    which walked the state's layout key as leaves): the new rate is read back, kept
+    by the steps, and the weights are plain optax's on one device, on the global
+    batch, with the same rate set at the same step."""
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    params = {"w1": f(16, 32), "b1": f(32), "w2": f(32, 8)}
+    batches = [{"x": f(32, 16), "y": f(32, 8)} for _ in range(5)]
+    new_rate = {"sgd": 0.4, "adam": 5e-2}[name]
+    expected, _ = set_rate_loop(INJECTED[name](), batches, params, new_rate=new_rate)
+    unchanged, _ = set_rate_loop(INJECTED[name](), batches, params)
+    assert not np.allclose(expected["w1"], unchanged["w1"], rtol=1e-3)  # the rate matters
+    mesh, tx = auto_mesh(), zs.sharded(INJECTED[name](), stage=stage)  # the line
+    with jax.set_mesh(mesh):
+        start = tx.shard_params(params) if stage == 3 else jax.device_put(params, P())
+        place = lambda batch: jax.device_put(batch, P("data"))
+        got, opt_state = set_rate_loop(tx, batches, start, place, new_rate)
+    assert optax.tree_utils.tree_get(opt_state, "learning_rate") == new_rate
+    assert_trees_close(got, expected, rtol=1e-5)
+
+
 # 2. The Flax NNX MNIST tutorial, its metrics and its eval step.
 
 

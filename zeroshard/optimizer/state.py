@@ -13,11 +13,17 @@ from zeroshard.core.layout import Layout, PyTree, Split
 from zeroshard.optimizer.loss_scale import LossScaleState
 
 
-class LayoutKey(NamedTuple):
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class LayoutKey:
     """How a :class:`ShardedState` is laid out, which it carries as its static part
     (pytree aux data: ``jax.jit`` compares it, and nothing reads it again from the
     arrays' shardings). With the optimizer, the mesh and the parameters' shapes it
     gives the state's :class:`zeroshard.core.state_layout.StateLayout` again.
+
+    A static pytree node, not a ``NamedTuple``: no tree walk finds a leaf in it, so
+    tools that walk the state's ``NamedTuple`` fields (``optax.tree_utils.tree_set``)
+    rebuild it with jax's own structure.
 
     Attributes:
       axes: the mesh axes the state is split over.
@@ -39,6 +45,21 @@ class LayoutKey(NamedTuple):
     def by_leaf(self) -> dict[int, Split]:
         """The :class:`zeroshard.core.layout.Split` of each leaf kept block by block."""
         return {i: Split(*fields) for i, *fields in self.splits}
+
+
+try:  # flax is optional; its msgpack (flax.serialization.to_bytes) writes the key's fields
+    from flax import serialization
+except ImportError:
+    serialization = None
+if serialization is not None:
+    _FIELDS = ("axes", "splits")
+    serialization.register_serialization_state(
+        LayoutKey,
+        lambda key: {f: serialization.to_state_dict(getattr(key, f)) for f in _FIELDS},
+        lambda key, saved: LayoutKey(
+            *(serialization.from_state_dict(getattr(key, f), saved[f], f) for f in _FIELDS)
+        ),
+    )
 
 
 class ShardedState(NamedTuple):
