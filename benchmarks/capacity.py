@@ -99,6 +99,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument(
+        "--model",
+        choices=("stacked", "unrolled"),
+        default="stacked",
+        help="the blocks stacked and scanned over (stacked=), or a Python loop over L blocks",
+    )
+    parser.add_argument(
         "--state-bits",
         type=int,
         nargs="*",
@@ -138,7 +144,10 @@ def main() -> None:
         return
     machine = f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.machine()}, "
     machine += f"{os.cpu_count()} CPUs), jax {jax.__version__}"
-    print(f"{machine}; width {args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}")
+    print(
+        f"{machine}; {args.model} model, width {args.width}, vocab {args.vocab}, "
+        f"batch {args.batch}x{args.seq}"
+    )
     runs = [(v, bits) for v in args.variants for bits in [None, *args.state_bits] if coded(v, bits)]
     rows = [peak(args, v, layers, bits) for layers in args.layers for v, bits in runs]
     print_table(rows, args.devices)
@@ -147,8 +156,14 @@ def main() -> None:
         print_largest(largest, args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
-        run = {"machine": machine, "devices": args.devices, "peaks": rows, "largest": largest}
+        run = {"machine": machine, "devices": args.devices, "model": args.model}
+        run |= {"peaks": rows, "largest": largest}
         json.dump(run, f, indent=1)
+
+
+def stacked(args: argparse.Namespace) -> list[str] | None:
+    """``zs.sharded``'s ``stacked=`` for the model: its scanned blocks' leading axis."""
+    return ["blocks"] if args.model == "stacked" else None
 
 
 def coded(name: str, bits: int | None) -> bool:
@@ -157,21 +172,24 @@ def coded(name: str, bits: int | None) -> bool:
     return bits is None or name == "dropin" or name.startswith("zeroshard-")
 
 
-def shapes(width: int, layers: int, vocab: int) -> dict:
-    """The parameters' shapes and dtype (fp32: the master weights' precision)."""
+def shapes(width: int, layers: int, vocab: int, model: str = "stacked") -> dict:
+    """The parameters' shapes and dtype (fp32: the master weights' precision): the
+    blocks stacked on a leading layer axis, or (``model="unrolled"``) a list of
+    ``layers`` blocks, as a model written with a Python loop holds them."""
     import jax
     import jax.numpy as jnp
 
     d, f32 = width, jnp.float32
     s = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
-    blocks = {
-        "ln1": s(layers, d),
-        "qkv": s(layers, d, 3 * d),
-        "out": s(layers, d, d),
-        "ln2": s(layers, d),
-        "up": s(layers, d, 4 * d),
-        "down": s(layers, 4 * d, d),
+    block = lambda *lead: {
+        "ln1": s(*lead, d),
+        "qkv": s(*lead, d, 3 * d),
+        "out": s(*lead, d, d),
+        "ln2": s(*lead, d),
+        "up": s(*lead, d, 4 * d),
+        "down": s(*lead, 4 * d, d),
     }
+    blocks = block(layers) if model == "stacked" else [block() for _ in range(layers)]
     return {"embed": s(vocab, d), "blocks": blocks, "ln_f": s(d), "head": s(d, vocab)}
 
 
@@ -215,14 +233,14 @@ def variant_step(
     )  # (one array and its sharding, or a tree and a tree of them)
     if name.startswith("zeroshard-"):
         stage = int(name[-1])
-        tx = zs.sharded(inner, stacked=["blocks"], state_bits=bits)
+        tx = zs.sharded(inner, stacked=stacked(args), state_bits=bits)
         init = lambda p: zs.init_train_state(p, tx, mesh, param_dtype=jnp.bfloat16, stage=stage)
         step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
         lower = lambda s, b: step.jitted.lower(s, b, None)
         return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
     if name.startswith("dropin"):  # (dropin-2, -3: zs.layer in the scan; 3: weights as pieces)
         stage = int(name[-1]) if name[-1].isdigit() else 1
-        tx = zs.sharded(inner, mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage)
+        tx = zs.sharded(inner, mesh=mesh, stacked=stacked(args), state_bits=bits, stage=stage)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
         params = tx.shard_params(params)
 
@@ -305,16 +323,16 @@ def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mes
 
 
 def make_mesh(name: str, devices: int) -> Any:
-    """The 1-D ``"data"`` mesh of ``name``: Auto axes for the drop-in and GSPMD FSDP
-    (with its weights split over ``"data"`` the model as written multiplies them with
-    batch-split activations, which Explicit axes refuse without a reshard at every
-    use; on jax 0.12 Explicit axes also fail the loss's own gradient in ``dropin``:
-    a ``ShardingTypeError`` in the cross-entropy's scatter), else jax's default
-    (Explicit)."""
+    """The 1-D ``"data"`` mesh of ``name``: Auto axes for the variants that train in a
+    plain ``jax.jit`` (GSPMD FSDP: with its weights split over ``"data"`` the model as
+    written multiplies them with batch-split activations, which Explicit axes refuse
+    without a reshard at every use; on jax 0.12 Explicit axes also fail the loss's own
+    gradient in ``jit-sharded`` and ``dropin``: a ``ShardingTypeError`` in the
+    cross-entropy's scatter), else jax's default (Explicit)."""
     import jax
     from jax.sharding import AxisType
 
-    auto = name in ("gspmd-fsdp", "dropin", "dropin-2", "dropin-3")
+    auto = name in ("jit-sharded", "gspmd-fsdp", "dropin", "dropin-2", "dropin-3")
     return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
@@ -352,14 +370,14 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
     import zeroshard as zs
 
     mesh = make_mesh(name, args.devices)
-    structs, batch = shapes(args.width, layers, args.vocab), batch_structs(args, mesh)
+    structs, batch = shapes(args.width, layers, args.vocab, args.model), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
     estimated = {"replicated": 0, "gspmd-fsdp": 3, "dropin-2": 2, "dropin-3": 3}.get(
         name, stage or 1
     )
     if stage:  # zeroshard's planner: its step compiled on abstract values
-        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
+        tx = zs.sharded(optax.adam(1e-4), stacked=stacked(args), state_bits=bits)
         loss = transformer_loss(gathering(stage), max(1, args.width // 64), prefetch=args.prefetch)
         stats = zs.step_memory(
             loss, tx, mesh, structs, batch, stage=stage, param_dtype=jnp.bfloat16
@@ -423,7 +441,7 @@ def search(args: argparse.Namespace, name: str, budget: int, bits: int | None = 
         command = [sys.executable, __file__, "--one", name, str(low), str(bits or "-")]
         command += ["--devices", str(args.devices), "--width", str(args.width)]
         command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
-        command += ["--prefetch"] * args.prefetch
+        command += ["--prefetch"] * args.prefetch + ["--model", args.model]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode == 0:
             row |= json.loads(done.stdout.strip().splitlines()[-1])
@@ -443,10 +461,10 @@ def real_step(args: argparse.Namespace, name: str, layers: int, bits: int | None
     from jax.sharding import NamedSharding
 
     mesh = make_mesh(name, args.devices)
-    structs = shapes(args.width, layers, args.vocab)
+    structs = shapes(args.width, layers, args.vocab, args.model)
     run, abstract, _ = variant_step(args, name, structs, mesh, bits)
     start = time.perf_counter()
-    state = materialize(name, abstract, structs, mesh, bits)
+    state = materialize(name, abstract, structs, mesh, bits, stacked(args))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, size=(args.batch, args.seq + 1), dtype=np.int32)
     rows = NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -457,10 +475,12 @@ def real_step(args: argparse.Namespace, name: str, layers: int, bits: int | None
     return {"init_s": made - start, "step_s": time.perf_counter() - made, "rss_mib": kib / 1024}
 
 
-def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | None) -> Any:
+def materialize(
+    name: str, abstract: Any, structs: dict, mesh: Any, bits: int | None, layers_of: Any = None
+) -> Any:
     """Real arrays of a variant's state: zeroshard's from ``zs.init_train_state`` on
     random parameters, the others' from their optimizer's init, laid out as
-    ``abstract`` says."""
+    ``abstract`` says; ``layers_of``: ``zs.sharded``'s ``stacked=``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -477,12 +497,12 @@ def materialize(name: str, abstract: Any, structs: dict, mesh: Any, bits: int | 
     else:
         fresh = jax.jit(lambda: init_params(structs), out_shardings=_whole(mesh))()
     if name.startswith("zeroshard-"):
-        tx = zs.sharded(optax.adam(1e-4), stacked=["blocks"], state_bits=bits)
+        tx = zs.sharded(optax.adam(1e-4), stacked=layers_of, state_bits=bits)
         return zs.init_train_state(fresh, tx, mesh, param_dtype=jnp.bfloat16, stage=int(name[-1]))
     if name.startswith("dropin"):
         stage = int(name[-1]) if name[-1].isdigit() else 1
         tx = zs.sharded(
-            optax.adam(1e-4), mesh=mesh, stacked=["blocks"], state_bits=bits, stage=stage
+            optax.adam(1e-4), mesh=mesh, stacked=layers_of, state_bits=bits, stage=stage
         )
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
         bf16 = tx.shard_params(bf16)

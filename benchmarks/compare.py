@@ -307,7 +307,9 @@ def transformer_loss(stage: int, heads: int, remat: Any = None, prefetch: bool =
     """The stacked model's loss; in stage 3 it gathers the embedding and the head whole
     and each block inside the scan (one layer per iteration; ``prefetch``: by
     ``zs.layers``, the next layer's weights gathered while a layer runs); with a
-    ``remat`` policy, the block under ``jax.checkpoint(block, policy=remat)``."""
+    ``remat`` policy, the block under ``jax.checkpoint(block, policy=remat)``. Blocks
+    given as a list (an unrolled model) run one after the other in a Python loop, each
+    through the same ``block``."""
     import jax
     import optax
 
@@ -321,7 +323,10 @@ def transformer_loss(stage: int, heads: int, remat: Any = None, prefetch: bool =
     def loss_fn(params, batch):
         embed = whole(params["embed"])  # a one-hot matmul: a lookup on the batch-sharded
         x = jax.nn.one_hot(batch["tokens"], embed.shape[0]) @ embed  # tokens needs out_sharding
-        if prefetch and stage == 3:
+        if isinstance(params["blocks"], list):
+            for p in params["blocks"]:
+                x = block(p, x)
+        elif prefetch and stage == 3:
             x = zs.layers(functools.partial(transformer_block, heads=heads))(params["blocks"], x)
         else:
             x, _ = jax.lax.scan(lambda x, p: (block(p, x), None), x, params["blocks"])
