@@ -53,34 +53,47 @@ from zeroshard.stage3 import Piece, is_shard
 from zeroshard.update import Route, kept_apart, updated
 
 
+def is_padded(slot: Slot) -> bool:
+    """Whether stage 3 in the user's ``jax.jit`` keeps the weight of ``slot`` as
+    zeroshard's step does, a :class:`zeroshard.stage3.Piece` of its padded pieces:
+    where the devices do not divide its first dimension after its layer axes, or the
+    blocks of that cut are not its pieces (a layer whose pieces are padded, to whole
+    blocks of ``state_bits``' codes say)."""
+    k, block = slot.stacked, slot.moved
+    if len(slot.shape) <= k or slot.held_shape[k] % block.num_shards:
+        return True
+    return block.width * block.num_shards != block.size // block.layers
+
+
 def weight_spec(slot: Slot, axis_name: str | tuple[str, ...]) -> P:
     """Where the weight of ``slot`` lies at stage 3: its block (its own split over the
     mesh's other axes, tensor parallelism's) cut over the batch axes (over
     ``axis_name``, every axis of the state, for a leaf of one block) along its first
     dimension after its layer axes, minor to its own split there, so that each
-    device's block, raveled, is its piece; its own layout (whole, as at stage 2) where
-    the devices do not divide that dimension or the blocks are not the pieces (a
-    layer of a size they do not divide)."""
-    k, block = slot.stacked, slot.moved
-    if len(slot.shape) <= k or slot.held_shape[k] % block.num_shards:
-        return slot.leaf_spec()
-    if block.width * block.num_shards != block.size // block.layers:
-        return slot.leaf_spec()
+    device's block, raveled, is its piece; where it is :func:`is_padded`, its pieces'
+    (:meth:`zeroshard.layout.Slot.piece_spec`)."""
+    if is_padded(slot):
+        return slot.piece_spec(axis_name)
     return slot.cut_spec(axes_of(slot.cut_over(axis_name)))
 
 
-def laid_out(opt: object, plan: Plan) -> list[P]:
-    """Each weight's ``PartitionSpec`` as ``opt`` keeps it in the user's ``jax.jit``:
-    :func:`weight_spec` at stage 3, else its own layout."""
-    three, axis = kept_apart(opt.config.stage)[2], opt.config.axis_name
-    return [weight_spec(s, axis) if three else s.leaf_spec() for s in plan.layout.slots]
+def _spec(s: Slot, x: object, axis: object, cut: bool) -> P:
+    """The layout of the weight (or gradient) ``x`` of ``s`` in the user's ``jax.jit``:
+    a :class:`zeroshard.stage3.Piece`'s pieces; ``cut`` (stage 3's), its block
+    (:func:`weight_spec`) where it is not padded; else its own layout (whole)."""
+    if is_shard(x):
+        return s.piece_spec(axis)
+    return weight_spec(s, axis) if cut and not is_padded(s) else s.leaf_spec()
 
 
 def shard_params(opt: object, params: PyTree) -> PyTree:
     """``params`` laid out as the :class:`zeroshard.sharded.Sharded` ``opt`` keeps
-    them in the user's ``jax.jit`` (:func:`laid_out`): arrays placed, traced values
-    constrained, ``jax.ShapeDtypeStruct`` leaves given the sharding."""
+    them in the user's ``jax.jit``: at stage 3 each cut as :func:`weight_spec` says, a
+    padded one (:func:`is_padded`) made its :class:`zeroshard.stage3.Piece`; else
+    whole (its own layout). Arrays placed, traced values constrained,
+    ``jax.ShapeDtypeStruct`` leaves given the sharding."""
     opt, plan, mesh = opt.in_jit(params, params)
+    three, axis, slots = kept_apart(opt.config.stage)[2], opt.config.axis_name, plan.layout.slots
 
     def place(x: jax.Array, spec: P) -> jax.Array:
         if isinstance(x, jax.ShapeDtypeStruct):  # (to lower a step on abstract values)
@@ -92,24 +105,74 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
     leaves = plan.layout.treedef.flatten_up_to(params)
-    return plan.layout.treedef.unflatten(map(place, leaves, laid_out(opt, plan)))
+    out = [x if is_shard(x) else place(x, _spec(s, x, axis, three)) for s, x in zip(slots, leaves)]
+    padded = [
+        i for i, (s, x) in enumerate(zip(slots, out)) if three and is_padded(s) != is_shard(x)
+    ]
+    if padded:  # (made pieces where each device holds its own)
+        made = pieces_of([out[i] for i in padded], [slots[i] for i in padded], mesh, axis)
+        out = [*out]
+        for i, x in zip(padded, made, strict=True):
+            out[i] = x
+    return plan.layout.treedef.unflatten(out)
 
 
-def init_pieces(opt: object, plan: Plan) -> tuple[PyTree, Callable]:
-    """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights' layout it reads
-    (:func:`weight_spec`) and its function on each device, whose block of a weight,
-    raveled, is its piece. No weight is whole on any device (an owned leaf is, for
-    its owner), so a model whose weights fit no one device starts."""
+def pieces_of(xs: list, slots: list[Slot], mesh: Mesh, axis: object) -> list[Piece]:
+    """The :class:`zeroshard.stage3.Piece` of each weight of ``xs`` (whole, or its
+    block over the mesh's other axes; cut as :func:`weight_spec` says where it is not
+    padded): each device's piece cut out of what it holds, or reshaped."""
+    ins = [weight_spec(s, axis) if not is_padded(s) else s.leaf_spec() for s in slots]
+    outs = [s.piece_spec(axis) for s in slots]
+    cut = [spec != s.leaf_spec() for s, spec in zip(slots, ins, strict=True)]
+    local = lambda xs: [
+        _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
+    ]
+    many = math.prod(mesh.shape.values()) > 1
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(ins,),
+        out_specs=outs,
+        axis_names=set(mesh.axis_names),
+        check_vma=many,
+    )
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in xs):
+        structs = jax.eval_shape(run, xs)
+        made = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+            for x, spec in zip(structs, outs, strict=True)
+        ]
+    else:
+        run = run if any(isinstance(x, jax.core.Tracer) for x in xs) else jax.jit(run)
+        made = run(each_laid_out(xs, ins, mesh))
+    return [Piece(x, s) for x, s in zip(made, slots, strict=True)]
+
+
+def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P], Callable]:
+    """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights as it reads them
+    (a :class:`zeroshard.stage3.Piece`'s pieces, a cut weight's blocks; an owned one
+    not padded whole), their layouts, and its function on each device, whose block of
+    a weight, raveled, is its piece. No weight is whole on any device (an owned leaf
+    is, for its owner), so a model whose weights fit no one device starts."""
     layout, axis = plan.layout, opt.config.axis_name
-    specs = [s.leaf_spec() if s.owned else weight_spec(s, axis) for s in layout.slots]
+    leaves = layout.treedef.flatten_up_to(params)
+    specs = [
+        s.leaf_spec() if s.owned and not is_shard(x) else _spec(s, x, axis, True)
+        for s, x in zip(layout.slots, leaves, strict=True)
+    ]
+    cut = [spec != s.leaf_spec() for s, spec in zip(layout.slots, specs, strict=True)]
 
-    def local(params: PyTree, _: None) -> object:
+    def local(xs: list, _: None) -> object:
         index = jax.lax.axis_index(axis)  # (a leaf kept whole: its piece cut from its block)
-        piece = lambda s, x, spec: x.reshape(-1) if spec != s.leaf_spec() else s.own(x, index)
-        pieces = layout.sliced(piece, layout.treedef.flatten_up_to(params), specs)
-        return opt.init_parts(plan, pieces, owned_wholes(plan, params))
+        pieces = [_piece(*a, index).piece.reshape(-1) for a in zip(xs, layout.slots, cut)]
+        wholes = [  # (an owned leaf's, gathered from its pieces where it comes so)
+            _block(p, s, False, x, axis) if c and s.owned else x
+            for p, s, c, x in zip(pieces, layout.slots, cut, xs, strict=True)
+        ]
+        pieces = layout.sliced(lambda s, p: p, pieces)
+        return opt.init_parts(plan, pieces, owned_wholes(plan, layout.treedef.unflatten(wholes)))
 
-    return layout.treedef.unflatten(specs), local
+    return [getattr(x, "piece", x) for x in leaves], specs, local
 
 
 def apply_pieces(
@@ -126,10 +189,12 @@ def apply_pieces(
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
     route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
-    # The gradients arrive cut as stage 3's weights are, where they can be (at stage 2
-    # too: zs.layer's backward lays them out so), the weights as they are kept.
-    cuts, specs = [weight_spec(s, axis) for s in slots], laid_out(opt, plan)
-    cut = [spec != s.leaf_spec() for s, spec in zip(slots, cuts, strict=True)]
+    # The gradients arrive as stage 3's weights are kept, where they can be (at stage
+    # 2 too: zs.layer's backward lays them out so), the weights as they are kept.
+    leaves, grads = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)
+    cuts = [_spec(s, g, axis, True) for s, g in zip(slots, grads, strict=True)]
+    specs = [_spec(s, x, axis, three) for s, x in zip(slots, leaves, strict=True)]
+    cut, kept = ([spec != s.leaf_spec() for s, spec in zip(slots, x)] for x in (cuts, specs))
     # The gradients cast to the inner optimizer's dtype once, and each device's block
     # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the
     # update. (Cast in the update, the compiler kept two more float32 copies of each
@@ -137,19 +202,20 @@ def apply_pieces(
     # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92. With
     # the barrier before the reshape, jax 0.12 laid the piece out as the update's
     # conditional does not take it, and copied it: 96 MiB, not 57.)
-    grads = [g.astype(plan.inner_dtypes[s.bucket]) for g, s in _with(grads, plan)]
+    array = lambda x: getattr(x, "piece", x)
+    grads = [array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots)]
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         index = jax.lax.axis_index(axis)
-        pieces = lambda xs: [_piece(*a, index).piece for a in zip(xs, slots, cut, strict=True)]
+        pieces = lambda xs, cut: [_piece(*a, index).piece for a in zip(xs, slots, cut)]
         held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
-        grads = jax.lax.optimization_barrier(pieces(grads))
+        grads = jax.lax.optimization_barrier(pieces(grads, cut))
         parts = route.arrival.bring(plan, held(grads))
-        whole = held(pieces(params)) if three else treedef.unflatten(params)
+        whole = held(pieces(params, kept)) if three else treedef.unflatten(params)
         new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
-        if three:  # (a cut weight's block from its piece; a leaf kept whole gathered)
-            new = [_block(*x, axis) for x in zip(new, slots, cut, params, strict=True)]
+        if three:  # (a kept weight's block or piece from its piece; a whole one gathered)
+            new = [_block(*x, axis) for x in zip(new, slots, kept, params, strict=True)]
         return new, state
 
     step = jax.shard_map(
@@ -161,42 +227,45 @@ def apply_pieces(
         check_vma=plan.layout.num_shards > 1,
     )
     laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
-    params = laid(treedef.flatten_up_to(params), specs)
-    new, state = step(laid(grads, cuts), state, params, extra_args)
+    new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
+    new = [Piece(n, s) if is_shard(x) else n for n, s, x in zip(new, slots, leaves, strict=True)]
     return treedef.unflatten(new), state
 
 
 def relaid(params: PyTree, mesh: Mesh, axis: object, pieces: PyTree | None = None) -> PyTree:
     """Stage-3 weights of zeroshard's own step (:class:`zeroshard.stage3.Piece`
     leaves, cut over ``axis``) as the drop-in keeps them (:func:`weight_spec`); with
-    ``pieces`` (those leaves), the drop-in's ``params`` back as pieces like them. Where
-    a device's block is its piece, the same bytes reshaped on each device (no
-    collective); a leaf kept whole is gathered within its block, and cut again."""
+    ``pieces`` (those leaves), the drop-in's ``params`` back as pieces like them: the
+    same bytes on each device, a cut weight's block reshaped (no collective), a
+    padded one's pieces as they are."""
     leaves, treedef = jax.tree.flatten(params if pieces is None else pieces, is_leaf=is_shard)
-    slots = [x.leaf for x in leaves]
-    blocks, each = [weight_spec(s, axis) for s in slots], [s.piece_spec(axis) for s in slots]
-    cut = [b != s.leaf_spec() for s, b in zip(slots, blocks, strict=True)]
-    if pieces is None:
-        old = [
-            jax.ShapeDtypeStruct(NamedSharding(mesh, b).shard_shape(s.shape), s.dtype)
-            for s, b in zip(slots, blocks, strict=True)
+    slots, out = [x.leaf for x in leaves], leaves
+    if pieces is not None:
+        out = [
+            Piece(getattr(x, "piece", x), s) for x, s in zip(treedef.flatten_up_to(params), slots)
         ]
-        local = lambda xs: list(map(lambda *a: _block(*a, axis), xs, slots, cut, old))
-        xs, ins, outs = [x.piece for x in leaves], each, blocks
+    cut = [i for i, s in enumerate(slots) if not is_padded(s)]
+    if not cut:
+        return treedef.unflatten(out)
+    some = [slots[i] for i in cut]
+    if pieces is None:
+        specs = [weight_spec(s, axis) for s in some]
+        shapes = [NamedSharding(mesh, b).shard_shape(s.shape) for s, b in zip(some, specs)]
+        local = lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes, strict=True)]
+        made = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=([s.piece_spec(axis) for s in some],),
+            out_specs=specs,
+            axis_names=set(mesh.axis_names),
+            check_vma=math.prod(mesh.shape.values()) > 1,
+        )([out[i].piece for i in cut])
     else:
-        index = lambda: jax.lax.axis_index(axis)
-        local = lambda xs: [_piece(*a, index()).piece for a in zip(xs, slots, cut, strict=True)]
-        xs, ins, outs = treedef.flatten_up_to(params), blocks, each
-    many = math.prod(mesh.shape.values()) > 1
-    out = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(ins,),
-        out_specs=outs,
-        axis_names=set(mesh.axis_names),
-        check_vma=many,
-    )(each_laid_out(xs, ins, mesh))
-    return treedef.unflatten(out if pieces is None else map(Piece, out, slots))
+        made = pieces_of([out[i].piece for i in cut], some, mesh, axis)
+    out = [*out]
+    for i, x in zip(cut, made, strict=True):
+        out[i] = x
+    return treedef.unflatten(out)
 
 
 def _piece(x: jax.Array, s: Slot, cut: bool, index: jax.Array) -> Piece:
