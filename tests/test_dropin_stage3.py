@@ -58,7 +58,8 @@ def make_loss(layer, outer=lambda f: f, unroll=1):
     def loss(params, batch):
         x = embed(params["embed"], batch["tokens"])
         if "odd" in params:  # (leaves the devices cannot cut along their first dimension)
-            x = x * params["odd"]["a"].sum(0) + jnp.mean(params["odd"]["b"])
+            odd = zs.gather(params["odd"])
+            x = x * odd["a"].sum(0) + jnp.mean(odd["b"])
         block = layer(lambda w, x: x + jnp.tanh(x @ w["w"] + w["b"]))
         if getattr(layer, "func", layer) is zs.layers:
             x = block(params["blocks"], x)
@@ -227,19 +228,23 @@ def test_low_bit_state_trains_and_restores_on_4_devices(stage, bits, inner, tmp_
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.5, momentum=0.9), optax.adam(1e-2)])
 @pytest.mark.parametrize("mesh", [auto_mesh(), jax.make_mesh((8, 1), ("data", "model"))])
-def test_a_leaf_the_devices_cannot_cut_stays_whole(mesh, inner):
+def test_a_leaf_the_devices_cannot_cut_is_padded(mesh, inner):
     """A weight whose first dimension 8 does not divide ((2, 64); (3, 7), whose layer
-    is not 8 equal runs either) is kept whole at stage 3, as at stage 2: its gradient
-    cut to pieces, its new weights gathered. The numbers are plain optax's, on Auto
-    axes and on Explicit ones with a second axis of one device."""
+    is not 8 equal runs either) is kept at stage 3 as zeroshard's step keeps it, its
+    padded pieces (a zs.Piece), 1/8 per device (it was whole on every device): read
+    through zs.gather, which gathers it and slices it back. The numbers are plain
+    optax's, on Auto axes and on Explicit ones with a second axis of one device."""
     odd = {"a": jnp.full((2, WIDTH), 0.5), "b": jnp.linspace(-1, 1, 21).reshape(3, 7)}
     params, data = make_params(2) | {"odd": odd}, batches(3)
     expected, expected_losses = reference(inner, params, data)
     tx = zs.sharded(inner, stacked=["blocks"], stage=3)
-    got, _, losses = dropin(tx, mesh, params, data)
+    got, opt_state, losses = dropin(tx, mesh, params, data)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
-    assert_trees_close(got, expected, rtol=1e-5)
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got["odd"]))
+    step = jax.device_put(0, NamedSharding(mesh, P()))
+    logical = zs.to_optax_state(zs.TrainState(step, got, opt_state, None), tx)[0]
+    assert_trees_close(logical, expected, rtol=1e-5)
+    assert all(isinstance(x, zs.Piece) for x in got["odd"].values())
+    assert zs.state_bytes_per_device(got["odd"]) == (16 + 3) * 4  # (ceil(size / 8) each)
     assert zs.state_bytes_per_device(got["blocks"]) == got["blocks"]["w"].nbytes * 65 / 64 / 8
 
 

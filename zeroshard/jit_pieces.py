@@ -240,11 +240,11 @@ def relaid(params: PyTree, mesh: Mesh, axis: object, pieces: PyTree | None = Non
     padded one's pieces as they are."""
     leaves, treedef = jax.tree.flatten(params if pieces is None else pieces, is_leaf=is_shard)
     slots, out = [x.leaf for x in leaves], leaves
-    if pieces is not None:
-        out = [
-            Piece(getattr(x, "piece", x), s) for x, s in zip(treedef.flatten_up_to(params), slots)
-        ]
     cut = [i for i, s in enumerate(slots) if not is_padded(s)]
+    if pieces is not None:
+        xs = treedef.flatten_up_to(params)
+        cut = [i for i in cut if not is_shard(xs[i])]  # (those held as blocks)
+        out = [Piece(getattr(x, "piece", x), s) for x, s in zip(xs, slots, strict=True)]
     if not cut:
         return treedef.unflatten(out)
     some = [slots[i] for i in cut]
@@ -266,6 +266,14 @@ def relaid(params: PyTree, mesh: Mesh, axis: object, pieces: PyTree | None = Non
     for i, x in zip(cut, made, strict=True):
         out[i] = x
     return treedef.unflatten(out)
+
+
+def as_pieces(params: PyTree, layout: object, mesh: Mesh, axis: object) -> PyTree:
+    """The drop-in's stage-3 weights (:func:`weight_spec`) as zeroshard's step keeps
+    them, every leaf a :class:`zeroshard.stage3.Piece` of ``layout``'s records."""
+    return relaid(
+        params, mesh, axis, layout.treedef.unflatten(Piece(None, s) for s in layout.slots)
+    )
 
 
 def _piece(x: jax.Array, s: Slot, cut: bool, index: jax.Array) -> Piece:

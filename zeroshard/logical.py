@@ -50,6 +50,7 @@ from zeroshard.mesh import (
 )
 from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of
+from zeroshard.jit_pieces import as_pieces
 from zeroshard.stage3 import stage_of, to_shards
 from zeroshard.state import LayoutKey, ShardedState, TrainState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
@@ -277,6 +278,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     departure = Route.of(built.tx.config, stage_of(state.params)).departure
     params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
+    if departure.pieces:  # (the drop-in's stage 3: its blocks as pieces)
+        params = as_pieces(params, built.layout, mesh, built.axis_name)
     return _to_optax_converter(built, mesh, departure)(params, state.opt_state)
 
 
