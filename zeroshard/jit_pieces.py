@@ -1,20 +1,25 @@
 """Stages 2 and 3 of the one-line drop-in: the gradients, and the weights, as 1/N pieces.
 
 ``zs.sharded(inner, stage=3)`` in the user's own ``jax.jit`` step keeps every
-parameter as a global array cut over the batch axes along its first dimension
-after its stacked layer axes, within its own block over the mesh's other axes
-(tensor parallelism's, as the weights' types say on Explicit axes; on a mesh
-without them, or on Auto axes, over every axis: :func:`weight_spec`; lay them out
-once with ``tx.shard_params(params)``). Each device's block, raveled, is exactly the piece of
-the leaf that the optimizer state keeps (the layout cuts each layer's raveled values
-into N equal runs), so ``tx.update`` runs the stage-3 update where the pieces lie:
-the gradient's piece in, the new weights' piece out, no collective. The program still
-sees whole parameters; the loss gathers each layer's weights where it runs
-(``zs.layer`` around the scan body: :mod:`zeroshard.jit_gather`), and a parameter
-read elsewhere (an embedding) is gathered whole where it is used, by the compiler or
-by ``zs.gather``. At ``stage=2`` the weights stay whole; the same mark reduces each
-layer's gradient to its pieces as the backward pass makes it, and ``tx.update``
-all-gathers the new weights.
+parameter 1/N per device, as the pieces the optimizer state keeps (lay them out once
+with ``tx.shard_params(params)``): a global array cut over the batch axes along its
+first dimension after its stacked layer axes, within its own block over the mesh's
+other axes (tensor parallelism's, as the weights' types say on Explicit axes; on a
+mesh without them, or on Auto axes, over every axis: :func:`weight_spec`), whose
+block on each device, raveled, is exactly its piece (the layout cuts each layer's
+raveled values into N equal runs); where the devices do not divide that dimension
+(a 50,257-row embedding, a ``(layers, 3, ...)`` fused projection, or, with
+``state_bits``, pieces padded to whole blocks of codes), the
+:class:`zeroshard.stage3.Piece` of zeroshard's own step, its padded pieces, made
+once (:func:`is_padded`; FSDP2 pads each parameter once at init too). So
+``tx.update`` runs the stage-3 update where the pieces lie: the gradient's piece in,
+the new weights' piece out, no collective. The loss gathers each layer's weights
+where it runs (``zs.layer`` around the scan body: :mod:`zeroshard.jit_gather`,
+which slices a padded weight back to its shape); a cut parameter read elsewhere
+(an embedding) is gathered whole where it is used, by the compiler or by
+``zs.gather``, a padded one by ``zs.gather``. At ``stage=2`` the weights stay whole;
+the same mark reduces each layer's gradient to its pieces as the backward pass
+makes it, and ``tx.update`` all-gathers the new weights.
 
 Why a mark and not the traced loss: in the user's own step ``jax.grad`` is theirs,
 and zeroshard never sees the loss to read its gather points. Without the mark the
@@ -29,10 +34,7 @@ inner optimizer (``optax.MultiSteps``) work as in zeroshard's step, and stage 2'
 all-gather of the new weights carries ``quantize_weights``' codes. What the user's
 step reduces or gathers is the compiler's, so this path refuses (at trace time,
 naming the option): ``quantize_grads``; ``quantize_weights`` at stage 3;
-``deterministic``; ``replica_axis``; a mesh whose batch axes are not its first. A
-leaf whose first dimension after its layer axes the N devices do not divide (or,
-with ``state_bits``, whose pieces are not whole blocks of codes) is kept whole, as
-at stage 2.
+``deterministic``; ``replica_axis``; a mesh whose batch axes are not its first.
 """
 
 from __future__ import annotations
@@ -105,16 +107,12 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
     leaves = plan.layout.treedef.flatten_up_to(params)
-    out = [x if is_shard(x) else place(x, _spec(s, x, axis, three)) for s, x in zip(slots, leaves)]
-    padded = [
-        i for i, (s, x) in enumerate(zip(slots, out)) if three and is_padded(s) != is_shard(x)
+    out = [
+        x if is_shard(x) else place(x, _spec(s, x, axis, three))
+        for s, x in zip(slots, leaves, strict=True)
     ]
-    if padded:  # (made pieces where each device holds its own)
-        made = pieces_of([out[i] for i in padded], [slots[i] for i in padded], mesh, axis)
-        out = [*out]
-        for i, x in zip(padded, made, strict=True):
-            out[i] = x
-    return plan.layout.treedef.unflatten(out)
+    padded = lambda s, x: three and is_padded(s) and not is_shard(x)  # (made pieces)
+    return plan.layout.treedef.unflatten(_made(out, slots, padded, mesh, axis))
 
 
 def pieces_of(xs: list, slots: list[Slot], mesh: Mesh, axis: object) -> list[Piece]:
@@ -164,7 +162,9 @@ def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P],
 
     def local(xs: list, _: None) -> object:
         index = jax.lax.axis_index(axis)  # (a leaf kept whole: its piece cut from its block)
-        pieces = [_piece(*a, index).piece.reshape(-1) for a in zip(xs, layout.slots, cut)]
+        pieces = [
+            _piece(*a, index).piece.reshape(-1) for a in zip(xs, layout.slots, cut, strict=True)
+        ]
         wholes = [  # (an owned leaf's, gathered from its pieces where it comes so)
             _block(p, s, False, x, axis) if c and s.owned else x
             for p, s, c, x in zip(pieces, layout.slots, cut, xs, strict=True)
@@ -194,7 +194,9 @@ def apply_pieces(
     leaves, grads = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)
     cuts = [_spec(s, g, axis, True) for s, g in zip(slots, grads, strict=True)]
     specs = [_spec(s, x, axis, three) for s, x in zip(slots, leaves, strict=True)]
-    cut, kept = ([spec != s.leaf_spec() for s, spec in zip(slots, x)] for x in (cuts, specs))
+    cut, kept = (
+        [spec != s.leaf_spec() for s, spec in zip(slots, x, strict=True)] for x in (cuts, specs)
+    )
     # The gradients cast to the inner optimizer's dtype once, and each device's block
     # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the
     # update. (Cast in the update, the compiler kept two more float32 copies of each
@@ -203,11 +205,13 @@ def apply_pieces(
     # the barrier before the reshape, jax 0.12 laid the piece out as the update's
     # conditional does not take it, and copied it: 96 MiB, not 57.)
     array = lambda x: getattr(x, "piece", x)
-    grads = [array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots)]
+    grads = [
+        array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots, strict=True)
+    ]
 
     def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
         index = jax.lax.axis_index(axis)
-        pieces = lambda xs, cut: [_piece(*a, index).piece for a in zip(xs, slots, cut)]
+        pieces = lambda xs, cut: [_piece(*a, index).piece for a in zip(xs, slots, cut, strict=True)]
         held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
         grads = jax.lax.optimization_barrier(pieces(grads, cut))
         parts = route.arrival.bring(plan, held(grads))
@@ -228,52 +232,28 @@ def apply_pieces(
     )
     laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
     new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
-    new = [Piece(n, s) if is_shard(x) else n for n, s, x in zip(new, slots, leaves, strict=True)]
+    new = [Piece(n, x.leaf) if is_shard(x) else n for n, x in zip(new, leaves, strict=True)]
     return treedef.unflatten(new), state
-
-
-def relaid(params: PyTree, mesh: Mesh, axis: object, pieces: PyTree | None = None) -> PyTree:
-    """Stage-3 weights of zeroshard's own step (:class:`zeroshard.stage3.Piece`
-    leaves, cut over ``axis``) as the drop-in keeps them (:func:`weight_spec`); with
-    ``pieces`` (those leaves), the drop-in's ``params`` back as pieces like them: the
-    same bytes on each device, a cut weight's block reshaped (no collective), a
-    padded one's pieces as they are."""
-    leaves, treedef = jax.tree.flatten(params if pieces is None else pieces, is_leaf=is_shard)
-    slots, out = [x.leaf for x in leaves], leaves
-    cut = [i for i, s in enumerate(slots) if not is_padded(s)]
-    if pieces is not None:
-        xs = treedef.flatten_up_to(params)
-        cut = [i for i in cut if not is_shard(xs[i])]  # (those held as blocks)
-        out = [Piece(getattr(x, "piece", x), s) for x, s in zip(xs, slots, strict=True)]
-    if not cut:
-        return treedef.unflatten(out)
-    some = [slots[i] for i in cut]
-    if pieces is None:
-        specs = [weight_spec(s, axis) for s in some]
-        shapes = [NamedSharding(mesh, b).shard_shape(s.shape) for s, b in zip(some, specs)]
-        local = lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes, strict=True)]
-        made = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=([s.piece_spec(axis) for s in some],),
-            out_specs=specs,
-            axis_names=set(mesh.axis_names),
-            check_vma=math.prod(mesh.shape.values()) > 1,
-        )([out[i].piece for i in cut])
-    else:
-        made = pieces_of([out[i].piece for i in cut], some, mesh, axis)
-    out = [*out]
-    for i, x in zip(cut, made, strict=True):
-        out[i] = x
-    return treedef.unflatten(out)
 
 
 def as_pieces(params: PyTree, layout: object, mesh: Mesh, axis: object) -> PyTree:
     """The drop-in's stage-3 weights (:func:`weight_spec`) as zeroshard's step keeps
-    them, every leaf a :class:`zeroshard.stage3.Piece` of ``layout``'s records."""
-    return relaid(
-        params, mesh, axis, layout.treedef.unflatten(Piece(None, s) for s in layout.slots)
-    )
+    them, every leaf a :class:`zeroshard.stage3.Piece` of ``layout``'s records: a
+    cut one's block reshaped on each device (no collective)."""
+    xs = layout.treedef.flatten_up_to(params)
+    kept = lambda s, x: not is_shard(x)
+    return layout.treedef.unflatten(_made(xs, layout.slots, kept, mesh, axis))
+
+
+def _made(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object) -> list:
+    """``xs``, with the :class:`zeroshard.stage3.Piece` of each weight ``which(slot,
+    x)`` picks (:func:`pieces_of`)."""
+    some = [i for i, (s, x) in enumerate(zip(slots, xs, strict=True)) if which(s, x)]
+    made = pieces_of([xs[i] for i in some], [slots[i] for i in some], mesh, axis) if some else ()
+    out = [*xs]
+    for i, x in zip(some, made, strict=True):
+        out[i] = x
+    return out
 
 
 def _piece(x: jax.Array, s: Slot, cut: bool, index: jax.Array) -> Piece:
@@ -289,8 +269,3 @@ def _block(piece: jax.Array, s: Slot, cut: bool, old: jax.Array, axis: object) -
         return piece.reshape(old.shape)
     rows = all_gathered(piece.reshape(-1), s.cut_over(axis), to="invarying")
     return s.moved.uncut(rows).astype(old.dtype)
-
-
-def _with(tree: PyTree, plan: Plan) -> list[tuple[jax.Array, Slot]]:
-    """Each leaf of ``tree`` with its record in ``plan``."""
-    return list(zip(plan.layout.treedef.flatten_up_to(tree), plan.layout.slots, strict=True))

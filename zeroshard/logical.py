@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of
+from zeroshard.jit_pieces import as_pieces
 from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import (
@@ -50,7 +51,6 @@ from zeroshard.mesh import (
 )
 from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.jit_pieces import as_pieces
 from zeroshard.stage3 import stage_of, to_shards
 from zeroshard.state import LayoutKey, ShardedState, TrainState
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
