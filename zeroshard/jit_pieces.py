@@ -39,7 +39,6 @@ naming the option): ``quantize_grads``; ``quantize_weights`` at stage 3;
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -112,38 +111,42 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         for s, x in zip(slots, leaves, strict=True)
     ]
     padded = lambda s, x: three and is_padded(s) and not is_shard(x)  # (made pieces)
-    return plan.layout.treedef.unflatten(_made(out, slots, padded, mesh, axis))
+    return plan.layout.treedef.unflatten(pieces_of(out, slots, padded, mesh, axis))
 
 
-def pieces_of(xs: list, slots: list[Slot], mesh: Mesh, axis: object) -> list[Piece]:
-    """The :class:`zeroshard.stage3.Piece` of each weight of ``xs`` (whole, or its
-    block over the mesh's other axes; cut as :func:`weight_spec` says where it is not
-    padded): each device's piece cut out of what it holds, or reshaped."""
-    ins = [weight_spec(s, axis) if not is_padded(s) else s.leaf_spec() for s in slots]
-    outs = [s.piece_spec(axis) for s in slots]
-    cut = [spec != s.leaf_spec() for s, spec in zip(slots, ins, strict=True)]
+def pieces_of(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object) -> list:
+    """``xs`` (a weight per slot) with each that ``which(slot, x)`` picks made its
+    :class:`zeroshard.stage3.Piece`: each device's piece cut out of what it holds (the
+    weight whole, or its block over the mesh's other axes), or reshaped from its block
+    where it is cut as :func:`weight_spec` says."""
+    some = [i for i, (s, x) in enumerate(zip(slots, xs, strict=True)) if which(s, x)]
+    given, on = [xs[i] for i in some], [slots[i] for i in some]
+    ins = [s.leaf_spec() if is_padded(s) else weight_spec(s, axis) for s in on]
+    outs = [s.piece_spec(axis) for s in on]
     local = lambda xs: [
-        _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
+        _piece(x, s, spec != s.leaf_spec(), jax.lax.axis_index(axis)).piece
+        for x, s, spec in zip(xs, on, ins, strict=True)
     ]
-    many = math.prod(mesh.shape.values()) > 1
     run = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(ins,),
         out_specs=outs,
         axis_names=set(mesh.axis_names),
-        check_vma=many,
+        check_vma=mesh.size > 1,
     )
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in xs):
-        structs = jax.eval_shape(run, xs)
-        made = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-            for x, spec in zip(structs, outs, strict=True)
-        ]
-    else:
-        run = run if any(isinstance(x, jax.core.Tracer) for x in xs) else jax.jit(run)
-        made = run(each_laid_out(xs, ins, mesh))
-    return [Piece(x, s) for x, s in zip(made, slots, strict=True)]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in given):  # (abstract: given the sharding)
+        placed = lambda x, spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+        )
+        made = list(map(placed, jax.eval_shape(run, given), outs))
+    elif some:
+        run = run if any(isinstance(x, jax.core.Tracer) for x in given) else jax.jit(run)
+        made = run(each_laid_out(given, ins, mesh))
+    out = [*xs]
+    for i, x, s in zip(some, made if some else (), on, strict=True):
+        out[i] = Piece(x, s)
+    return out
 
 
 def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P], Callable]:
@@ -240,20 +243,8 @@ def as_pieces(params: PyTree, layout: object, mesh: Mesh, axis: object) -> PyTre
     """The drop-in's stage-3 weights (:func:`weight_spec`) as zeroshard's step keeps
     them, every leaf a :class:`zeroshard.stage3.Piece` of ``layout``'s records: a
     cut one's block reshaped on each device (no collective)."""
-    xs = layout.treedef.flatten_up_to(params)
-    kept = lambda s, x: not is_shard(x)
-    return layout.treedef.unflatten(_made(xs, layout.slots, kept, mesh, axis))
-
-
-def _made(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object) -> list:
-    """``xs``, with the :class:`zeroshard.stage3.Piece` of each weight ``which(slot,
-    x)`` picks (:func:`pieces_of`)."""
-    some = [i for i, (s, x) in enumerate(zip(slots, xs, strict=True)) if which(s, x)]
-    made = pieces_of([xs[i] for i in some], [slots[i] for i in some], mesh, axis) if some else ()
-    out = [*xs]
-    for i, x in zip(some, made, strict=True):
-        out[i] = x
-    return out
+    xs, kept = layout.treedef.flatten_up_to(params), lambda s, x: not is_shard(x)
+    return layout.treedef.unflatten(pieces_of(xs, layout.slots, kept, mesh, axis))
 
 
 def _piece(x: jax.Array, s: Slot, cut: bool, index: jax.Array) -> Piece:
