@@ -131,6 +131,9 @@ class Piece:
     def tree_unflatten(cls, aux, children):
         return cls(children[0], aux)
 
+    def __getitem__(self, _: Any) -> None:
+        self.__jax_array__()
+
     def __jax_array__(self):
         raise TypeError(
             f"a stage-3 parameter of shape {self.shape} is only this device's piece: call "
