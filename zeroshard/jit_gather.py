@@ -6,8 +6,11 @@ is made whole on every device right where the layer runs (inside a scan over sta
 layers, this iteration's layer): at ``zs.sharded(inner, stage=3)`` its weights are
 global arrays cut 1/N over the batch axes (:mod:`zeroshard.jit_pieces`; over
 Explicit axes within a tensor-parallel split, which the gather keeps: it gathers
-over the batch axes only), and this is the compiler's all-gather of one layer; at
-stage 2 they are whole already, and it moves nothing. The ``custom_vjp`` returns
+over the batch axes only), and this is the compiler's all-gather of one layer; a
+weight the devices do not cut so is a :class:`zeroshard.stage3.Piece` of padded
+pieces, all-gathered in a small ``shard_map`` and sliced back to its shape (zeros
+in the padding of its gradient); at stage 2 they are whole already, and it moves
+nothing. The ``custom_vjp`` returns
 the cotangent laid out as the piece:
 ``jax.grad`` of the mean loss has reduced it over the batch already, so it is the
 gradient itself, and the compiler moves it as all-reduce + slice (or a

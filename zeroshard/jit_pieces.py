@@ -164,7 +164,7 @@ def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P],
     cut = [spec != s.leaf_spec() for s, spec in zip(layout.slots, specs, strict=True)]
 
     def local(xs: list, _: None) -> object:
-        index = jax.lax.axis_index(axis)  # (a leaf kept whole: its piece cut from its block)
+        index = jax.lax.axis_index(axis)  # (a weight given whole: its piece cut from it)
         pieces = [
             _piece(*a, index).piece.reshape(-1) for a in zip(xs, layout.slots, cut, strict=True)
         ]
@@ -184,9 +184,10 @@ def apply_pieces(
     """``tx.update``'s new weights and state at stages 2 and 3 in the user's
     ``jax.jit``: one ``shard_map`` manual over the mesh, each device updating its
     pieces of ``grads`` (the mean gradient, laid out as the weights,
-    :func:`laid_out`) and of ``params`` with its state. At stage 3 the new weights
-    stay pieces (a leaf kept whole is all-gathered within its block); at stage 2 they
-    are all-gathered whole."""
+    :func:`_spec`) and of ``params`` with its state. At stage 3 the new weights
+    stay pieces, a padded one's :class:`zeroshard.stage3.Piece` (a weight given whole,
+    not laid out by :func:`shard_params`, is all-gathered within its block); at stage
+    2 they are all-gathered whole."""
     opt, plan, mesh = opt.in_jit(state, params)
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef

@@ -514,7 +514,8 @@ def _scattered(
     """``fn``'s vjp at ``(w, *args)`` for the cotangent ``g``, manual over the batch
     axis: each device differentiates its rows (the leading dimension of ``args`` and
     ``g``), and the weight gradient's partial sums are reduce-scattered onto the
-    ``pieces`` (summed whole for a leaf kept whole).
+    ``pieces`` (a padded one's :class:`Piece` from every device's padded piece;
+    summed whole for a leaf given whole).
 
     Raises:
       ValueError: for an argument with no leading dimension the devices divide.
