@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import axes_of
+from zeroshard.communication.jit_pieces import as_pieces
 from zeroshard.communication.stage3 import stage_of, to_shards
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import PyTree, Slot, is_floating
@@ -277,6 +278,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
     departure = Route.of(built.tx.config, stage_of(state.params)).departure
     params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
+    if departure.pieces:  # (the drop-in's stage 3: its blocks as pieces)
+        params = as_pieces(params, built.layout, mesh, built.axis_name)
     return _to_optax_converter(built, mesh, departure)(params, state.opt_state)
 
 

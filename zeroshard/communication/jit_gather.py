@@ -6,8 +6,11 @@ is made whole on every device right where the layer runs (inside a scan over sta
 layers, this iteration's layer): at ``zs.sharded(inner, stage=3)`` its weights are
 global arrays cut 1/N over the batch axes (:mod:`zeroshard.communication.jit_pieces`; over
 Explicit axes within a tensor-parallel split, which the gather keeps: it gathers
-over the batch axes only), and this is the compiler's all-gather of one layer; at
-stage 2 they are whole already, and it moves nothing. The ``custom_vjp`` returns
+over the batch axes only), and this is the compiler's all-gather of one layer; a
+weight the devices do not cut so is a :class:`zeroshard.communication.stage3.Piece` of padded
+pieces, all-gathered in a small ``shard_map`` and sliced back to its shape (zeros
+in the padding of its gradient); at stage 2 they are whole already, and it moves
+nothing. The ``custom_vjp`` returns
 the cotangent laid out as the piece:
 ``jax.grad`` of the mean loss has reduced it over the batch already, so it is the
 gradient itself, and the compiler moves it as all-reduce + slice (or a
@@ -28,24 +31,23 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.collectives import axes_of
+from zeroshard.communication.collectives import all_gathered, axes_of
 from zeroshard.core.layout import PyTree, is_floating
 from zeroshard.core.mesh import current_step, keep_axes
 from zeroshard.measuring.scopes import GATHER, scope
 
 
-def in_users_jit(tree: PyTree, is_piece: Any) -> bool:
-    """Whether a gather of ``tree`` runs in the user's own ``jax.jit``: outside any
-    zeroshard step and ``shard_map`` (but a step that runs the loss on the whole mesh,
-    :mod:`zeroshard.training.whole_mesh`), on arrays (no zeroshard pieces, ``is_piece``)."""
+def in_users_jit() -> bool:
+    """Whether a gather runs in the user's own ``jax.jit``: outside any zeroshard step
+    and ``shard_map`` (but a step that runs the loss on the whole mesh,
+    :mod:`zeroshard.training.whole_mesh`)."""
     step = current_step()
-    if (step and step.gather) or jax.sharding.get_abstract_mesh().manual_axes:
-        return False
-    return not any(map(is_piece, jax.tree.leaves(tree, is_leaf=is_piece)))
+    return not (step and step.gather) and not jax.sharding.get_abstract_mesh().manual_axes
 
 
-def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
-    """Every floating leaf of ``tree`` whole on every device (see the module).
+def gather(tree: PyTree, axis_name: str | None, is_piece: Any) -> PyTree:
+    """Every floating leaf of ``tree`` whole on every device (see the module); a
+    padded weight (``is_piece``: a :class:`zeroshard.communication.stage3.Piece`) from its pieces.
 
     A leaf whose first dimension ``axis_name`` does not divide is left as it is (the
     compiler gathers it where it is used).
@@ -55,8 +57,28 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
     Raises:
       ValueError: if ``axis_name`` is ``None`` on a mesh of several axes.
     """
+    whole = lambda x: _whole(x) if is_piece(x) else _gathered(x, axis_name)
     with scope(GATHER):
-        return jax.tree.map(lambda x: _gathered(x, axis_name), tree)
+        return jax.tree.map(whole, tree, is_leaf=is_piece)
+
+
+def _whole(x: Any) -> jax.Array:
+    """The weight of the :class:`zeroshard.communication.stage3.Piece` ``x`` (of the layer
+    it holds), all-gathered from its pieces over the axes they are cut over and sliced back to
+    its shape (within its block over the mesh's other axes); the cotangent, reduced
+    over the batch already, back to the device's piece."""
+    mesh, s = mesh_of(x.piece), x.slot(x.leaf.num_shards, local=False)
+    axes = tuple(mesh.axis_names)
+    piece, whole = s.piece_spec(axes), s.leaf_spec()
+    run = lambda f, i, o: jax.shard_map(
+        f, mesh=mesh, in_specs=(i,), out_specs=o, axis_names=set(axes), check_vma=False
+    )
+    rows = lambda p: all_gathered(p.reshape(-1), s.cut_over(axes), to="invarying")
+    gathered = run(lambda p: s.moved.uncut(rows(p)), piece, whole)
+    cut = run(lambda w: s.own(w, jax.lax.axis_index(axes)).reshape(s.piece_shape), whole, piece)
+    whole_x = jax.custom_vjp(gathered)
+    whole_x.defvjp(lambda p: (gathered(p), None), lambda _, cotangent: (cut(cotangent),))
+    return whole_x(x.piece)
 
 
 def _gathered(x: Any, axis_name: str | None) -> Any:

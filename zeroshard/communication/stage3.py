@@ -96,9 +96,10 @@ class Piece:
         split = self.leaf.split
         return dataclasses.replace(split, dim=max(split.dim - max(self._taken, 0), 0))
 
-    def slot(self, num_shards: int) -> Slot:
+    def slot(self, num_shards: int, local: bool = True) -> Slot:
         """The piece's geometry over ``num_shards`` devices (of the layer it holds,
-        where a scan or an index took layer axes off).
+        where a scan or an index took layer axes off); not ``local``: of the global
+        array of every device's piece, its shape unchecked.
 
         Raises:
           ValueError: if the piece lost axes that are not stacked layer axes, or does
@@ -108,7 +109,7 @@ class Piece:
         s = self.leaf
         slot = Slot.of(self.shape, s.dtype, num_shards, self.stacked, s.chunks, s.align)
         slot = dataclasses.replace(slot, split=self.split)
-        if self._taken < 0 or tuple(self.piece.shape) != slot.piece_shape:
+        if self._taken < 0 or (local and tuple(self.piece.shape) != slot.piece_shape):
             how = (
                 f"laid out with {s.stacked} stacked layer axes"
                 if s.stacked
@@ -129,6 +130,9 @@ class Piece:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(children[0], aux)
+
+    def __getitem__(self, _: Any) -> None:
+        self.__jax_array__()
 
     def __jax_array__(self):
         raise TypeError(
@@ -240,8 +244,8 @@ def gather(tree: PyTree, axis_name: str | None = None) -> PyTree:
         parameter not marked stacked was scanned over); if ``axis_name`` is ``None``
         outside a zeroshard step.
     """
-    if jit_gather.in_users_jit(tree, is_shard):  # (the drop-in's stage 3)
-        return jit_gather.gather(tree, axis_name)
+    if jit_gather.in_users_jit():  # (the drop-in's stage 3)
+        return jit_gather.gather(tree, axis_name, is_shard)
     axis_name = axis_of_step(axis_name, "zs.gather")
     with scope(GATHER):
         return _gather(tree, axis_name)
@@ -407,8 +411,8 @@ def layer(
     """
 
     def run(params: PyTree, *args: Any) -> Any:
-        if jit_gather.in_users_jit(params, is_shard):
-            return fn(jit_gather.gather(params, axis_name), *args)
+        if jit_gather.in_users_jit():
+            return fn(jit_gather.gather(params, axis_name, is_shard), *args)
         return fn(gather(params, axis_of_step(axis_name, "zs.layer")), *args)
 
     @jax.custom_vjp
@@ -420,8 +424,8 @@ def layer(
 
     def backward(residuals: tuple[PyTree, tuple], cotangent: Any) -> tuple:
         params, args = residuals
-        if reduce_scatter and jit_gather.in_users_jit(params, is_shard):
-            w = jit_gather.gather(_after(params, cotangent), axis_name)
+        if reduce_scatter and jit_gather.in_users_jit():
+            w = jit_gather.gather(_after(params, cotangent), axis_name, is_shard)
             grads, arg_grads = _scattered(fn, w, args, cotangent, axis_name, params)
         else:
             grads, *arg_grads = jax.vjp(run, _after(params, cotangent), *args)[1](cotangent)
@@ -471,7 +475,7 @@ def layers(
         stack, x, outs = residuals
 
         def grad(w: PyTree, x: Any, g: Any, i: Any, grads: PyTree) -> tuple:
-            if reduce_scatter and jit_gather.in_users_jit(stack, is_shard):
+            if reduce_scatter and jit_gather.in_users_jit():
                 dw, (g,) = _scattered(fn, w, (x,), g, axis_name, take(stack, i))
             else:
                 dw, g = jax.vjp(fn, w, x)[1](g)
@@ -510,7 +514,8 @@ def _scattered(
     """``fn``'s vjp at ``(w, *args)`` for the cotangent ``g``, manual over the batch
     axis: each device differentiates its rows (the leading dimension of ``args`` and
     ``g``), and the weight gradient's partial sums are reduce-scattered onto the
-    ``pieces`` (summed whole for a leaf kept whole).
+    ``pieces`` (a padded one's :class:`Piece` from every device's padded piece;
+    summed whole for a leaf given whole).
 
     Raises:
       ValueError: for an argument with no leading dimension the devices divide.
@@ -525,20 +530,31 @@ def _scattered(
             "the batch's rows alone (a constant closed over by fn; a weight in its "
             "params), or leave reduce_scatter off."
         )
-    cut = lambda p: jit_gather.is_cut(p, axes_of(axis), mesh)
-    specs = jax.tree.map(lambda p: P(axis) if cut(p) else P(), pieces)
+
+    def spec(p: Any) -> Any:
+        if is_shard(p):  # (a padded weight: its pieces, of the layer it holds)
+            s = p.slot(p.leaf.num_shards, local=False)
+            return Piece(s.piece_spec(axis), s)
+        return P(axis) if jit_gather.is_cut(p, axes_of(axis), mesh) else P()
+
+    def scatter(d: jax.Array, s: Any) -> Any:
+        if is_shard(s):  # (every device's piece, padded, reduce-scattered)
+            rows = jax.lax.psum_scatter(s.leaf.blocks(d), axis, tiled=True)
+            return Piece(rows.reshape(s.leaf.piece_shape), s.leaf)
+        return jax.lax.psum_scatter(d, axis, tiled=True) if s else jax.lax.psum(d, axis)
+
+    specs = jax.tree.map(spec, pieces, is_leaf=is_shard)
 
     def local(w: PyTree, args: tuple, g: Any) -> tuple:
         dw, *dargs = jax.vjp(fn, jax.lax.pcast(w, axis, to="varying"), *args)[1](g)
-        scatter = lambda d, s: (
-            jax.lax.psum_scatter(d, axis, tiled=True) if s else jax.lax.psum(d, axis)
-        )
         return jax.tree.map(scatter, dw, specs), tuple(dargs)
 
     run = jax.shard_map(
         local, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(specs, P(axis))
     )
-    return run(w, args, g)
+    dw, dargs = run(w, args, g)
+    leaf = lambda p, d: Piece(d.piece, p.leaf) if is_shard(p) else d  # (its own record)
+    return jax.tree.map(leaf, pieces, dw, is_leaf=is_shard), dargs
 
 
 def _after(tree: PyTree, anchor: PyTree) -> PyTree:

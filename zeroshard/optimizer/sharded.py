@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.analysis import check_extra_args
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
-from zeroshard.communication.stage3 import full_structs, stage_of
+from zeroshard.communication.stage3 import full_structs, is_shard, stage_of
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.core.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
@@ -147,7 +147,7 @@ class Sharded:
         # (each leaf whole, or a split leaf's block; laid out so, or not placed)
         local = functools.partial(opt.init_local, plan=plan)
         if three:
-            leaves, local = init_pieces(opt, plan)
+            params, leaves, local = init_pieces(opt, plan, params)
         init = jax.shard_map(
             local,
             mesh=mesh,
@@ -166,7 +166,9 @@ class Sharded:
         show none (a traced weight on Auto axes carries no layout), ``tx.update``
         takes those the state was ``made`` with (its :class:`LayoutKey`: ``tx.init``
         saw the placed weights)."""
-        splits = self.splits(mesh, typed_layout(params, self.other_axes(mesh)))
+        others = self.other_axes(mesh)  # (a padded weight: as its record says)
+        own = lambda x: x.split.leaf_spec(len(x.shape)) if is_shard(x) else typed_layout(x, others)
+        splits = self.splits(mesh, jax.tree.map(own, params, is_leaf=is_shard))
         return made.by_leaf if made is not None and not splits else splits
 
     def init_local(

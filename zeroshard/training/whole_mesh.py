@@ -9,11 +9,10 @@ names that are of type Auto or Manual"). Such a loss trains under the user's own
 global batch under ``jax.jit`` on the mesh as given (the compiler reduces the
 gradient), then the sharded update of the mean gradient
 (:meth:`zeroshard.optimizer.sharded.Sharded.apply_mean`, the one-line drop-in's) on the state
-as the step laid it out. At stage 3 the step's pieces are the drop-in's weights, the
-same bytes on each device (:func:`zeroshard.communication.jit_pieces.relaid`, a reshape there):
-the loss reads them as arrays, its ``zs.gather`` / ``zs.layer`` gathering over the
-step's batch axes as in the user's own ``jax.jit``, and the drop-in's stage-3 update
-(:func:`zeroshard.communication.jit_pieces.apply_pieces`) keeps them pieces. The steps fall back
+as the step laid it out. At stage 3 the step's pieces are the drop-in's weights: the
+loss's ``zs.gather`` / ``zs.layer`` gather them as in the user's own ``jax.jit``, and
+the drop-in's stage-3 update (:func:`zeroshard.communication.jit_pieces.apply_pieces`) keeps them
+pieces. The steps fall back
 to it when the loss raises per device, so the same loss works with no option to set.
 """
 
@@ -28,7 +27,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.jit_pieces import apply_pieces, relaid
+from zeroshard.communication.jit_pieces import apply_pieces
 from zeroshard.communication.stage3 import stage_of
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import StepContext, in_step
@@ -58,16 +57,14 @@ class WholeMeshStep:
         scale = state.opt_state.loss_scale  # (the update divides the gradients by it)
         loss_fn = step_loss(self.loss_fn, self.has_aux, scale)
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-        axis, pieces = self.three.config.axis_name, stage_of(state.params) == 3
-        weights = relaid(state.params, self.mesh, axis) if pieces else state.params
+        pieces = stage_of(state.params) == 3
         with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
             (loss, (aux, model_state)), grads = value_and_grad(
-                weights, batch, key, state.model_state
+                state.params, batch, key, state.model_state
             )
         loss = loss if scale is None else loss / scale.scale
         if pieces:  # (the drop-in's update of its weights, as pieces again)
-            params, opt_state = apply_pieces(self.three, grads, state.opt_state, weights, {})
-            params = relaid(params, self.mesh, axis, state.params)
+            params, opt_state = apply_pieces(self.three, grads, state.opt_state, state.params, {})
         else:  # (the state kept as zeroshard's step keeps it)
             update = self.opt.apply_mean
             params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
