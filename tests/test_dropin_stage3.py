@@ -501,8 +501,8 @@ def test_what_stage3_in_your_jit_refuses():
 
 
 # Marked on Explicit axes (the model's own sharding calls need whole weights there);
-# unmarked on Auto ones, where the compiler gathers (miniGPT, whose weights 8 devices
-# do not all cut, is marked: those are zs.Piece pieces, read through the marks).
+# unmarked on Auto ones, where the compiler gathers (the weights 8 devices do not cut
+# too: they are zs.Piece pieces, gathered where the model reads them).
 FLAX_CASES = pytest.mark.parametrize(
     "inner, axes, marked",
     [
@@ -556,7 +556,7 @@ def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     device (two: test_minigpt_on_its_tensor_parallel_mesh_at_stage3), every weight
     1/8 per device: those that 8 does not cut along their first dimension (attention's
     (2, 8) biases, (2, 8, 16) output kernels; whole on every device before) are
-    zs.Piece pieces, read through the marks."""
+    zs.Piece pieces, gathered by the marks or, unmarked, where the model reads them."""
     from test_flax_programs import token_batches
 
     batches = token_batches(rng)
@@ -564,7 +564,7 @@ def test_minigpt_through_nnx_optimizer_at_stage3(inner, axes, marked, rng):
     expected_losses, expected = minigpt_run(inner, one, batches)  # (unmarked)
     mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(axes, axes))
     tx = zs.sharded(inner, stage=3)
-    losses, pieces = minigpt_run(tx, mesh, batches, marked=True)
+    losses, pieces = minigpt_run(tx, mesh, batches, marked)
     got = logical(pieces, mesh)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     for tree in (got, expected):  # attention's key bias has a zero gradient: rounding only

@@ -131,10 +131,17 @@ class Piece:
     def tree_unflatten(cls, aux, children):
         return cls(children[0], aux)
 
-    def __getitem__(self, _: Any) -> None:
-        self.__jax_array__()
+    def __getitem__(self, index: Any) -> jax.Array:
+        return self.__jax_array__()[index]
 
-    def __jax_array__(self):
+    def __jax_array__(self) -> jax.Array:
+        """The whole parameter, for code that reads it as an array without a mark. In
+        your own ``jax.jit`` (the drop-in's stage 3) the compiler gathers it where it
+        is read, as it does a weight laid out in its own shape; in zeroshard's step,
+        where a read outside ``zs.gather`` / ``zs.layer`` would keep every weight whole
+        for the whole step, it is refused."""
+        if jit_gather.in_users_jit():
+            return gather(self)
         raise TypeError(
             f"a stage-3 parameter of shape {self.shape} is only this device's piece: call "
             "zs.gather(layer_params) (or wrap the layer in zs.layer) before using it."
