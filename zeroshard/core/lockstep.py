@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import called_jaxpr, open_jaxpr, primitives, walk
 from zeroshard.communication.collectives import vary, varying_axes
@@ -51,7 +52,7 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     """``jax.lax.switch(index, branches, *args)`` with no collective inside the
     conditional: the branches' collectives run outside it, in one order on every
     device (see the module's docstring). Branches without collectives give the plain
-    ``lax.switch``.
+    ``lax.switch`` (of the branches as traced here).
 
     Raises:
       ValueError: if the branches' collectives do not pair one to one, or one sits in
@@ -62,8 +63,9 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     traced = [jax.make_jaxpr(call(f), return_shape=True)(*flat) for f in branches]
     closed = [c for c, _ in traced]
     found = [collective_eqns(c) for c in closed]
-    if not any(found):
-        return jax.lax.switch(index, branches, *args)
+    if not any(found):  # (the traced branches, not traced again)
+        outs = jax.lax.switch(index, [jex_core.jaxpr_as_fun(c) for c in closed], *flat)
+        return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
     _check_pairs(found)
     level = [max(ls) for ls in zip(*[levels(c, len(flat)) for c in closed], strict=True)]
     fed: dict[int, list] = {}
