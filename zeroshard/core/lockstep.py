@@ -5,13 +5,21 @@ Devices that own different leaves run different branches
 (:mod:`zeroshard.core.branches`), and the inner update in a branch can hold
 collectives: the ``psum`` of a global norm (``optax.clip_by_global_norm``), of
 LAMB's per-leaf norms, the fixed-order totals of ``deterministic=``. A collective
-inside a branch is an instruction of that branch only. XLA's CPU runtime since jax
-0.11 meets a collective's participants by its instruction, so the device that runs
-the owner's branch waits in its ``psum`` while the others wait in theirs, and the
-step hangs until the runtime's rendezvous timeout aborts the process (jax 0.10's
-runtime met them by their channel, which every collective of a ``shard_map`` shares:
-they met by accident). No backend promises to meet collectives of different
-instructions.
+inside a branch is an instruction of that branch only. XLA's CPU runtime in jax 0.12
+meets a collective's participants by its instruction, so the device that runs the
+owner's branch waits in its ``psum`` while the others wait in theirs, and the step
+hangs until the runtime's rendezvous timeout aborts the process. jax 0.10's runtime
+paired any two all-reduces of the program (each of a ``shard_map``'s collectives
+carries ``channel_id=1``), so they met by accident. A minimal program in plain jax::
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    def f(x):  # device 0 takes branch 1, the others branch 0
+        i = (jax.lax.axis_index("d") == 0).astype(jnp.int32)
+        return jax.lax.switch(i, [lambda x: jax.lax.psum(x, "d"),
+                                  lambda x: jax.lax.psum(2 * x, "d")], x)
+
+returns 28 on every device for ``arange(8.0)`` on jax 0.10.2, and hangs on 0.12.1.
 
 So the collectives are taken out of the branches (:func:`switch`). Each branch is
 traced once; its collectives are numbered in the order the branch reaches them
