@@ -5,12 +5,13 @@ Devices that own different leaves run different branches
 (:mod:`zeroshard.core.branches`), and the inner update in a branch can hold
 collectives: the ``psum`` of a global norm (``optax.clip_by_global_norm``), of
 LAMB's per-leaf norms, the fixed-order totals of ``deterministic=``. A collective
-inside a branch is an instruction of that branch only. XLA's CPU runtime in jax 0.12
+inside a branch is an instruction of that branch only. XLA's CPU runtime in jax 0.12.1
 meets a collective's participants by its instruction, so the device that runs the
 owner's branch waits in its ``psum`` while the others wait in theirs, and the step
-hangs until the runtime's rendezvous timeout aborts the process. jax 0.10's runtime
-paired any two all-reduces of the program (each of a ``shard_map``'s collectives
-carries ``channel_id=1``), so they met by accident. A minimal program in plain jax::
+hangs until the runtime's rendezvous timeout aborts the process. The runtimes of
+jax 0.10.2 and 0.12.0.1 paired any two all-reduces of the program (each of a
+``shard_map``'s collectives carries ``channel_id=1``), so they met by accident. A
+minimal program in plain jax::
 
     @jax.jit
     @jax.shard_map(mesh=mesh, in_specs=P("d"), out_specs=P("d"))
@@ -19,7 +20,7 @@ carries ``channel_id=1``), so they met by accident. A minimal program in plain j
         return jax.lax.switch(i, [lambda x: jax.lax.psum(x, "d"),
                                   lambda x: jax.lax.psum(2 * x, "d")], x)
 
-returns 28 on every device for ``arange(8.0)`` on jax 0.10.2, and hangs on 0.12.1.
+returns 28 on every device for ``arange(8.0)`` on jax 0.10.2 and 0.12.0.1, and hangs on 0.12.1.
 
 So the collectives are taken out of the branches (:func:`switch`). Each branch is
 traced once; its collectives are numbered in the order the branch reaches them
