@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroshard.communication.collectives import varies, vary
+from zeroshard.core import lockstep
 from zeroshard.core.blocks import init_blocked
 from zeroshard.core.layout import PyTree
 from zeroshard.core.lowbit import is_codes
@@ -29,8 +30,10 @@ from zeroshard.core.state_kinds import ReplicatedState
 
 def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
     """``fn(branch, *args)`` for this device's branch: a ``lax.switch`` on the device's
-    index over the branches (each device runs only its own), or a plain call when
-    every device has the same view."""
+    index over the branches (each device runs only its own), with the branches'
+    collectives run outside it, in one order on every device
+    (:func:`zeroshard.core.lockstep.switch`), or a plain call when every device has the
+    same view."""
     if len(plan.branches) == 1:
         return fn(0, *args)
     index = jnp.asarray(plan.branch_of, jnp.int32)[jax.lax.axis_index(axis_name)]
@@ -39,7 +42,7 @@ def run_branches(plan: Plan, axis_name: str, fn: Any, *args: Any) -> Any:
         return varying(fn(b, *args), axis_name)
 
     branches = [functools.partial(branch, b) for b in range(len(plan.branches))]
-    return jax.lax.switch(index, branches, *args)
+    return lockstep.switch(index, branches, *args)
 
 
 def varying(tree: PyTree, axis_name: str) -> PyTree:
