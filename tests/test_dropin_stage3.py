@@ -123,7 +123,7 @@ def dropin(
     [
         optax.sgd(0.5, momentum=0.9),
         optax.adam(1e-2),
-        optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),  # a norm over pieces
+        CLIP_ADAMW := optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
         optax.adafactor(1e-2, min_dim_size_to_factor=32),  # factored: owned or blocked leaves
         optax.MultiSteps(optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5, 0.9)), 2),
     ],
@@ -135,7 +135,11 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     tx = zs.sharded(inner, stacked=["blocks"], stage=stage)
     got, opt_state, losses = dropin(tx, mesh, params, data)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
-    assert_trees_close(got, expected, rtol=1e-5)
+    # clip_adamw: the global norm is summed over pieces, in another order than on one
+    # device, and Adam amplifies the difference where a gradient is near zero. On jax
+    # 0.12.1 one element of 16,384 is 2.6e-5 of its leaf's scale away (at a87a172
+    # too); plain optax under GSPMD is up to 4.8e-5 from itself on one device with Adam.
+    assert_trees_close(got, expected, rtol=5e-5 if inner is CLIP_ADAMW else 1e-5)
     # At stage 3 the weights are pieces: each device holds 1/8 of every leaf, cut along
     # its first dimension after the layer axis; at stage 2 they are whole. The state
     # is 1/8 per device.
