@@ -65,9 +65,9 @@ from zeroshard.layout import PyTree
 from zeroshard.mesh import check_mesh
 from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import gather, layer
+from zeroshard.state import key_of
 from zeroshard.step import TrainState, TrainStep, init_train_state
 from zeroshard.step_io import output_mesh, plain_outputs
-from zeroshard.update import Route
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -131,7 +131,7 @@ def nnx_optimizer(
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
     state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
-    if Route.of(optimizer_of(tx).config, stage).departure.pieces:  # from the same masters
+    if key_of(state.opt_state).pieces:  # (stage 3: the pieces, from the same masters)
         nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx

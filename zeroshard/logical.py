@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.branches import init_parts, owned_wholes
 from zeroshard.comm import axes_of
+from zeroshard.departure import departure_of
 from zeroshard.layout import PyTree, Slot, is_floating
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import (
@@ -50,12 +51,12 @@ from zeroshard.mesh import (
 )
 from zeroshard.placement import Key, Plan
 from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import stage_of, to_shards
-from zeroshard.state import LayoutKey, ShardedState, TrainState
+from zeroshard.stage3 import to_shards
+from zeroshard.state import LayoutKey, ShardedState, TrainState, key_of
 from zeroshard.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.state_layout import StateLayout, layout_of_state, state_layout
 from zeroshard.step import laid_out_as
-from zeroshard.update import Route, master_pieces
+from zeroshard.update import kept_apart, master_pieces
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
 
@@ -274,7 +275,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     built, mesh = layout_of_state(tx, state), mesh_of(state)
-    departure = Route.of(built.tx.config, stage_of(state.params)).departure
+    # (the weights as the state says it holds them: stage 3's pieces, or whole)
+    departure = departure_of(built.tx.config, key_of(state.opt_state).pieces)
     params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
     return _to_optax_converter(built, mesh, departure)(params, state.opt_state)
@@ -367,8 +369,9 @@ def from_optax_state(
     compute_structs = jax.tree.map(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
     )
-    built = state_layout(tx, mesh, compute_structs, param_specs)  # (default: replicated)
-    departure = Route.of(built.tx.config, stage).departure
+    # (the stage decided once, in the config; the weights' layout default: replicated)
+    built = state_layout(tx.at_stage(stage), mesh, compute_structs, param_specs)
+    departure = departure_of(built.tx.config, kept_apart(built.tx.config.stage)[2])
     tx, plan, num_shards, axis_name = built.tx, built.plan, built.num_shards, built.axis_name
     params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
@@ -436,7 +439,7 @@ def _from_logical_local(
                     kept[k] = logical_gather(x, shape, axis)
         grad_norm = jnp.zeros((), jnp.float32)
         state = plan.state_treedef.unflatten(plan.on_state.grouped(kept))
-        key = LayoutKey.of(tx.config.axes, layout)
+        key = LayoutKey.of(tx.config.axes, layout, departure.pieces)
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned, key)
         return TrainState(step, compute, opt, model_state)
 

@@ -32,7 +32,7 @@ from zeroshard.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.loss_scale import LossScaleState
 from zeroshard.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
 from zeroshard.placement import Plan, make_plan
-from zeroshard.stage3 import full_structs, stage_of
+from zeroshard.stage3 import full_structs
 from zeroshard.state import LayoutKey, ShardedState, key_of
 from zeroshard.update import Route, kept_apart, updated
 
@@ -85,14 +85,15 @@ class Sharded:
         split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
         return {i: split(n) for i, n in enumerate(named) if [a for _, a in n] == [others]}
 
-    def specs_of(self, plan: Plan) -> ShardedState:
-        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out."""
+    def specs_of(self, plan: Plan, as_pieces: bool = False) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out (beside
+        weights held ``as_pieces``: :attr:`zeroshard.state.LayoutKey.pieces`)."""
         axis = self.config.axis_name
         specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
-        key = LayoutKey.of(self.config.axes, plan.layout)
+        key = LayoutKey.of(self.config.axes, plan.layout, as_pieces)
         inner = plan.state_treedef.unflatten(specs)
         return ShardedState(inner, master, P(), P(), scale, owned, key)
 
@@ -122,6 +123,16 @@ class Sharded:
         """This optimizer with its state split over ``axes`` (itself, where they are
         its own ``axis_name``'s, or none are given)."""
         return _over(self, tuple(axes) or self.config.axes)
+
+    def at_stage(self, stage: int) -> Sharded:
+        """This optimizer at ZeRO ``stage`` (itself, where it is its own): how
+        zeroshard's step and its state take their ``stage=``, decided once in the
+        config, which every reader of the step or the state asks.
+
+        Raises:
+          ValueError: for a stage other than 1, 2 or 3.
+        """
+        return _at_stage(self, stage)
 
     def init(self, params: PyTree) -> ShardedState:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
@@ -191,17 +202,21 @@ class Sharded:
         pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
         return self.init_parts(plan, pieces, owned_wholes(plan, source))
 
-    def init_parts(self, plan: Plan, pieces: list, wholes: list) -> ShardedState:
+    def init_parts(
+        self, plan: Plan, pieces: list, wholes: list, as_pieces: bool = False
+    ) -> ShardedState:
         """This device's state from its 1-D pieces of the sliced leaves' master values
         (``None`` at owned leaves) and the owned leaves' full ones
-        (:func:`zeroshard.branches.owned_wholes`), inside ``shard_map``."""
+        (:func:`zeroshard.branches.owned_wholes`), inside ``shard_map``, beside weights
+        held ``as_pieces`` (:attr:`zeroshard.state.LayoutKey.pieces`)."""
         axis = self.config.axis_name
         cast = lambda s, p: p.astype(plan.inner_dtypes[s.bucket])  # (the inner dtypes)
         pieces = plan.on_view.grouped(plan.layout.sliced(cast, pieces))
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, wholes)
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
-        zero, key = jnp.zeros((), jnp.float32), LayoutKey.of(self.config.axes, plan.layout)
+        zero = jnp.zeros((), jnp.float32)
+        key = LayoutKey.of(self.config.axes, plan.layout, as_pieces)
         return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned, key)
 
     def update(
@@ -239,9 +254,9 @@ class Sharded:
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
-        local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
-        the new state out."""
-        route = Route.of(self.config, stage_of(params))
+        local, unreduced ``grads`` in; the new parameters, laid out as ``params`` (the
+        state says whether as stage 3's pieces), and the new state out."""
+        route = Route.of(self.config, 3 if key_of(state).pieces else 1)
         return self._local_update(route, grads, state, params, extra_args)
 
     def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
@@ -372,6 +387,13 @@ def _over(opt: Sharded, axes: tuple[str, ...]) -> Sharded:
 
 
 @functools.lru_cache(maxsize=256)
+def _at_stage(opt: Sharded, stage: int) -> Sharded:
+    if stage == opt.config.stage:
+        return opt
+    return Sharded(opt.inner, dataclasses.replace(opt.config, stage=stage))
+
+
+@functools.lru_cache(maxsize=256)
 def _plan(opt: Sharded, layout: Layout) -> Plan:
     plan = make_plan(opt.inner, opt.config, layout)
     _log_owned(plan)
@@ -428,7 +450,13 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
         """This transformation with its state split over ``axes`` (see
         :meth:`Sharded.over`); e.g. ``tx.over(opt_state.layout.axes)``."""
-        opt = self.optimizer.over(axes)
+        return self._as(self.optimizer.over(axes))
+
+    def at_stage(self, stage: int) -> ShardedTransformation:
+        """This transformation at ZeRO ``stage`` (see :meth:`Sharded.at_stage`)."""
+        return self._as(self.optimizer.at_stage(stage))
+
+    def _as(self, opt: Sharded) -> ShardedTransformation:
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
 
     def shard_params(self, params: PyTree) -> PyTree:
