@@ -125,7 +125,8 @@ def apply_pieces(
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
+    route = Route.of(opt.config, 3 if three else 2, mean=True)
+    route = route if three else route.held  # (stage 2: the pieces in, the weights whole out)
     # The gradients arrive cut as stage 3's weights are, where they can be (at stage 2
     # too: zs.layer's backward lays them out so), the weights as they are kept.
     cuts, specs = [weight_spec(s, axis) for s in slots], laid_out(opt, plan)

@@ -256,8 +256,7 @@ class Sharded:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.update`): this device's
         local, unreduced ``grads`` in; the new parameters, laid out as ``params`` (the
         state says whether as stage 3's pieces), and the new state out."""
-        route = Route.of(self.config, 3 if key_of(state).pieces else 1)
-        return self._local_update(route, grads, state, params, extra_args)
+        return self._local_update(grads, state, params, extra_args)
 
     def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
         """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
@@ -290,7 +289,6 @@ class Sharded:
         mesh = find_mesh(self.config, state, any_axes=True)
         splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
         opt, summed = self.spanning(mesh), partial_sums(grads)
-        route = Route.of(opt.config, 1, mean=True, summed=summed)
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
         opt.check_state(plan, state)
@@ -302,7 +300,7 @@ class Sharded:
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
         step = jax.shard_map(
-            functools.partial(opt._local_update, route, plan=plan if splits else None),
+            functools.partial(opt._local_update, plan=plan if splits else None, summed=summed),
             mesh=mesh,
             in_specs=(grads_at, specs, leaves, P()),
             out_specs=(leaves, specs),
@@ -315,15 +313,20 @@ class Sharded:
 
     def _local_update(
         self,
-        route: Route,
         grads: PyTree,
         state: ShardedState,
         params: PyTree,
         extra_args: dict,
         plan: Plan | None = None,
+        summed: frozenset[str] | None = None,
     ) -> tuple[PyTree, ShardedState]:
-        """The update flow inside ``shard_map``, for gradients arriving by ``route``
-        (by ``plan``, or the plan of the arguments, checked)."""
+        """The update flow inside ``shard_map`` (by ``plan``, or the plan of the
+        arguments, checked), by the route chosen here for the two entries that run it:
+        this device's local ``grads`` (:meth:`apply`; the weights held as the state
+        says), or with ``summed`` the mean gradient (:meth:`apply_mean`: its partial
+        sums over the axes ``summed``, if any)."""
+        stage, mean = 3 if key_of(state).pieces else 1, summed is not None
+        route = Route.of(self.config, stage, mean=mean, summed=summed or frozenset())
         if plan is None:
             plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
         self.check_state(plan, state)

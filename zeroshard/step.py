@@ -43,7 +43,7 @@ from zeroshard.sharded import ShardedTransformation, optimizer_of
 from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
 from zeroshard.state import TrainState
 from zeroshard.state_layout import StateLayout, state_layout
-from zeroshard.update import Route, held_route, kept_apart, updated
+from zeroshard.update import Route, kept_apart, updated
 from zeroshard.whole_mesh import Fallback
 
 Key = jax.Array | None
@@ -222,7 +222,7 @@ class TrainStep:
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
         self._fallback = Fallback(self)  # (see the class)
         # Stage 2 with a loss that gathers (its pieces are over the batch axes)
-        self.held_route = None if self.nested else held_route(self.opt.config, k)
+        self.held_route = None if self.nested else self.route.held
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
 

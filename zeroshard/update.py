@@ -78,12 +78,17 @@ class Route(NamedTuple):
       gather: stage 3's gather of a dtype's pieces, ``gather(pieces, axis_name,
         dtype)`` (every device's piece of each, row ``d`` from device ``d``), whose
         transpose reduces the gradients; what :func:`zeroshard.gather` runs in the step.
+      held: stage 2's route through a loss that gathers (:mod:`zeroshard.held`):
+        stage-3 pieces in, all-gathered weights out (a held gather sends none);
+        ``None`` at other stages, and where the fixed-order sums of ``deterministic=``
+        keep the plain stage-2 step.
     """
 
     arrival: Arrival
     departure: Departure
     loop: OneBatch
     gather: Callable[..., list]
+    held: Route | None = None
 
     @classmethod
     def of(
@@ -92,7 +97,6 @@ class Route(NamedTuple):
         stage: int | None = None,
         mean: bool = False,
         accum_steps: int = 1,
-        held: bool = False,
         summed: frozenset[str] = frozenset(),
         batch_axes: tuple[str, ...] | None = None,
     ) -> Route:
@@ -101,9 +105,8 @@ class Route(NamedTuple):
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
         ``jax.jit``; at stages 2 and 3 there, its pieces as they arrive; its partial
-        sums over the mesh axes ``summed``, reduce-scattered, where they arrive so); with
-        ``held`` (stage 2, a loss that gathers: :mod:`zeroshard.held`), stage-3
-        pieces in and all-gathered weights out. Each quantized, or summed in a fixed
+        sums over the mesh axes ``summed``, reduce-scattered, where they arrive so); at
+        stage 2, :attr:`held` too. Each quantized, or summed in a fixed
         order, where ``config`` says so; the micro-batches as ``accum_steps`` and the
         order of sums say, over ``batch_axes`` (default: the config's; a step's state
         may span more axes than its batch).
@@ -116,19 +119,21 @@ class Route(NamedTuple):
         axes, gather = batch_axes or config.batch_axes, exact_gather
         stage = config.stage if stage is None else stage
         axes = axes if len(axes) > 1 else axes[0]
-        each = stage > 1 or held  # (each micro-batch's gradient arrives on its own)
+        each = stage > 1  # (each micro-batch's gradient arrives on its own)
         loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, each)
         if parts is not None:
             loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
-        if stage == 3 or held:  # (stage 3's weights are quantized in its gathers)
-            # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
-            pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
-            arrival = (MeanPieces if mean else pieces)(config)
-            # (a held gather sends no weights: they leave all-gathered, as in stage 2)
-            return cls(arrival, departure_of(config, pieces=not held), loop, gather)
+        # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
+        pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
+        pieces = (MeanPieces if mean else pieces)(config)
+        if stage == 3:  # (stage 3's weights are quantized in its gathers)
+            return cls(pieces, departure_of(config, pieces=True), loop, gather)
+        all_gathered = departure_of(config, pieces=False)
+        held = stage == 2 and config.sum_order.any_order
+        held = cls(pieces, all_gathered, loop, gather) if held else None
         if mean and grads is not None:
             logger.warning(
                 "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, which "
@@ -144,7 +149,7 @@ class Route(NamedTuple):
             )
         else:
             arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
-        return cls(arrival, departure_of(config, pieces=False), loop, gather)
+        return cls(arrival, all_gathered, loop, gather, held)
 
 
 def kept_apart(stage: int) -> tuple[bool, bool, bool]:
@@ -157,15 +162,6 @@ def kept_apart(stage: int) -> tuple[bool, bool, bool]:
     """
     check_stage(stage, lowest=0)
     return stage >= 1, stage >= 2, stage >= 3
-
-
-def held_route(config: ShardConfig, accum_steps: int = 1) -> Route | None:
-    """Stage 2's route through a loss that gathers (:mod:`zeroshard.held`): stage-3
-    pieces in, all-gathered weights out; ``None`` at the config's other stages, and
-    where the fixed-order sums of ``deterministic=`` keep the plain stage-2 step."""
-    if config.stage != 2 or not config.sum_order.any_order:
-        return None
-    return Route.of(config, accum_steps=accum_steps, held=True)
 
 
 def updated(
