@@ -25,7 +25,6 @@ from zeroshard import held, step_io
 from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.arrival import Nested
 from zeroshard.branches import owned_wholes
-from zeroshard.checks import check_stage
 from zeroshard.comm import mesh_size
 from zeroshard.departure import departure_of
 from zeroshard.layout import PyTree
@@ -40,8 +39,8 @@ from zeroshard.mesh import (
     run_on_mesh,
 )
 from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import full_structs, is_shard, layout_of, to_shards
-from zeroshard.state import TrainState
+from zeroshard.stage3 import full_structs, layout_of, to_shards
+from zeroshard.state import TrainState, key_of
 from zeroshard.state_layout import StateLayout, state_layout
 from zeroshard.update import Route, kept_apart, updated
 from zeroshard.whole_mesh import Fallback
@@ -96,7 +95,6 @@ def init_train_state(
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
-    check_stage(stage)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
     own = own_layout(params, mesh.axis_names) if param_specs is None else param_specs
@@ -201,11 +199,10 @@ class TrainStep:
     def __post_init__(self) -> None:
         k = self.accum_steps
         self.axis_name = check_mesh(optimizer_of(self.tx).config, self.mesh, self.axis_name)
-        check_stage(self.stage)
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         # The stage decided once, in the config the step carries (and its state's)
         self.tx = self.tx.at_stage(self.stage)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
         self.opt, axes = self.tx.optimizer, self.tx.config.batch_axes
         # The state's axes: the batch's, and the mesh's others (e.g. a tensor-parallel
         # "model" axis), over which the update runs manual too (rest).
@@ -335,9 +332,8 @@ class TrainStep:
         self, state: TrainState, batch: PyTree, key: Key, layout: Any = None
     ) -> Result:
         self.route.loop.check_batch(batch, self.batch_parts)
-        leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         pieces = self.route.departure.pieces
-        if any(is_shard(x) != pieces for x in leaves):
+        if key_of(state.opt_state).pieces != pieces:  # (as the state says it holds them)
             raise ValueError(
                 f"this is a stage-{self.opt.config.stage} step, but the state's params are "
                 f"{'replicated (stage 1/2)' if pieces else 'pieces (stage 3)'}: build "
