@@ -119,8 +119,8 @@ class Route(NamedTuple):
         axes, gather = batch_axes or config.batch_axes, exact_gather
         stage = config.stage if stage is None else stage
         axes = axes if len(axes) > 1 else axes[0]
-        each = stage > 1  # (each micro-batch's gradient arrives on its own)
-        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, each)
+        # (from stage 2, each micro-batch's gradient arrives on its own)
+        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, stage > 1)
         if parts is not None:
             loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
