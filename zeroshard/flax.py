@@ -64,8 +64,8 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.communication.stage3 import gather, layer
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import check_mesh
-from zeroshard.core.update import Route
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
+from zeroshard.optimizer.state import key_of
 from zeroshard.training.step import TrainState, TrainStep, init_train_state
 from zeroshard.training.step_io import output_mesh, plain_outputs
 
@@ -131,7 +131,7 @@ def nnx_optimizer(
     nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype or x.dtype), master))
     nnx.update(model, _placed_copy(nnx.state(model), mesh, axis_name))
     state = init_train_state(master, tx, mesh, param_dtype=param_dtype, stage=stage)
-    if Route.of(optimizer_of(tx).config, stage).departure.pieces:  # from the same masters
+    if key_of(state.opt_state).pieces:  # (stage 3: the pieces, from the same masters)
         nnx.update(model, state.params)
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)  # no state to re-lay out
     optimizer.tx = tx

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import axes_of
+from zeroshard.communication.departure import departure_of
 from zeroshard.communication.jit_pieces import as_pieces
-from zeroshard.communication.stage3 import stage_of, to_shards
+from zeroshard.communication.stage3 import to_shards
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import PyTree, Slot, is_floating
 from zeroshard.core.mesh import (
@@ -52,10 +53,10 @@ from zeroshard.core.mesh import (
 from zeroshard.core.placement import Key, Plan
 from zeroshard.core.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.core.state_layout import StateLayout, layout_of_state, state_layout
-from zeroshard.core.update import Route, master_pieces
+from zeroshard.core.update import kept_apart, master_pieces
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
-from zeroshard.optimizer.state import LayoutKey, ShardedState, TrainState
+from zeroshard.optimizer.state import LayoutKey, ShardedState, TrainState, key_of
 from zeroshard.training.step import laid_out_as
 
 __all__ = ["from_optax_state", "logical_spec", "logical_structs", "mesh_of", "to_optax_state"]
@@ -275,7 +276,8 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     built, mesh = layout_of_state(tx, state), mesh_of(state)
-    departure = Route.of(built.tx.config, stage_of(state.params)).departure
+    # (the weights as the state says it holds them: stage 3's pieces, or whole)
+    departure = departure_of(built.tx.config, key_of(state.opt_state).pieces)
     params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
     if departure.pieces:  # (the drop-in's stage 3: its blocks as pieces)
@@ -370,8 +372,9 @@ def from_optax_state(
     compute_structs = jax.tree.map(
         lambda x, d: jax.ShapeDtypeStruct(x.shape, d), params, param_dtype
     )
-    built = state_layout(tx, mesh, compute_structs, param_specs)  # (default: replicated)
-    departure = Route.of(built.tx.config, stage).departure
+    # (the stage decided once, in the config; the weights' layout default: replicated)
+    built = state_layout(tx.at_stage(stage), mesh, compute_structs, param_specs)
+    departure = departure_of(built.tx.config, kept_apart(built.tx.config.stage)[2])
     tx, plan, num_shards, axis_name = built.tx, built.plan, built.num_shards, built.axis_name
     params_structs, opt_structs = logical_structs(plan, tx)
     _check_tree(params, params_structs, "params")
@@ -439,7 +442,7 @@ def _from_logical_local(
                     kept[k] = logical_gather(x, shape, axis)
         grad_norm = jnp.zeros((), jnp.float32)
         state = plan.state_treedef.unflatten(plan.on_state.grouped(kept))
-        key = LayoutKey.of(tx.config.axes, layout)
+        key = LayoutKey.of(tx.config.axes, layout, departure.pieces)
         opt = ShardedState(state, master, grad_norm, skipped, scale, owned, key)
         return TrainState(step, compute, opt, model_state)
 

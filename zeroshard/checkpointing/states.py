@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.stage3 import stage_of
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import find_mesh, mesh_of
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
@@ -156,7 +155,7 @@ def target_parts(
 ) -> tuple[Parts, jax.sharding.Mesh, int]:
     """What a restore reads into: the target's parts (the extra leaves as
     ``ShapeDtypeStruct``, placed where the target has them, else replicated), its mesh
-    and its stage (3 where its params are ``Piece`` pieces).
+    and its stage (3 where its state says its params are ``Piece`` pieces).
 
     Args:
       target: a state of the kind to restore (arrays or ``jax.ShapeDtypeStruct``).
@@ -169,7 +168,7 @@ def target_parts(
     else:  # the one-line drop-in's state, split over every axis of its mesh
         mesh = find_mesh(tx.config, core.opt_state, mesh, context=False, any_axes=True)
         tx = tx.spanning(mesh)
-    return Parts(core, _structs(extra, mesh), tx), mesh, stage_of(core.params)
+    return Parts(core, _structs(extra, mesh), tx), mesh, 3 if key_of(core.opt_state).pieces else 1
 
 
 def _structs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:

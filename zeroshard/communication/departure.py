@@ -15,7 +15,7 @@ its collectives, their named scopes (:mod:`zeroshard.measuring.scopes`) and thei
 - :class:`QuantizedAllGather`: the all-gather of :class:`AllGather` as blockwise
   int8 codes (``quantize_weights``; stage 3 quantizes in its gathers instead).
 
-A new kind is one more subclass of :class:`Departure`;
+:func:`departure_of` chooses one. A new kind is one more subclass of :class:`Departure`;
 :func:`zeroshard.core.update.updated` takes any of them unchanged.
 """
 
@@ -248,3 +248,11 @@ def _new_piece(plan: Plan, i: int, back: tuple, old: Any) -> jax.Array:
     (``back``: per bucket, ``(num_shards, owned_chunk)``, row ``d`` from device ``d``)."""
     received = piece_from_owners(plan.layout, back[plan.layout.slots[i].bucket], i)
     return old.piece.reshape(-1) + received.astype(old.dtype) if unread(plan, i) else received
+
+
+def departure_of(config: ShardConfig, pieces: bool) -> Departure:
+    """How the new weights leave, chosen here for every entry point: as stage 3's
+    ``pieces``, else all-gathered (as int8 codes where ``config`` quantizes them)."""
+    if pieces:
+        return ToPieces(config)
+    return (QuantizedAllGather if config.weight_quantizer else AllGather)(config)

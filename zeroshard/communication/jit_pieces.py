@@ -192,7 +192,8 @@ def apply_pieces(
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = Route.of(opt.config, 3 if three else 2, mean=True, held=not three)
+    route = Route.of(opt.config, 3 if three else 2, mean=True)
+    route = route if three else route.held  # (stage 2: the pieces in, the weights whole out)
     # The gradients arrive as stage 3's weights are kept, where they can be (at stage
     # 2 too: zs.layer's backward lays them out so), the weights as they are kept.
     leaves, grads = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)

@@ -186,12 +186,6 @@ def is_shard(x: Any) -> bool:
     return isinstance(x, Piece)
 
 
-def stage_of(params: PyTree) -> int:
-    """The ZeRO stage a parameter tree is held for: 3 when its leaves are :class:`Piece`
-    pieces, else 1 (stages 1 and 2 hold the same whole parameters)."""
-    return 3 if any(map(is_shard, jax.tree.leaves(params, is_leaf=is_shard))) else 1
-
-
 def full_structs(params: PyTree) -> PyTree:
     """``ShapeDtypeStruct`` of the full parameters (``Piece`` leaves or arrays)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_shard)

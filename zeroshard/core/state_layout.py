@@ -30,7 +30,7 @@ from zeroshard.core.layout import WHOLE, Layout, PyTree
 from zeroshard.core.mesh import keep_axes, mesh_of
 from zeroshard.core.placement import Plan
 from zeroshard.optimizer.sharded import ShardedTransformation, check_made, optimizer_of
-from zeroshard.optimizer.state import ShardedState, TrainState, key_of
+from zeroshard.optimizer.state import TrainState, key_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +69,6 @@ class StateLayout:
         """:attr:`weights` as a tree like the parameters."""
         return self.layout.treedef.unflatten(self.weights)
 
-    @functools.cached_property
-    def state_specs(self) -> ShardedState:
-        """``PartitionSpec`` of every leaf of the global optimizer state."""
-        return self.tx.optimizer.specs_of(self.plan)
-
     def returned(self, departure: Any) -> TrainState:
         """:meth:`specs`, the weights (but stage 3's pieces) in their own layout
         (:attr:`weights`): the state as a step returns it."""
@@ -84,9 +79,8 @@ class StateLayout:
         """``PartitionSpec`` of every leaf of a global :class:`zeroshard.TrainState`
         whose weights are held as ``departure`` holds them
         (:attr:`zeroshard.core.update.Route.departure`)."""
-        return TrainState(
-            P(), departure.param_specs(self.layout, self.axis_name), self.state_specs, P()
-        )
+        opt_state = self.tx.optimizer.specs_of(self.plan, departure.pieces)
+        return TrainState(P(), departure.param_specs(self.layout, self.axis_name), opt_state, P())
 
 
 def state_layout(

@@ -51,7 +51,7 @@ from zeroshard.communication.arrival import (
     QuantizedReduceScatter,
     ReduceScatter,
 )
-from zeroshard.communication.departure import AllGather, Departure, QuantizedAllGather, ToPieces
+from zeroshard.communication.departure import Departure, departure_of
 from zeroshard.communication.quantized import quantized_gather
 from zeroshard.communication.stage3 import exact_gather
 from zeroshard.core import branches, piecewise
@@ -79,54 +79,62 @@ class Route(NamedTuple):
       gather: stage 3's gather of a dtype's pieces, ``gather(pieces, axis_name,
         dtype)`` (every device's piece of each, row ``d`` from device ``d``), whose
         transpose reduces the gradients; what :func:`zeroshard.gather` runs in the step.
+      held: stage 2's route through a loss that gathers (:mod:`zeroshard.training.held`):
+        stage-3 pieces in, all-gathered weights out (a held gather sends none);
+        ``None`` at other stages, and where the fixed-order sums of ``deterministic=``
+        keep the plain stage-2 step.
     """
 
     arrival: Arrival
     departure: Departure
     loop: OneBatch
     gather: Callable[..., list]
+    held: Route | None = None
 
     @classmethod
     def of(
         cls,
         config: ShardConfig,
-        stage: int,
+        stage: int | None = None,
         mean: bool = False,
         accum_steps: int = 1,
-        held: bool = False,
         summed: frozenset[str] = frozenset(),
+        batch_axes: tuple[str, ...] | None = None,
     ) -> Route:
-        """The route of a step inside ``shard_map`` for a ZeRO ``stage``: reduce-scattered
+        """The route of a step inside ``shard_map`` for a ZeRO ``stage`` (default: the
+        config's, :meth:`zeroshard.optimizer.sharded.Sharded.at_stage`): reduce-scattered
         local gradients and all-gathered weights (stages 1 and 2), or stage-3 pieces
         both ways; with ``mean``, the mean gradient cut (``tx.update`` in a user's
         ``jax.jit``; at stages 2 and 3 there, its pieces as they arrive; its partial
-        sums over the mesh axes ``summed``, reduce-scattered, where they arrive so); with
-        ``held`` (stage 2, a loss that gathers: :mod:`zeroshard.training.held`), stage-3
-        pieces in and all-gathered weights out. Each quantized, or summed in a fixed
+        sums over the mesh axes ``summed``, reduce-scattered, where they arrive so); at
+        stage 2, :attr:`held` too. Each quantized, or summed in a fixed
         order, where ``config`` says so; the micro-batches as ``accum_steps`` and the
-        order of sums say.
+        order of sums say, over ``batch_axes`` (default: the config's; a step's state
+        may span more axes than its batch).
 
         Raises:
           ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
             batch itself.
         """
         grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
-        axes, gather = config.batch_axes, exact_gather
+        axes, gather = batch_axes or config.batch_axes, exact_gather
+        stage = config.stage if stage is None else stage
         axes = axes if len(axes) > 1 else axes[0]
-        each = stage > 1 or held  # (each micro-batch's gradient arrives on its own)
-        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, each)
+        # (from stage 2, each micro-batch's gradient arrives on its own)
+        loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, stage > 1)
         if parts is not None:
             loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
             gather = canonical.gathered
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
-        all_gathered = (QuantizedAllGather if weights else AllGather)(config)
-        if stage == 3 or held:  # (stage 3's weights are quantized in its gathers)
-            # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
-            pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
-            arrival = (MeanPieces if mean else pieces)(config)
-            # (a held gather sends no weights: they leave all-gathered, as in stage 2)
-            return cls(arrival, all_gathered if held else ToPieces(config), loop, gather)
+        # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
+        pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
+        pieces = (MeanPieces if mean else pieces)(config)
+        if stage == 3:  # (stage 3's weights are quantized in its gathers)
+            return cls(pieces, departure_of(config, pieces=True), loop, gather)
+        all_gathered = departure_of(config, pieces=False)
+        held = stage == 2 and config.sum_order.any_order
+        held = cls(pieces, all_gathered, loop, gather) if held else None
         if mean and grads is not None:
             logger.warning(
                 "zs.sharded(quantize_grads=%r): tx.update here takes the mean gradient, which "
@@ -142,7 +150,7 @@ class Route(NamedTuple):
             )
         else:
             arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
-        return cls(arrival, all_gathered, loop, gather)
+        return cls(arrival, all_gathered, loop, gather, held)
 
 
 def kept_apart(stage: int) -> tuple[bool, bool, bool]:
@@ -155,15 +163,6 @@ def kept_apart(stage: int) -> tuple[bool, bool, bool]:
     """
     check_stage(stage, lowest=0)
     return stage >= 1, stage >= 2, stage >= 3
-
-
-def held_route(config: ShardConfig, stage: int, accum_steps: int = 1) -> Route | None:
-    """Stage 2's route through a loss that gathers (:mod:`zeroshard.training.held`): stage-3
-    pieces in, all-gathered weights out; ``None`` at other stages, and where the
-    fixed-order sums of ``deterministic=`` keep the plain stage-2 step."""
-    if stage != 2 or not config.sum_order.any_order:
-        return None
-    return Route.of(config, 2, accum_steps=accum_steps, held=True)
 
 
 def updated(

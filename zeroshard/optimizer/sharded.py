@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.analysis import check_extra_args
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
-from zeroshard.communication.stage3 import full_structs, is_shard, stage_of
+from zeroshard.communication.stage3 import full_structs, is_shard
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.core.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
@@ -85,14 +85,15 @@ class Sharded:
         split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
         return {i: split(n) for i, n in enumerate(named) if [a for _, a in n] == [others]}
 
-    def specs_of(self, plan: Plan) -> ShardedState:
-        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out."""
+    def specs_of(self, plan: Plan, as_pieces: bool = False) -> ShardedState:
+        """``PartitionSpec`` of every leaf of the global state ``plan`` lays out (beside
+        weights held ``as_pieces``: :attr:`zeroshard.optimizer.state.LayoutKey.pieces`)."""
         axis = self.config.axis_name
         specs = [x.spec(plan, k, axis) for k, x in enumerate(plan.state_kinds)]
         master = plan.master_tree([s.spec(axis) for s in plan.layout.slots])
         scale = None if self.config.loss_scale is None else LossScaleState(P(), P())
         owned = tuple(P(axis) for _ in plan.storage.dtypes)
-        key = LayoutKey.of(self.config.axes, plan.layout)
+        key = LayoutKey.of(self.config.axes, plan.layout, as_pieces)
         inner = plan.state_treedef.unflatten(specs)
         return ShardedState(inner, master, P(), P(), scale, owned, key)
 
@@ -122,6 +123,16 @@ class Sharded:
         """This optimizer with its state split over ``axes`` (itself, where they are
         its own ``axis_name``'s, or none are given)."""
         return _over(self, tuple(axes) or self.config.axes)
+
+    def at_stage(self, stage: int) -> Sharded:
+        """This optimizer at ZeRO ``stage`` (itself, where it is its own): how
+        zeroshard's step and its state take their ``stage=``, decided once in the
+        config, which every reader of the step or the state asks.
+
+        Raises:
+          ValueError: for a stage other than 1, 2 or 3.
+        """
+        return _at_stage(self, stage)
 
     def init(self, params: PyTree) -> ShardedState:
         """``tx.init``: this device's state inside ``shard_map`` over the axis; else the
@@ -193,17 +204,21 @@ class Sharded:
         pieces = plan.layout.pieces(source, jax.lax.axis_index(axis))
         return self.init_parts(plan, pieces, owned_wholes(plan, source))
 
-    def init_parts(self, plan: Plan, pieces: list, wholes: list) -> ShardedState:
+    def init_parts(
+        self, plan: Plan, pieces: list, wholes: list, as_pieces: bool = False
+    ) -> ShardedState:
         """This device's state from its 1-D pieces of the sliced leaves' master values
         (``None`` at owned leaves) and the owned leaves' full ones
-        (:func:`zeroshard.core.branches.owned_wholes`), inside ``shard_map``."""
+        (:func:`zeroshard.core.branches.owned_wholes`), inside ``shard_map``, beside weights
+        held ``as_pieces`` (:attr:`zeroshard.optimizer.state.LayoutKey.pieces`)."""
         axis = self.config.axis_name
         cast = lambda s, p: p.astype(plan.inner_dtypes[s.bucket])  # (the inner dtypes)
         pieces = plan.on_view.grouped(plan.layout.sliced(cast, pieces))
         master = plan.master_tree(pieces)
         inner_state, owned = init_parts(self.inner, plan, axis, pieces, wholes)
         scale = None if self.config.loss_scale is None else self.config.loss_scale.init()
-        zero, key = jnp.zeros((), jnp.float32), LayoutKey.of(self.config.axes, plan.layout)
+        zero = jnp.zeros((), jnp.float32)
+        key = LayoutKey.of(self.config.axes, plan.layout, as_pieces)
         return ShardedState(inner_state, master, zero, jnp.zeros((), jnp.int32), scale, owned, key)
 
     def update(
@@ -241,10 +256,9 @@ class Sharded:
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
         """One sharded step inside ``shard_map`` (:mod:`zeroshard.core.update`): this device's
-        local, unreduced ``grads`` in; the new parameters, laid out as ``params``, and
-        the new state out."""
-        route = Route.of(self.config, stage_of(params))
-        return self._local_update(route, grads, state, params, extra_args)
+        local, unreduced ``grads`` in; the new parameters, laid out as ``params`` (the
+        state says whether as stage 3's pieces), and the new state out."""
+        return self._local_update(grads, state, params, extra_args)
 
     def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
         """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
@@ -277,7 +291,6 @@ class Sharded:
         mesh = find_mesh(self.config, state, any_axes=True)
         splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
         opt, summed = self.spanning(mesh), partial_sums(grads)
-        route = Route.of(opt.config, 1, mean=True, summed=summed)
         num_shards = mesh_size(mesh, opt.config.axis_name)
         plan = opt.plan(params, num_shards, splits)
         opt.check_state(plan, state)
@@ -289,7 +302,7 @@ class Sharded:
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
         step = jax.shard_map(
-            functools.partial(opt._local_update, route, plan=plan if splits else None),
+            functools.partial(opt._local_update, plan=plan if splits else None, summed=summed),
             mesh=mesh,
             in_specs=(grads_at, specs, leaves, P()),
             out_specs=(leaves, specs),
@@ -302,15 +315,20 @@ class Sharded:
 
     def _local_update(
         self,
-        route: Route,
         grads: PyTree,
         state: ShardedState,
         params: PyTree,
         extra_args: dict,
         plan: Plan | None = None,
+        summed: frozenset[str] | None = None,
     ) -> tuple[PyTree, ShardedState]:
-        """The update flow inside ``shard_map``, for gradients arriving by ``route``
-        (by ``plan``, or the plan of the arguments, checked)."""
+        """The update flow inside ``shard_map`` (by ``plan``, or the plan of the
+        arguments, checked), by the route chosen here for the two entries that run it:
+        this device's local ``grads`` (:meth:`apply`; the weights held as the state
+        says), or with ``summed`` the mean gradient (:meth:`apply_mean`: its partial
+        sums over the axes ``summed``, if any)."""
+        stage, mean = 3 if key_of(state).pieces else 1, summed is not None
+        route = Route.of(self.config, stage, mean=mean, summed=summed or frozenset())
         if plan is None:
             plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
         self.check_state(plan, state)
@@ -374,6 +392,13 @@ def _over(opt: Sharded, axes: tuple[str, ...]) -> Sharded:
 
 
 @functools.lru_cache(maxsize=256)
+def _at_stage(opt: Sharded, stage: int) -> Sharded:
+    if stage == opt.config.stage:
+        return opt
+    return Sharded(opt.inner, dataclasses.replace(opt.config, stage=stage))
+
+
+@functools.lru_cache(maxsize=256)
 def _plan(opt: Sharded, layout: Layout) -> Plan:
     plan = make_plan(opt.inner, opt.config, layout)
     _log_owned(plan)
@@ -430,7 +455,13 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def over(self, axes: tuple[str, ...]) -> ShardedTransformation:
         """This transformation with its state split over ``axes`` (see
         :meth:`Sharded.over`); e.g. ``tx.over(opt_state.layout.axes)``."""
-        opt = self.optimizer.over(axes)
+        return self._as(self.optimizer.over(axes))
+
+    def at_stage(self, stage: int) -> ShardedTransformation:
+        """This transformation at ZeRO ``stage`` (see :meth:`Sharded.at_stage`)."""
+        return self._as(self.optimizer.at_stage(stage))
+
+    def _as(self, opt: Sharded) -> ShardedTransformation:
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
 
     def shard_params(self, params: PyTree) -> PyTree:

@@ -30,16 +30,21 @@ class LayoutKey:
       splits: the leaves it keeps block by block over the mesh's other axes, as
         ``(index, *fields of its split)`` (:class:`zeroshard.core.layout.Split`): plain
         data, so that pickle and Flax's msgpack serialization take it.
+      pieces: whether the weights beside it are :class:`zeroshard.Piece` pieces
+        (zeroshard's step at stage 3, the stage of its optimizer's config): what a
+        reader of the state (``zs.to_optax_state``, a checkpoint) asks, not the weights.
     """
 
     axes: tuple[str, ...]
     splits: tuple[tuple, ...] = ()
+    pieces: bool = False
 
     @classmethod
-    def of(cls, axes: tuple[str, ...], layout: Layout) -> LayoutKey:
-        """The key of a state split over ``axes`` as ``layout`` lays it out."""
+    def of(cls, axes: tuple[str, ...], layout: Layout, pieces: bool = False) -> LayoutKey:
+        """The key of a state split over ``axes`` as ``layout`` lays it out, beside
+        weights held as pieces or not."""
         splits = tuple((i, *dataclasses.astuple(x)) for i, x in layout.splits.items())
-        return cls(tuple(axes), splits)
+        return cls(tuple(axes), splits, pieces)
 
     @property
     def by_leaf(self) -> dict[int, Split]:

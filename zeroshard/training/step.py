@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.analysis.reads import reads_only_gathered
 from zeroshard.communication.arrival import Nested
 from zeroshard.communication.collectives import mesh_size
-from zeroshard.communication.stage3 import full_structs, is_shard, layout_of, to_shards
+from zeroshard.communication.departure import departure_of
+from zeroshard.communication.stage3 import full_structs, layout_of, to_shards
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import (
@@ -38,10 +39,9 @@ from zeroshard.core.mesh import (
     run_on_mesh,
 )
 from zeroshard.core.state_layout import StateLayout, state_layout
-from zeroshard.core.update import Route, held_route, updated
-from zeroshard.optimizer.checks import check_stage
+from zeroshard.core.update import Route, kept_apart, updated
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
-from zeroshard.optimizer.state import TrainState
+from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training import held, step_io
 from zeroshard.training.whole_mesh import Fallback
 
@@ -95,13 +95,14 @@ def init_train_state(
       ValueError: if ``mesh`` has no ``axis_name`` or it differs from the optimizer's.
     """
     check_mesh(optimizer_of(tx).config, mesh, axis_name)
-    check_stage(stage)
     cast = lambda x: jnp.array(x, dtype=param_dtype or x.dtype, copy=True)
     structs = jax.eval_shape(partial(jax.tree.map, cast), params)
     own = own_layout(params, mesh.axis_names) if param_specs is None else param_specs
-    built = state_layout(tx, mesh, structs, own)  # (over the mesh's other axes too)
-    departure = Route.of(built.tx.config, stage).departure
-    tx, plan, axis_name, specs = built.tx, built.plan, built.axis_name, built.specs(departure)
+    # (over the mesh's other axes too; the stage decided once, in the config)
+    built = state_layout(tx.at_stage(stage), mesh, structs, own)
+    tx, plan, axis_name = built.tx, built.plan, built.axis_name
+    departure = departure_of(tx.config, kept_apart(tx.config.stage)[2])
+    specs = built.specs(departure)
     copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
     if departure.pieces:  # (never the whole model on every device: see _stage3_parts)
         parts, part_specs = _stage3_parts(plan.layout, params, mesh, axis_name)
@@ -110,7 +111,7 @@ def init_train_state(
             index, layout = jax.lax.axis_index(axis_name), plan.layout
             pieces = layout.sliced(lambda s, x: x.reshape(-1), parts)
             wholes = owned_wholes(plan, layout.treedef.unflatten(parts))
-            opt_state = tx.optimizer.init_parts(plan, pieces, wholes)
+            opt_state = tx.optimizer.init_parts(plan, pieces, wholes, as_pieces=True)
             cut = lambda s, x: cast(x).reshape(-1) if not s.owned else s.cut(cast(x), index)
             shards = to_shards(
                 layout, [cut(s, x) for s, x in zip(layout.slots, parts, strict=True)]
@@ -196,12 +197,13 @@ class TrainStep:
     accum_steps: int = 1
 
     def __post_init__(self) -> None:
-        self.opt = optimizer_of(self.tx)
-        axes, stage, k = self.opt.config.batch_axes, self.stage, self.accum_steps
-        self.axis_name = check_mesh(self.opt.config, self.mesh, self.axis_name)
-        check_stage(stage)
+        k = self.accum_steps
+        self.axis_name = check_mesh(optimizer_of(self.tx).config, self.mesh, self.axis_name)
+        # The stage decided once, in the config the step carries (and its state's)
+        self.tx = self.tx.at_stage(self.stage)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {k!r}.")
+        self.opt, axes = self.tx.optimizer, self.tx.config.batch_axes
         # The state's axes: the batch's, and the mesh's others (e.g. a tensor-parallel
         # "model" axis), over which the update runs manual too (rest).
         self.state_tx = self.tx.for_step(self.mesh)
@@ -209,8 +211,7 @@ class TrainStep:
         self.rest = self.opt.other_axes(self.mesh)
         # The micro-batches run over the batch axes; with other axes, the gradients
         # arrive manual over those axes too (nested; so does the update).
-        loop = Route.of(self.opt.config, stage, accum_steps=k).loop
-        self.route = Route.of(self.state_tx.config, stage, accum_steps=k)._replace(loop=loop)
+        self.route = Route.of(self.state_tx.config, accum_steps=k, batch_axes=axes)
         self.nested = Nested(self.route.arrival, self.rest) if self.rest else None
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
@@ -218,7 +219,7 @@ class TrainStep:
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
         self._fallback = Fallback(self)  # (see the class)
         # Stage 2 with a loss that gathers (its pieces are over the batch axes)
-        self.held_route = None if self.nested else held_route(self.opt.config, stage, k)
+        self.held_route = None if self.nested else self.route.held
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
 
@@ -332,13 +333,12 @@ class TrainStep:
         self, state: TrainState, batch: PyTree, key: Key, layout: Any = None
     ) -> Result:
         self.route.loop.check_batch(batch, self.batch_parts)
-        leaves = jax.tree.leaves(state.params, is_leaf=is_shard)
         pieces = self.route.departure.pieces
-        if any(is_shard(x) != pieces for x in leaves):
+        if key_of(state.opt_state).pieces != pieces:  # (as the state says it holds them)
             raise ValueError(
-                f"this is a stage-{self.stage} step, but the state's params are "
+                f"this is a stage-{self.opt.config.stage} step, but the state's params are "
                 f"{'replicated (stage 1/2)' if pieces else 'pieces (stage 3)'}: build "
-                f"the state with zs.init_train_state(..., stage={self.stage})."
+                f"the state with zs.init_train_state(..., stage={self.opt.config.stage})."
             )
         built = self.layout_for(state.params, layout)
         built.tx.optimizer.check_state(built.plan, state.opt_state)  # (made for this layout)

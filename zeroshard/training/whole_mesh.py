@@ -18,7 +18,6 @@ to it when the loss raises per device, so the same loss works with no option to 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.jit_pieces import apply_pieces
-from zeroshard.communication.stage3 import stage_of
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import StepContext, in_step
 from zeroshard.core.state_layout import drop_in_is_step, state_layout
-from zeroshard.optimizer.sharded import Sharded, optimizer_of
-from zeroshard.optimizer.state import TrainState
+from zeroshard.core.update import kept_apart
+from zeroshard.optimizer.sharded import optimizer_of
+from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training.step_io import placed, step_loss, step_metrics
 
 logger = logging.getLogger(__name__)
@@ -47,9 +46,9 @@ class WholeMeshStep:
     def __init__(self, loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict):
         self.tx, self.opt, self.mesh = tx, optimizer_of(tx), mesh
         self.loss_fn, self.has_aux = loss_fn, options["has_aux"]
-        # (stage 3: the drop-in's, whose pieces are the step's bytes)
-        config = dataclasses.replace(self.opt.config, stage=3)
-        self.three = Sharded(self.opt.inner, config).spanning(mesh)
+        # (stage 3, the step's config's: the drop-in's, whose pieces are the step's bytes)
+        self.pieces = kept_apart(self.opt.config.stage)[2]
+        self.three = self.opt.spanning(mesh)
         donate = (0,) if options["donate"] else ()
         self.jitted = jax.jit(self._step, static_argnums=3, donate_argnums=donate)
 
@@ -57,14 +56,16 @@ class WholeMeshStep:
         scale = state.opt_state.loss_scale  # (the update divides the gradients by it)
         loss_fn = step_loss(self.loss_fn, self.has_aux, scale)
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-        pieces = stage_of(state.params) == 3
         with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
             (loss, (aux, model_state)), grads = value_and_grad(
                 state.params, batch, key, state.model_state
             )
         loss = loss if scale is None else loss / scale.scale
-        if pieces:  # (the drop-in's update of its weights, as pieces again)
-            params, opt_state = apply_pieces(self.three, grads, state.opt_state, state.params, {})
+        if self.pieces:  # (the drop-in's update of its weights, as pieces again)
+            made = key_of(state.opt_state)  # (the drop-in's state's, then the step's again)
+            opt_state = state.opt_state._replace(layout=made._replace(pieces=False))
+            params, opt_state = apply_pieces(self.three, grads, opt_state, state.params, {})
+            opt_state = opt_state._replace(layout=made)
         else:  # (the state kept as zeroshard's step keeps it)
             update = self.opt.apply_mean
             params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
@@ -74,8 +75,8 @@ class WholeMeshStep:
 
     def _args(self, state: TrainState, batch: PyTree, key: Any) -> tuple:
         batch = placed(batch, NamedSharding(self.mesh, P(self.opt.config.batch_axes)))
-        three = stage_of(state.params) == 3  # (the drop-in's stage 3: its own splits)
-        splits = () if three else state_layout(self.tx, self.mesh, state.params).splits
+        # (the drop-in's stage 3: its own splits)
+        splits = () if self.pieces else state_layout(self.tx, self.mesh, state.params).splits
         return state, batch, key, splits
 
     def __call__(self, state: TrainState, batch: PyTree, key: Any = None) -> Any:
@@ -99,7 +100,7 @@ class Fallback:
     :class:`WholeMeshStep` the step falls back to once it has."""
 
     def __init__(self, step: Any):
-        options = {k: getattr(step, k) for k in ("stage", "accum_steps", "has_aux", "donate")}
+        options = {k: getattr(step, k) for k in ("accum_steps", "has_aux", "donate")}
         self.loss_fn, self.args = step.loss_fn, (step.tx, step.mesh, options)
         self.error: Exception | None = None
         self.step: WholeMeshStep | None = None
@@ -129,8 +130,9 @@ class Fallback:
 def whole_mesh_step(
     loss_fn: Callable[..., Any], tx: Any, mesh: Any, options: dict, error: Exception
 ) -> WholeMeshStep:
-    """The :class:`WholeMeshStep` for a step with ``options`` (``stage``,
-    ``accum_steps``, ``has_aux``, ``donate``) whose loss raised ``error`` per device.
+    """The :class:`WholeMeshStep` for a step of ``tx`` (at its config's stage) with
+    ``options`` (``accum_steps``, ``has_aux``, ``donate``) whose loss raised ``error``
+    per device.
 
     Raises:
       ValueError: ``error``, with a note naming the option this step cannot run so
@@ -139,7 +141,7 @@ def whole_mesh_step(
         and what to do instead.
     """
     config = optimizer_of(tx).config
-    three = options["stage"] > 2  # (the drop-in's stage 3 refuses quantized weights too)
+    three = kept_apart(config.stage)[2]  # (the drop-in's stage 3 refuses quantized weights)
     try:  # (jax.grad reduces the gradients there: in its order, not quantized)
         config.check_in_jit(mesh, pieces=three)
         fixed = False
