@@ -40,7 +40,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zeroshard import canonical, quantized
-from zeroshard.clipping import local_squares
 from zeroshard.comm import axes_of, is_identity, summed_parts, vary
 from zeroshard.config import ShardConfig
 from zeroshard.layout import Layout, PyTree
@@ -111,13 +110,17 @@ class Arrival:
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
         """The global L2 norm of the mean gradient from this device's part (its
-        ``pieces`` of the sliced leaves, by leaf, and its owned ``rows``), and whether
-        it is finite: one scalar all-reduce, so every device takes the same decision.
-        A ``nan`` or ``inf`` anywhere makes the summed squares non-finite, so they carry
-        the verdict with no reduction of their own (as does a norm past float32's
-        range, about 1.8e19, where every update would overflow anyway)."""
-        axis = self.config.axis_name
-        squares = local_squares([g for g in (*pieces, *rows) if g is not None])
+        ``pieces`` of the sliced leaves, by leaf, grouped as
+        :attr:`zeroshard.placement.Plan.on_view` holds them, and its owned ``rows``),
+        and whether it is finite: one scalar all-reduce, so every device takes the
+        same decision. A ``nan`` or ``inf`` anywhere makes the summed squares
+        non-finite, so they carry the verdict with no reduction of their own (as does
+        a norm past float32's range, about 1.8e19, where every update would overflow
+        anyway). Each leaf's squares are summed alone, then the leaves' sums in leaf
+        order (the same bits with groups as without)."""
+        axis, square = self.config.axis_name, lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
+        sums = [*plan.on_view.each(square, pieces), *(square(r) for r in rows if r is not None)]
+        squares = sum((x for x in sums if x is not None), jnp.float32(0))
         if not is_identity(squares, axis):
             squares = jax.lax.psum(squares, axis)
         return jnp.sqrt(squares), jnp.isfinite(squares)
@@ -342,7 +345,7 @@ class Canonical:
     def norm_and_finite(
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
-        layout, parts = plan.layout, []
+        layout, parts, pieces = plan.layout, [], plan.on_view.ungrouped(pieces)
         square = lambda x: jnp.square(x.astype(jnp.float32))
         for i, s in enumerate(layout.slots):
             if not s.owned:

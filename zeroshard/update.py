@@ -213,9 +213,7 @@ def updated(
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
     # The norm leaf by leaf, as without groups (the same sum, the same bits).
     with scope(GRAD_NORM):
-        grad_norm, finite = arrival.norm_and_finite(
-            plan, plan.on_view.ungrouped(grad_pieces), grad_rows
-        )
+        grad_norm, finite = arrival.norm_and_finite(plan, grad_pieces, grad_rows)
     with scope(UPDATE):
         update_branch = _branch_update(inner, config, plan, route, extra_args, prepare)
         # (a leaf updated a piece at a time prepares its gradient a piece at a time: no
