@@ -375,14 +375,11 @@ class Slot:
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
-        m = self.split.blocks
-        return self.own(leaf if m == 1 else self.split.block(leaf, index % m), index)
+        return self.own(self.split.block(leaf, index % self.split.blocks), index)
 
     def piece_index(self, index: jax.Array | int) -> jax.Array | int:
-        """Which piece of its block device ``index`` holds (``index`` itself, for a
-        leaf of one block: no division traced)."""
-        m = self.split.blocks
-        return index if m == 1 else index // m
+        """Which piece of its block device ``index`` holds (no division traced for one)."""
+        return index if self.split.blocks == 1 else index // self.split.blocks
 
     def blocks(self, leaf: jax.Array) -> jax.Array:
         """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for

@@ -399,15 +399,12 @@ class Grouping:
         :meth:`grouped` holds them: a group's leaves by one ``jax.lax.map`` over its
         buffer's rows (each row computed as its leaf alone: the same bits), not by a
         slice and a kernel of its own per leaf."""
-        out, firsts = list(leaves), {g[0]: g for g in self.groups}
-        for i, x in enumerate(leaves):
-            if i in firsts:
-                g = firsts[i]
-                rows = jax.lax.map(fn, jnp.ravel(x).reshape(len(g), -1))
-                for k, j in enumerate(g):
-                    out[j] = rows[k]
-            elif x is not None:
-                out[i] = fn(x)
+        firsts = {g[0] for g in self.groups}
+        out = [None if x is None or i in firsts else fn(x) for i, x in enumerate(leaves)]
+        for g in self.groups:
+            rows = jax.lax.map(fn, jnp.ravel(leaves[g[0]]).reshape(len(g), -1))
+            for k, i in enumerate(g):
+                out[i] = rows[k]
         return out
 
     def ungrouped(self, leaves: list) -> list:
