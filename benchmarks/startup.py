@@ -24,7 +24,10 @@ is off unless the environment turns it on).
   kinds, the inner optimizer's ``update`` calls (traces) and the leaves they saw,
   and ``retrace``: the step traced again for a batch of another size (the plan and
   the inner update's cached trace reused). ``--xla-passes`` adds XLA's time per HLO
-  pass pipeline of the step's compile (from XLA's own log), the passes summed by name.
+  pass pipeline of the step's compile (from XLA's own log), the passes summed by name;
+``--kernels`` the kernels XLA compiled for the step (from its object files: each
+distinct kernel once; a kernel of its own per leaf is what made zeroshard's compile
+slow on CPU).
 
 ``--optimizer lamb`` or ``clip`` (``clip_by_global_norm`` then AdamW) takes the path
 where global sums are inserted into the inner update. ``--trees before=DIR after=DIR``
@@ -46,9 +49,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 STAGES = ("analysis", "plan", "init", "trace", "retrace", "lower", "compile", "first run")
@@ -85,6 +90,9 @@ def main() -> None:
     )
     parser.add_argument("--no-replicated", action="store_true", help="zeroshard variants only")
     parser.add_argument("--no-dropin", action="store_true", help="leave out the drop-in")
+    parser.add_argument(
+        "--kernels", action="store_true", help="(breakdown) count the step's compiled kernels"
+    )
     parser.add_argument(
         "--until", choices=("lower", "run"), default="run", help="(breakdown) last stage"
     )
@@ -139,8 +147,15 @@ def run_child(args, variant: str, mode: str, leaves: int, trees: dict) -> dict:
     passes = args.xla_passes and mode == "breakdown"
     if passes:  # XLA logs each HLO pass's time at this verbosity
         env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    dump = tempfile.mkdtemp() if args.kernels and mode == "breakdown" else None
+    if dump:  # XLA writes each kernel it compiles (identical ones once) as an object file
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     row = json.loads(done.stdout.strip().splitlines()[-1])
+    if dump:
+        files = os.listdir(dump)
+        row["kernels"] = sum(f".{row['hlo_module']}.obj-file." in f for f in files)
+        shutil.rmtree(dump)
     if passes:
         row["xla_passes"] = pass_times(done.stderr)
     return row
@@ -387,6 +402,7 @@ def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[obj
     return out, {
         **sizes,
         "hlo_instructions": len(ops),
+        "hlo_module": re.search(r"HloModule (\S+?),", compiled.as_text()).group(1),
         "hlo_ops": {op: sum(o == op for o in ops) for op in OPS},
     }
 
@@ -442,16 +458,17 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
         "\n### Where the time goes (seconds, medians; analysis: the placement analysis, "
         "plan: the rest of the plan and layout, each taken out of the stage it ran in; "
         "inner traces: the inner optimizer's update calls (leaves they saw); HLO: "
-        "instructions of the compiled step)\n"
+        "instructions of the compiled step; kernels: those XLA compiled for it, each "
+        "distinct one once, with --kernels)\n"
     )
     print(
         "| leaves | variant | "
         + " | ".join(STAGES)
-        + " | sum | inner traces | jaxpr eqns | HLO instr | "
+        + " | sum | inner traces | jaxpr eqns | HLO instr | kernels | "
         + " | ".join(OPS)
         + " |"
     )
-    print("|---:|---|" + "---:|" * (len(STAGES) + 4 + len(OPS)))
+    print("|---:|---|" + "---:|" * (len(STAGES) + 5 + len(OPS)))
     for leaves in leaves_list:
         for variant in variants:
             rows = by[leaves, "breakdown", variant]
@@ -462,7 +479,8 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
             traces = f"{rows[0].get('inner_traces', 0)} ({rows[0].get('inner_leaves', 0):,})"
             print(
                 f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | {traces} | "
-                f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | {ops} |"
+                f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | "
+                f"{rows[0].get('kernels', '-')} | {ops} |"
             )
     passes = [r for r in results if "xla_passes" in r]
     if passes:
