@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument(
         "--no-breakdown", action="store_true", help="only the end-to-end time to first step"
     )
+    parser.add_argument("--no-total", action="store_true", help="only the breakdown")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument(
         "--trees", nargs="+", default=[], metavar="LABEL=DIR", help="zeroshard trees to compare"
@@ -108,7 +109,7 @@ def main() -> None:
 
     results = []
     modes = ("total",) if args.no_breakdown else ("total", "breakdown")
-    modes = ("breakdown",) if args.until == "lower" else modes
+    modes = ("breakdown",) if args.until == "lower" or args.no_total else modes
     trees = dict(t.split("=", 1) for t in args.trees)
     kinds = ("zeroshard",) if args.no_dropin else ("zeroshard", "dropin")
     variants = [f"{k}:{label}" for label in trees for k in kinds] or list(kinds)
