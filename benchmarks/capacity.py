@@ -12,7 +12,7 @@ weights, on N devices:
 - ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step;
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
-  reduce-scatters each layer's gradient in the backward pass, ``zeroshard.held``),
+  reduce-scatters each layer's gradient in the backward pass, ``zeroshard.training.held``),
   stage 1 with the plain one (``--prefetch``: stages 2 and 3 scan with ``zs.layers``,
   each layer's weights gathered while the layer before runs).
 
@@ -84,7 +84,7 @@ def formula(variant: str, n: int) -> float | None:
 def gathering(stage: int) -> int:
     """The loss a zeroshard stage trains: stages 2 and 3 the one that gathers each block
     (``compare.transformer_loss(3, ...)``: ``zs.layer`` in the scan), so that stage 2
-    reduce-scatters each layer's gradient in the backward pass (``zeroshard.held``);
+    reduce-scatters each layer's gradient in the backward pass (``zeroshard.training.held``);
     stage 1 the plain one."""
     return 3 if stage >= 2 else stage
 

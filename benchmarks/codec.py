@@ -30,7 +30,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from zeroshard.quantized import Quantizer
+    from zeroshard.communication.quantized import Quantizer
 
     def timed(fn, x):
         jax.block_until_ready(fn(x))

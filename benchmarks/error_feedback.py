@@ -7,7 +7,7 @@ it would buy, on one device: the demo's language model (bf16 parameters, fp32 ma
 AdamW with global-norm clipping, as ``benchmarks/quantized.py``) trained with the mean
 of ``--devices`` simulated devices' gradients (the global batch split as zeroshard's
 step splits it), each cut into zeroshard's pieces and sent through
-:class:`zeroshard.quantized.Quantizer` codes exactly as the quantized reduce-scatter
+:class:`zeroshard.communication.quantized.Quantizer` codes exactly as the quantized reduce-scatter
 does, with and without each device's residual added back. Prints the final losses
 (the mean of the last ``--tail`` steps) against the exact mean's, writes JSON.
 
@@ -40,7 +40,7 @@ def main() -> None:
     import optax
     from quantized import demo_run
 
-    from zeroshard.quantized import Quantizer
+    from zeroshard.communication.quantized import Quantizer
 
     n, q = args.devices, Quantizer(args.bits, args.block)
     params, loss_fn, inner, batch_at = demo_run(args.data, args.steps)

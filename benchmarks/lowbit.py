@@ -247,7 +247,7 @@ def below_grid(state) -> dict[str, float]:
     import numpy as np
     import optax
 
-    from zeroshard.lowbit import LowBit
+    from zeroshard.core.lowbit import LowBit
 
     shares = {}
     for moment in ("mu", "nu"):

@@ -57,7 +57,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jaxlib|optax|flax|nnx|orbax|ocp|numpy|np|jnp|chex)(\..*)?"),
     (r"py:.*", r"(typing|collections|dataclasses|enum|os|pathlib|logging|signal)(\..*)?"),
     (r"py:.*", r"(etils|ArrayTree)(\..*)?"),
-    (r"py:class", r"PyTree"),  # zeroshard.layout.PyTree: an alias of Any
+    (r"py:class", r"PyTree"),  # zeroshard.core.layout.PyTree: an alias of Any
 ]
 
 html_theme = "sphinx_book_theme"
@@ -89,7 +89,7 @@ def _find(path: str):
 
 def _internal_reference(app, env, node, contnode):
     """Docstrings name internal modules, classes and functions (``:func:`arrive```,
-    ``:class:`zeroshard.placement.Storage```) that the reference does not document.
+    ``:class:`zeroshard.core.placement.Storage```) that the reference does not document.
     Such a reference is kept as plain text when it names a real zeroshard object,
     looked up the way Python's domain would (absolute, then from the current module
     and class); any other unresolved reference stays a warning, so a typo or a

@@ -26,6 +26,13 @@ if os.environ.get("ZEROSHARD_TEST_XLA_OPT") != "default":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+# Eight simulated devices are eight threads on the machine's cores: on a loaded 2-core
+# machine one collective's threads can take longer than the CPU backend's 40 s to meet,
+# and it then aborts the process (a "Termination timeout" of its rendezvous). Waiting
+# longer changes no result; a real deadlock still ends, after 10 minutes.
+if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 import jax
 import numpy as np

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
-from zeroshard.logical import logical_spec
+from zeroshard.checkpointing.logical import logical_spec
 
 
 def leaves(rng):

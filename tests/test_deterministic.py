@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_trees_close, assert_within_bf16_rounding, make_mesh, reference_run
 
 import zeroshard as zs
-from zeroshard import canonical
+from zeroshard.communication import canonical
 
 PARTS, STEPS, ROWS = 16, 20, 32  # micro-batches (2 per device on 8), steps, global batch
 

@@ -69,7 +69,11 @@ def test_reference_documents_public_names_once():
     ("old", "new", "expected"),
     [
         ("Shard", "zs.Piece", lambda: zeroshard.Piece),
-        ("Sharded", "tx.optimizer", lambda: zeroshard.sharded(optax.sgd(0.1)).optimizer.__class__),
+        (
+            "Sharded",
+            "tx.optimizer",
+            lambda: zeroshard.sharded(optax.sgd(0.1)).optimizer.__class__,
+        ),
         ("collectives", "zs.compiled_collectives", lambda: zeroshard.compiled_collectives),
     ],
 )

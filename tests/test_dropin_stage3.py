@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import zeroshard as zs
 import zeroshard.flax as zf
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
-from zeroshard.lowbit import Codes
+from zeroshard.core.lowbit import Codes
 
 WIDTH, VOCAB = 64, 32
 SCATTERED = functools.partial(zs.layers, reduce_scatter=True)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import zeroshard as zs
 import zeroshard.flax as zf
 from zeroshard.checkpointing import ShardedRestore, ShardedSave
-from zeroshard.instruments import compiled_collectives
+from zeroshard.measuring.instruments import compiled_collectives
 
 # A column-parallel then a row-parallel layer (Megatron's MLP) over "model", and a
 # replicated bias.

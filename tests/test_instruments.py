@@ -11,8 +11,8 @@ from helpers import awkward_loss, awkward_params, batches, make_mesh
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
-from zeroshard.scopes import scopes_of
-from zeroshard.update import Route
+from zeroshard.core.update import Route
+from zeroshard.measuring.scopes import scopes_of
 
 
 def mlp_params(rng, dtype=jnp.float32):

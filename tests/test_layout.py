@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeroshard.layout import WHOLE, Layout, Split
-from zeroshard.stage3 import piece_blocks, piece_from_owners
+from zeroshard.communication.stage3 import piece_blocks, piece_from_owners
+from zeroshard.core.layout import WHOLE, Layout, Split
 
 
 def tree(rng):

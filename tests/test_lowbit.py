@@ -15,9 +15,9 @@ import pytest
 from helpers import make_mesh
 
 import zeroshard as zs
-from zeroshard import piecewise
-from zeroshard.instruments import state_bytes_per_device
-from zeroshard.lowbit import Codes, lowbit
+from zeroshard.core import piecewise
+from zeroshard.core.lowbit import Codes, lowbit
+from zeroshard.measuring.instruments import state_bytes_per_device
 
 GRIDS = {8: (256, (127, 16.0), (255, 32.0)), 4: (128, (7, 1.5), (15, 3.0))}
 ROOT_POWER = 0.5  # (a square root is coded right on average in its square root)

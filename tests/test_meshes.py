@@ -39,7 +39,7 @@ def test_hierarchical_sharding_matches_plain_optax(inner, stage, rng):
 
 
 def test_hierarchical_stage2_through_gathers_matches_plain_optax(rng):
-    """Stage 2 through a loss that gathers (zeroshard.held) on a replica axis: each
+    """Stage 2 through a loss that gathers (zeroshard.training.held) on a replica axis: each
     gathered leaf's gradient is reduce-scattered over the sharding axis, then averaged
     over the replica axis, as plain optax's mean gradient."""
     params, data = awkward_params(rng), batches(rng, 3)

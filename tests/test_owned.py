@@ -14,7 +14,7 @@ from helpers import awkward_loss, awkward_params, batches, make_mesh
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
-from zeroshard.state_kinds import ReplicatedState
+from zeroshard.core.state_kinds import ReplicatedState
 
 # optax/_src/alias_test.py's _OPTIMIZERS_UNDER_TEST (optax 0.2.8): name and kwargs.
 ALIAS_LIST = [
@@ -465,7 +465,7 @@ def test_factored_adafactor_at_real_sizes(skip_nonfinite):
     data = [{"x": f(32, 128) * 20, "y": f(32, 128) * 20} for _ in range(3)]
     mesh = make_mesh(8)
     # Forced owned: left to itself, zeroshard updates these two dominant matrices on
-    # blocks of rows on every device (zeroshard.blocks), and no device sees a stand-in.
+    # blocks of rows on every device (zeroshard.core.blocks), and no device sees a stand-in.
     owned = {"up": "owned", "down": "owned", "b": None}
     tx = zs.sharded(optax.adafactor(1e-2), skip_nonfinite=skip_nonfinite, placement=owned)
     state = zs.init_train_state(params, tx, mesh)

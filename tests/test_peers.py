@@ -12,7 +12,7 @@ import pytest
 from multihost_runs import Run
 
 import zeroshard as zs
-from zeroshard.peers import EXIT_CODE
+from zeroshard.training.peers import EXIT_CODE
 
 
 def lost_peer(tmp_path, sig, timeout):
@@ -71,7 +71,7 @@ with watchdog.watch("step 7"):
 
 @pytest.mark.parametrize("logging_setup", ["default", "configured"])
 def test_the_watchdog_s_message_is_a_critical_log_record(logging_setup, tmp_path):
-    """The message goes through the ``zeroshard.peers`` logger: to stderr when the
+    """The message goes through the ``zeroshard.training.peers`` logger: to stderr when the
     program configured no logging, else to its handlers (flushed before the exit)."""
     proc = subprocess.run(
         [sys.executable, "-c", WATCHDOG_FAILS, logging_setup, str(tmp_path)],
@@ -86,4 +86,4 @@ def test_the_watchdog_s_message_is_a_critical_log_record(logging_setup, tmp_path
     assert message + "JaxRuntimeError: Connection reset by peer" in out, (proc.stdout, proc.stderr)
     assert f"no finalised step in {tmp_path}" in out
     if logging_setup == "configured":
-        assert out.startswith("zeroshard.peers CRITICAL zeroshard: process 0 of 1 stops")
+        assert out.startswith("zeroshard.training.peers CRITICAL zeroshard: process 0 of 1 stops")

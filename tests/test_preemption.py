@@ -94,7 +94,7 @@ def test_the_guard_in_one_process_stops_after_the_step_in_flight(caplog):
         assert guard.requested and guard.should_stop(2) and guard.stop_step == 2
         assert guard.should_stop(2) and not guard.should_stop(3)  # one stop step
     (record,) = caplog.records  # logged once, when the stop step is decided
-    assert (record.name, record.levelno) == ("zeroshard.preemption", logging.WARNING)
+    assert (record.name, record.levelno) == ("zeroshard.training.preemption", logging.WARNING)
     assert record.getMessage() == "zeroshard: preemption signalled; stopping at step 2"
     assert signal.getsignal(signal.SIGTERM) is previous  # handler put back
 

@@ -12,9 +12,9 @@ import pytest
 from helpers import awkward_loss, awkward_params, batches, layered_loss, layered_params, make_mesh
 
 import zeroshard as zs
-from zeroshard.quantized import Quantizer
-from zeroshard.scopes import scopes_of
-from zeroshard.update import Route
+from zeroshard.communication.quantized import Quantizer
+from zeroshard.core.update import Route
+from zeroshard.measuring.scopes import scopes_of
 
 BITS = {"int8": 8, "int4": 4}
 
@@ -402,7 +402,7 @@ def test_dropin_gathers_quantized_weights_and_says_grads_are_not(stage, rng, cap
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    with caplog.at_level("WARNING", logger="zeroshard.sharded"), jax.set_mesh(mesh):
+    with caplog.at_level("WARNING", logger="zeroshard.optimizer.sharded"), jax.set_mesh(mesh):
         new, _ = step(params, tx.init(params), batch)
     assert ("no gradient is quantized" in caplog.text) == (stage == 1)
     master = sgd_after(params, jax.grad(awkward_loss)(params, batch))

@@ -580,7 +580,7 @@ def test_stage3_owners_get_the_weights_their_update_reads(optimizer, setups, exp
 
 # A whole-tensor unit larger than a device's share (both of the MLP's factored
 # matrices; the embedding under Muon's default, which orthogonalises every 2-D leaf) is
-# updated on blocks of rows or columns on every device (zeroshard.blocks).
+# updated on blocks of rows or columns on every device (zeroshard.core.blocks).
 
 BLOCKED = {"adafactor": ("mlp", {"['up']", "['down']"}), "muon": ("embed", {"['embed']"})}
 

@@ -11,7 +11,7 @@ from helpers import assert_trees_close, make_mesh, reference_run
 
 import zeroshard as zs
 import zeroshard.flax as zf
-from zeroshard.layout import Layout
+from zeroshard.core.layout import Layout
 
 LAYERS, WIDTH = 4, 16
 

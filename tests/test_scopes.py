@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
-from zeroshard import scopes
-from zeroshard.scopes import SCOPES, scopes_of
+from zeroshard.measuring import scopes
+from zeroshard.measuring.scopes import SCOPES, scopes_of
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 

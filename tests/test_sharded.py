@@ -152,7 +152,7 @@ def test_leaves_that_need_whole_tensors_are_owned(name):
     with jax.set_mesh(make_mesh(8)):
         jax.eval_shape(tx.init, big)
     layout = tx.plan(big, 8).layout
-    # (owned whole, or, where their rows divide by the devices, blocked: see zeroshard.blocks)
+    # (owned whole, or, where their rows divide by the devices, blocked: see zeroshard.core.blocks)
     owned = {s.path[2:-2] for s in layout.slots if s.placement in ("owned", "blocked")}
     assert owned == expected
 

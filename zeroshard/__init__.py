@@ -1,25 +1,23 @@
 """zeroshard: ZeRO for JAX — optimizer state and master weights sharded over data-parallel devices.
 
-The optimizer: :mod:`~zeroshard.config` (its options), :mod:`~zeroshard.sharded` (the
-optax wrapper and its state), :mod:`~zeroshard.update` (the one update flow). The data
-flow of one step, module by module: :mod:`~zeroshard.layout` (each leaf's placement and
-geometry), :mod:`~zeroshard.placement` (choosing placements from
-:mod:`~zeroshard.analysis` of the traced update), :mod:`~zeroshard.arrival` and
-:mod:`~zeroshard.departure` (how gradients arrive and weights leave: reduce-scatter,
-all-gather, stage-3 pieces), :mod:`~zeroshard.branches` (per-owner work),
-:mod:`~zeroshard.stage3` (weights as pieces), :mod:`~zeroshard.step` (the jitted
-step). Around the loop: :mod:`~zeroshard.checkpointing` (its manager, metadata record
-and integrity checks) with :mod:`~zeroshard.logical`, :mod:`~zeroshard.preemption`,
-:mod:`~zeroshard.peers`, :mod:`~zeroshard.memory`.
+The package's folders follow the data flow: :mod:`~zeroshard.optimizer` (``zs.sharded``,
+its options and state), :mod:`~zeroshard.core` (each leaf's layout and placement, the one
+update flow), :mod:`~zeroshard.communication` (how gradients arrive and weights leave:
+reduce-scatter, all-gather, quantized codes, the fixed order, stage 3's gathers),
+:mod:`~zeroshard.training` (zeroshard's own step, its micro-batches, preemption),
+:mod:`~zeroshard.checkpointing` (orbax checkpoints of the logical state),
+:mod:`~zeroshard.analysis` (what the traced update reads) and
+:mod:`~zeroshard.measuring` (bytes per device, collectives, the planner);
+:mod:`zeroshard.flax` integrates Flax NNX and Linen.
 """
 
 from importlib import metadata as _metadata
 
 from zeroshard.analysis import NotElementwiseError
 from zeroshard.checkpointing import CheckpointCorruptedError, CheckpointManager, checksums
-from zeroshard.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
-from zeroshard.config import ShardConfig
-from zeroshard.instruments import (
+from zeroshard.checkpointing.logical import from_optax_state, to_optax_state
+from zeroshard.communication.stage3 import Piece, gather, layer, layers
+from zeroshard.measuring.instruments import (
     Collective,
     collective_dtypes,
     compiled_collectives,
@@ -27,14 +25,14 @@ from zeroshard.instruments import (
     state_bytes_per_device,
     summarize,
 )
-from zeroshard.logical import from_optax_state, to_optax_state
-from zeroshard.loss_scale import DynamicLossScale, LossScaleState
-from zeroshard.memory import MemoryEstimate, StepMemory, estimate_memory, step_memory
-from zeroshard.peers import PeerWatchdog
-from zeroshard.preemption import PreemptionGuard
-from zeroshard.sharded import ShardedState, ShardedTransformation, sharded
-from zeroshard.stage3 import Piece, gather, layer, layers
-from zeroshard.step import TrainState, TrainStep, init_train_state, make_train_step
+from zeroshard.measuring.memory import MemoryEstimate, StepMemory, estimate_memory, step_memory
+from zeroshard.optimizer.clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from zeroshard.optimizer.config import ShardConfig
+from zeroshard.optimizer.loss_scale import DynamicLossScale, LossScaleState
+from zeroshard.optimizer.sharded import ShardedState, ShardedTransformation, sharded
+from zeroshard.training.peers import PeerWatchdog
+from zeroshard.training.preemption import PreemptionGuard
+from zeroshard.training.step import TrainState, TrainStep, init_train_state, make_train_step
 
 try:  # The one source of the version is pyproject.toml, read from the installed metadata.
     __version__ = _metadata.version("zeroshard")
@@ -86,9 +84,17 @@ __all__ = [
 
 # Earlier names, kept working with a DeprecationWarning: name -> (its new name, the object).
 _DEPRECATED = {
-    "Shard": ("zs.Piece", "zeroshard.stage3", "Piece"),
-    "Sharded": ("tx.optimizer (of a zs.ShardedTransformation)", "zeroshard.sharded", "Sharded"),
-    "collectives": ("zs.compiled_collectives", "zeroshard.instruments", "compiled_collectives"),
+    "Shard": ("zs.Piece", "zeroshard.communication.stage3", "Piece"),
+    "Sharded": (
+        "tx.optimizer (of a zs.ShardedTransformation)",
+        "zeroshard.optimizer.sharded",
+        "Sharded",
+    ),
+    "collectives": (
+        "zs.compiled_collectives",
+        "zeroshard.measuring.instruments",
+        "compiled_collectives",
+    ),
 }
 
 

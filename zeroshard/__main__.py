@@ -92,7 +92,7 @@ def plan_command(args: argparse.Namespace) -> int:
     count = math.prod(devices.values()) if isinstance(devices, dict) else devices
     if args.loss is not None:  # (before JAX starts: the devices to plan for, simulated)
         jax.config.update("jax_num_cpu_devices", count)
-    from zeroshard.memory import param_count, placement_table, plan_table, state_devices
+    from zeroshard.measuring.memory import param_count, placement_table, plan_table, state_devices
 
     try:
         tree = jax.eval_shape(_load(args.params)) if ":" in args.params else float(args.params)

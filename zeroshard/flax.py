@@ -61,13 +61,13 @@ from flax.training import train_state as linen_train_state_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.layout import PyTree
-from zeroshard.mesh import check_mesh
-from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import gather, layer
-from zeroshard.step import TrainState, TrainStep, init_train_state
-from zeroshard.step_io import output_mesh, plain_outputs
-from zeroshard.update import Route
+from zeroshard.communication.stage3 import gather, layer
+from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import check_mesh
+from zeroshard.core.update import Route
+from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
+from zeroshard.training.step import TrainState, TrainStep, init_train_state
+from zeroshard.training.step_io import output_mesh, plain_outputs
 
 
 def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTree:
@@ -248,7 +248,7 @@ def nnx_train_step(
     ``PartitionSpec`` to ``reshard``, or leave the manual axis with ``auto_axes``, as
     ``nnx.Embed``'s ``out_sharding=`` does) runs, without micro-batches, on
     the whole mesh under ``jax.jit`` instead, as
-    :func:`zeroshard.make_train_step` runs such a loss (:mod:`zeroshard.whole_mesh`):
+    :func:`zeroshard.make_train_step` runs such a loss (:mod:`zeroshard.training.whole_mesh`):
     one dropout stream and BatchNorm statistics over the global batch;
     elsewhere jax's error is raised with a note.
 

@@ -7,7 +7,7 @@ norm (LAMB's and LARS's trust ratios), an RMS or a mean (Adafactor's update clip
 a global norm over several leaves (``optax.clip_by_global_norm``). A sum over this
 device's piece is partial; summed over the devices (padding left out, a mean divided
 by the whole leaf's size) it is the sum over the leaf, and the slice's update is
-exact (:mod:`zeroshard.sums` evaluates the update so). A factored second moment
+exact (:mod:`zeroshard.core.sums` evaluates the update so). A factored second moment
 (Adafactor's row and column means), a matrix function (Muon's Newton-Schulz) or a
 shape-dependent rule mixes the elements of one leaf in other ways: such a leaf is
 *owned*, placed whole on one device, or layer by layer for stacked layers the update
@@ -21,9 +21,9 @@ jaxpr), not from a list of names:
   apart;
 - :mod:`~zeroshard.analysis.jaxprs`: reading jaxprs alike on every jax version, and the
   one walker (:func:`~zeroshard.analysis.jaxprs.walk`, calls inlined) that the tags, the
-  layer axes and :mod:`zeroshard.sums` follow a jaxpr with;
+  layer axes and :mod:`zeroshard.core.sums` follow a jaxpr with;
 - :mod:`~zeroshard.analysis.reads`: whether a loss reads its parameters only through
-  :func:`zeroshard.gather` (for stage 2's held step, :mod:`zeroshard.held`);
+  :func:`zeroshard.gather` (for stage 2's held step, :mod:`zeroshard.training.held`);
 - :mod:`~zeroshard.analysis.leaves` (:func:`analyze`): what each leaf needs, from the
   update traced on full leaves, on slices and on one layer. A leaf whose update
   depends on its shape (factored only when large, masked by shape) is owned too.

@@ -8,7 +8,7 @@ a learning rate, an extra argument). A different learning rate, a mask, a
 ``multi_transform`` label or a per-leaf weight decay shows in those equations and
 keeps two leaves apart. Alike leaves' pieces laid end to end can then be updated as
 one buffer, element for element as they are updated one by one, when the update is
-elementwise (no sums over a leaf: :mod:`zeroshard.placement` checks that).
+elementwise (no sums over a leaf: :mod:`zeroshard.core.placement` checks that).
 """
 
 from __future__ import annotations

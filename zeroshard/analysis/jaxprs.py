@@ -1,6 +1,6 @@
 """Jaxprs: reading traced computations, the same way on every supported jax version.
 
-The analysis (:mod:`zeroshard.analysis`) and :mod:`zeroshard.sums` read the traced inner update
+The analysis (:mod:`zeroshard.analysis`) and :mod:`zeroshard.core.sums` read the traced inner update
 equation by equation, each with :func:`walk`; these are the primitives they treat alike and the
 helpers that find the jaxprs an equation calls.
 """

@@ -4,7 +4,7 @@ A leaf of stacked layers (``(L, ...)``, as a scan over layers keeps them) whose 
 needs whole tensors may still treat each layer on its own: Muon with the layer axis
 as a batch axis orthogonalises each layer's matrix; Adafactor factors each layer's
 matrix separately. Such a leaf can be owned layer by layer, its layers spread over
-the devices (see :mod:`zeroshard.placement`).
+the devices (see :mod:`zeroshard.core.placement`).
 
 :func:`independent_layers` reads this from the traced update (the jaxpr of
 ``inner.update`` on the full parameters): it follows, for each candidate leaf, where

@@ -21,8 +21,8 @@ from zeroshard.analysis.groups import input_names, leaf_forms
 from zeroshard.analysis.jaxprs import open_jaxpr, primitives
 from zeroshard.analysis.layers import independent_layers
 from zeroshard.analysis.tags import CLEAN_TAG, ELEM, PARTIAL, NotElementwiseError, Tag, Tagger
-from zeroshard.comm import axis_env
-from zeroshard.layout import PyTree
+from zeroshard.communication.collectives import axis_env
+from zeroshard.core.layout import PyTree
 
 _FIX = (
     "zeroshard runs an update exactly when it treats leaves separately or combines them "
@@ -45,7 +45,7 @@ class Analysis:
       sums: the leaves of each partial sum that meets a non-linear operation (a
         norm, an RMS: one leaf; a global norm: several): where such a sum is partial
         (a leaf in it is sliced, or it spans leaves), the update runs with
-        :func:`zeroshard.sums.run_with_sums`.
+        :func:`zeroshard.core.sums.run_with_sums`.
       layered: of the leaves in ``whole``, the stacked ones whose update treats each
         layer on its own (see :mod:`zeroshard.analysis.layers`): they can be owned layer by layer.
       layer_sums: of those, the leaves whose layers meet through total sums: owned

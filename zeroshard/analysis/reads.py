@@ -3,7 +3,7 @@
 A stage-2 step whose loss gathers every parameter before using it (with
 :func:`zeroshard.gather` or :func:`zeroshard.layer`, as a stage-3 loss must) can
 reduce-scatter each gathered layer's gradient as soon as the backward pass makes it
-(:mod:`zeroshard.held`). Whether it does is read from the loss traced once on the whole
+(:mod:`zeroshard.training.held`). Whether it does is read from the loss traced once on the whole
 parameters, with every gather marked (:func:`marking`, :func:`mark`): the loss
 qualifies when no traced operation but a mark takes a parameter, or a value computed
 from one, before it is marked. Loops over stacked layers (``scan``), conditionals and

@@ -6,7 +6,7 @@ element of its leaves), ``PARTIAL`` (a sum over this device's elements, not yet
 summed over the axis) and ``WHOLE`` (computed from a whole leaf: exact only on the
 leaf's owner). A total ``reduce_sum`` turns ``ELEM`` into ``PARTIAL``; where a
 ``PARTIAL`` value meets a non-linear operation it is summed over the sharded axis
-(:class:`Tagger` records where, as :class:`Sums`, and :func:`zeroshard.sums.evaluate`
+(:class:`Tagger` records where, as :class:`Sums`, and :func:`zeroshard.core.sums.evaluate`
 evaluates the update so), or an explicit ``psum`` (:func:`zeroshard.clip_by_global_norm`)
 does it, and it is ``CLEAN`` again. Any other mixing makes its one leaf ``WHOLE`` (or
 is refused across leaves).
@@ -23,8 +23,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from zeroshard.analysis.jaxprs import KEEPS_SHAPE, PASS_THROUGH, RESHAPING, has_matmul, walk
-from zeroshard.comm import axes_of
-from zeroshard.layout import Slot
+from zeroshard.communication.collectives import axes_of
+from zeroshard.core.layout import Slot
 
 CLEAN, GENERATED, ELEM, PARTIAL, WHOLE = 0, 1, 2, 3, 4
 _NONE: frozenset[int] = frozenset()
@@ -62,7 +62,7 @@ class Sums:
       branches: for a conditional, the sums of each branch.
       partial: for a total sum of one sliced leaf's per-element values (a partial
         sum), the leaf, where the sum is taken in a fixed order instead
-        (``deterministic=``, :mod:`zeroshard.canonical`); of an owned leaf the sum is
+        (``deterministic=``, :mod:`zeroshard.communication.canonical`); of an owned leaf the sum is
         complete on its owner, and stays as it is.
       psum: an explicit ``psum`` of partial sums over the axis.
       whole: whether the ``summed`` partial sums include one of a leaf updated whole
@@ -104,7 +104,7 @@ class Tagger:
     Where several leaves' partial sums meet a non-linear operation (a global norm, as
     in ``optax.clip_by_global_norm``), the partial sums are summed over the axis
     first: ``sums`` records the leaves, :meth:`run` returns where (its equations'
-    :class:`Sums`, which :func:`zeroshard.sums.evaluate` follows).
+    :class:`Sums`, which :func:`zeroshard.core.sums.evaluate` follows).
     """
 
     def __init__(

@@ -51,7 +51,7 @@ from etils import epath
 from zeroshard.checkpointing.integrity import Where, read_or_refuse
 from zeroshard.checkpointing.metadata import check_digest, restore_item, save_item
 from zeroshard.checkpointing.states import parts_of, rebuilt, target_parts
-from zeroshard.sharded import ShardedTransformation
+from zeroshard.optimizer.sharded import ShardedTransformation
 
 RECORD_KEY = "zeroshard"
 """The key of the metadata record in the item's orbax custom metadata."""

@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.layout import PyTree
+from zeroshard.core.layout import PyTree
 
 
 class CheckpointCorruptedError(ValueError):

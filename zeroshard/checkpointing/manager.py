@@ -11,7 +11,7 @@ On disk a step holds two orbax items:
   ``ocp.args.StandardRestore(target)`` where ``target`` is ``{"step", "params",
   "opt_state"}`` for their own ``inner.init(params)``. Each device writes its own
   block of every leaf that has a dimension divisible by the device count (see
-  :mod:`zeroshard.logical`); only leaves with none are written from one copy.
+  :mod:`zeroshard.checkpointing.logical`); only leaves with none are written from one copy.
 - ``zeroshard``: JSON metadata (library version, device count and axis at save time,
   compute and master dtypes, every leaf's path and shape, the count of skipped
   non-finite steps, the loss scale, and every logical leaf's checksum), readable
@@ -47,9 +47,9 @@ import jax
 
 from zeroshard.checkpointing.integrity import CheckpointCorruptedError, Where, read_or_refuse
 from zeroshard.checkpointing.metadata import check_digest, restore_item, save_item, verify_item
-from zeroshard.layout import PyTree
-from zeroshard.sharded import ShardedTransformation
-from zeroshard.step import TrainState
+from zeroshard.core.layout import PyTree
+from zeroshard.optimizer.sharded import ShardedTransformation
+from zeroshard.training.step import TrainState
 
 logger = logging.getLogger(__name__)
 

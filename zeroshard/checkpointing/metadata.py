@@ -6,7 +6,7 @@ laid out again; shared by :class:`zeroshard.CheckpointManager` and the orbax han
 The item (:func:`save_item`) is ``{"step", "params", "opt_state"}`` (and
 ``"model_state"``) in the logical layout of :func:`zeroshard.to_optax_state`; the
 handler adds ``"extra"`` (the other fields of a Flax state). Its leaves are read back
-split over the axis where :func:`zeroshard.logical.logical_spec` splits them, so each
+split over the axis where :func:`zeroshard.checkpointing.logical.logical_spec` splits them, so each
 device reads its own block (:func:`restore_item`; :func:`verify_item` reads them
 without the model or optimizer, only to check their checksums).
 
@@ -22,7 +22,7 @@ Its fields, in the order they are written (:func:`save_item`):
   ``mesh_shape``: how it was laid out at save (it restores on any device count);
 - ``master_dtype``, ``param_tree``, ``param_dtypes`` (the compute dtype of each
   parameter), and ``params``, ``opt_state``, ``model_state``: every logical leaf's
-  ``{"shape", "dtype"}`` by path (:func:`zeroshard.logical.describe`);
+  ``{"shape", "dtype"}`` by path (:func:`zeroshard.checkpointing.logical.describe`);
 - with checksums: ``checksums`` (:func:`zeroshard.checkpointing.integrity.record`) and
   ``record_sha256``, the SHA-256 of the rest (:func:`~zeroshard.checkpointing.integrity.digest`).
 
@@ -59,9 +59,7 @@ from zeroshard.checkpointing.integrity import (
     read_or_refuse,
     record,
 )
-from zeroshard.comm import mesh_size
-from zeroshard.layout import PyTree
-from zeroshard.logical import (
+from zeroshard.checkpointing.logical import (
     describe,
     first_difference,
     from_optax_state,
@@ -69,12 +67,14 @@ from zeroshard.logical import (
     logical_structs,
     to_optax_state,
 )
-from zeroshard.loss_scale import LossScaleState
-from zeroshard.mesh import check_mesh, mesh_of, own_layout
-from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import full_structs
-from zeroshard.state_layout import state_layout
-from zeroshard.step import TrainState
+from zeroshard.communication.collectives import mesh_size
+from zeroshard.communication.stage3 import full_structs
+from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import check_mesh, mesh_of, own_layout
+from zeroshard.core.state_layout import state_layout
+from zeroshard.optimizer.loss_scale import LossScaleState
+from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
+from zeroshard.training.step import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ FORMAT = "zeroshard-logical-1"
 
 def check_leaves(what: str, saved: dict, expected: dict, hint: str) -> None:
     """Raises a ``ValueError`` naming the first path where the record's description of
-    leaves (:func:`zeroshard.logical.describe`) differs from the state's."""
+    leaves (:func:`zeroshard.checkpointing.logical.describe`) differs from the state's."""
     found = first_difference(saved, expected)
     if found is not None:
         path, a, b = found
@@ -358,7 +358,7 @@ def verify_item(
 def placed(structs: PyTree, mesh: jax.sharding.Mesh, axis_name: str | None = None) -> PyTree:
     """``ShapeDtypeStruct`` of ``structs`` (anything with a shape and a dtype) laid out on
     ``mesh`` as saved: split along ``axis_name`` (default: the mesh's first axis) where
-    :func:`zeroshard.logical.logical_spec` splits them."""
+    :func:`zeroshard.checkpointing.logical.logical_spec` splits them."""
     axis = mesh.axis_names[0] if axis_name is None else axis_name
     num = mesh_size(mesh, axis)
     return jax.tree.map(

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.layout import PyTree
-from zeroshard.mesh import find_mesh, mesh_of
-from zeroshard.sharded import ShardedTransformation, optimizer_of
-from zeroshard.stage3 import stage_of
-from zeroshard.state import ShardedState, key_of
-from zeroshard.step import TrainState
+from zeroshard.communication.stage3 import stage_of
+from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import find_mesh, mesh_of
+from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
+from zeroshard.optimizer.state import ShardedState, key_of
+from zeroshard.training.step import TrainState
 
 KINDS = (
     "a zs.TrainState, a Flax Linen TrainState created with tx=zs.sharded(...), or an NNX "
