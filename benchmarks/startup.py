@@ -1,4 +1,4 @@
-"""Time to first step: zeroshard against replicated data parallelism and GSPMD.
+"""Time to first step: zeroshard's step and drop-in against replicated data parallelism.
 
 The model is an MLP of ``--width``-wide tanh layers (a weight and a bias per layer, so
 ``L`` leaves are ``L / 2`` layers), its parameters in ``--dtype`` (fp32 or bf16),
@@ -11,21 +11,32 @@ is off unless the environment turns it on).
   (``--stage`` 1 or 3; stage 3 applies each layer through ``zs.layer``); replicated
   data parallelism's jitted state copy + ``optax.adamw(...).init`` and first call of
   a jitted ``shard_map`` step with ``pmean`` (plain optax); ``gspmd``: plain optax
-  under ``jax.jit`` with the optimizer state sharded by ``NamedSharding``.
+  under ``jax.jit`` with the optimizer state sharded by ``NamedSharding``;
+  ``dropin``: zeroshard's one-line drop-in, ``tx.init`` and the user's own
+  ``jax.jit`` step calling ``tx.update`` on the mean gradient (under
+  ``jax.set_mesh``).
 - ``breakdown`` (another fresh process per variant): the same work split into the
-  plan and guard (``tx.plan``, zeroshard only), the state init, tracing
-  (``jitted.trace``), lowering, XLA's compile and the first run of the compiled step,
-  plus the number of instructions of the compiled HLO and some of their kinds, and
-  ``retrace``: the step traced again for a batch of another size (the plan and the
-  inner update's cached trace reused). ``--xla-passes`` adds XLA's time per HLO pass
-  pipeline of the step's compile (from XLA's own log), the passes summed by name.
+  placement analysis (``zeroshard.analysis.analyze``: the inner update traced and
+  tagged leaf by leaf), the rest of the plan and layout (``make_plan`` less the
+  analysis), the state init, tracing (``jitted.trace``), lowering, XLA's compile and
+  the first run of the compiled step (each stage less the analysis and plan built
+  within it), plus the number of instructions of the compiled HLO and some of their
+  kinds, the inner optimizer's ``update`` calls (traces) and the leaves they saw,
+  and ``retrace``: the step traced again for a batch of another size (the plan and
+  the inner update's cached trace reused). ``--xla-passes`` adds XLA's time per HLO
+  pass pipeline of the step's compile (from XLA's own log), the passes summed by name;
+``--kernels`` the kernels XLA compiled for the step (from its object files: each
+distinct kernel once; a kernel of its own per leaf is what made zeroshard's compile
+slow on CPU).
 
 ``--optimizer lamb`` or ``clip`` (``clip_by_global_norm`` then AdamW) takes the path
 where global sums are inserted into the inner update. ``--trees before=DIR after=DIR``
 compares zeroshard source trees (each ``DIR`` holding a ``zeroshard/`` package, put
-first on ``PYTHONPATH``), interleaved in one run. ``--quantize`` runs zeroshard with
-int8 gradients and weights.
+first on ``PYTHONPATH``), interleaved in one run (the step and the drop-in of each).
+``--quantize`` runs zeroshard with int8 gradients and weights. Tables give medians
+over ``--repeats`` fresh processes per cell, the variants interleaved.
 
+    .venv/bin/python benchmarks/startup.py --leaves 64 512 2048 --no-gspmd --repeats 3
     .venv/bin/python benchmarks/startup.py --leaves 32 128 512 2048
     .venv/bin/python benchmarks/startup.py --leaves 32 512 --optimizer lamb \
         --trees before=../zs-before after=. --no-replicated --until lower
@@ -38,12 +49,14 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-STAGES = ("plan+guard", "init", "trace", "retrace", "lower", "compile", "first run")
+STAGES = ("analysis", "plan", "init", "trace", "retrace", "lower", "compile", "first run")
 OPS = ("pad", "concatenate", "slice", "dynamic-slice", "copy", "reduce-scatter", "all-gather")
 
 
@@ -71,11 +84,16 @@ def main() -> None:
     parser.add_argument(
         "--no-breakdown", action="store_true", help="only the end-to-end time to first step"
     )
+    parser.add_argument("--no-total", action="store_true", help="only the breakdown")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument(
         "--trees", nargs="+", default=[], metavar="LABEL=DIR", help="zeroshard trees to compare"
     )
     parser.add_argument("--no-replicated", action="store_true", help="zeroshard variants only")
+    parser.add_argument("--no-dropin", action="store_true", help="leave out the drop-in")
+    parser.add_argument(
+        "--kernels", action="store_true", help="(breakdown) count the step's compiled kernels"
+    )
     parser.add_argument(
         "--until", choices=("lower", "run"), default="run", help="(breakdown) last stage"
     )
@@ -91,9 +109,10 @@ def main() -> None:
 
     results = []
     modes = ("total",) if args.no_breakdown else ("total", "breakdown")
-    modes = ("breakdown",) if args.until == "lower" else modes
+    modes = ("breakdown",) if args.until == "lower" or args.no_total else modes
     trees = dict(t.split("=", 1) for t in args.trees)
-    variants = [f"zeroshard:{label}" for label in trees] or ["zeroshard"]
+    kinds = ("zeroshard",) if args.no_dropin else ("zeroshard", "dropin")
+    variants = [f"{k}:{label}" for label in trees for k in kinds] or list(kinds)
     variants = variants if args.no_gspmd or args.no_replicated else ["gspmd", *variants]
     variants = variants if args.no_replicated else ["replicated", *variants]
     machine = None
@@ -129,8 +148,15 @@ def run_child(args, variant: str, mode: str, leaves: int, trees: dict) -> dict:
     passes = args.xla_passes and mode == "breakdown"
     if passes:  # XLA logs each HLO pass's time at this verbosity
         env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    dump = tempfile.mkdtemp() if args.kernels and mode == "breakdown" else None
+    if dump:  # XLA writes each kernel it compiles (identical ones once) as an object file
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     row = json.loads(done.stdout.strip().splitlines()[-1])
+    if dump:
+        files = os.listdir(dump)
+        row["kernels"] = sum(f".{row['hlo_module']}.obj-file." in f for f in files)
+        shutil.rmtree(dump)
     if passes:
         row["xla_passes"] = pass_times(done.stderr)
     return row
@@ -188,7 +214,8 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     def dense(p, x):
         return jnp.tanh(x @ p["w"] + p["b"])
 
-    gathered = args.stage == 3 and variant.startswith("zeroshard")  # stage-3 pieces
+    zeroshard = not variant.startswith(("replicated", "gspmd"))
+    gathered = args.stage == 3 and zeroshard  # stage-3 pieces
     apply = zs.layer(dense) if gathered else dense
 
     def loss_fn(p, b):
@@ -198,8 +225,10 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         return jnp.mean((x.astype(jnp.float32) - b["y"]) ** 2)
 
     halved = jax.tree.map(lambda x: x[: len(x) // 2], batch)  # to trace the step again
-    inner = OPTIMIZERS[args.optimizer](optax)
-    times: dict[str, float] = {}
+    counts = {"inner_traces": 0, "inner_leaves": 0}
+    inner = counted(OPTIMIZERS[args.optimizer](optax), counts)
+    times: dict[str, float] = dict.fromkeys(("analysis", "plan"), 0.0) if zeroshard else {}
+    spent = instrument(times) if zeroshard else {}
     profiler = None
     if args.cprofile:
         import cProfile
@@ -208,19 +237,23 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         profiler.enable()
 
     def lap(name: str, t0: float) -> float:
+        """Times stage ``name`` from ``t0``, less the analysis and plan built within
+        it (counted apart)."""
         t1 = time.perf_counter()
-        times[name] = t1 - t0
+        inside = spent.pop("analysis", 0.0), spent.pop("plan", 0.0)
+        times[name] = t1 - t0 - inside[1]
+        if zeroshard:
+            times["analysis"] += inside[0]
+            times["plan"] += inside[1] - inside[0]
         return t1
 
     t0 = time.perf_counter()
+    pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
+    if args.quantize:
+        pack |= {"quantize_grads": "int8", "quantize_weights": "int8"}
+    placed_on = lambda tree: jax.device_put(tree, NamedSharding(mesh, P("data")))
     if variant.startswith("zeroshard"):
-        pack = {} if args.pack_bytes is None else {"pack_bytes": args.pack_bytes}
-        if args.quantize:
-            pack |= {"quantize_grads": "int8", "quantize_weights": "int8"}
         tx = zs.sharded(inner, axis_name="data", **pack)
-        if mode == "breakdown" and hasattr(tx, "plan"):
-            tx.plan(params, n)
-            t0 = lap("plan+guard", t0)
         state = jax.block_until_ready(zs.init_train_state(params, tx, mesh, stage=args.stage))
         t0 = lap("init", t0)
         train_step = zs.make_train_step(loss_fn, tx, mesh, stage=args.stage)
@@ -228,10 +261,28 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
             out = jax.block_until_ready(train_step(state, batch))
             lap("first step", t0)
         else:
-            placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            half = jax.device_put(halved, NamedSharding(mesh, P("data")))
-            args_ = ((state, placed, None), (state, half, None))
+            args_ = ((state, placed_on(batch), None), (state, placed_on(halved), None))
             out, sizes = staged(train_step.jitted, args_, lap, t0, args.until)
+    elif variant.startswith("dropin"):
+        tx = zs.sharded(inner, axis_name="data", stage=args.stage, **pack)
+
+        def user_step(p, s, b):
+            updates, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+            return optax.apply_updates(p, updates), s
+
+        with jax.set_mesh(mesh):
+            whole = jax.device_put(params, NamedSharding(mesh, P()))
+            if args.stage == 3:
+                whole = tx.shard_params(whole)
+            state = jax.block_until_ready(tx.init(whole))
+            t0 = lap("init", t0)
+            step = jax.jit(user_step, donate_argnums=(0, 1))
+            if mode == "total":
+                out = jax.block_until_ready(step(whole, state, placed_on(batch)))
+                lap("first step", t0)
+            else:
+                args_ = ((whole, state, placed_on(batch)), (whole, state, placed_on(halved)))
+                out, sizes = staged(step, args_, lap, t0, args.until)
     else:
         replicated = NamedSharding(mesh, P())
         if variant == "replicated":
@@ -245,13 +296,14 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         )
         state = jax.block_until_ready(init(params))
         t0 = lap("init", t0)
-        placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        placed = placed_on(batch)
         if mode == "total":
             out = jax.block_until_ready(dp(*state, placed))
             lap("first step", t0)
         else:
-            half = jax.device_put(halved, NamedSharding(mesh, P("data")))
-            out, sizes = staged(dp, ((*state, placed), (*state, half)), lap, t0, args.until)
+            out, sizes = staged(
+                dp, ((*state, placed), (*state, placed_on(halved))), lap, t0, args.until
+            )
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.cprofile)
@@ -268,6 +320,7 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         "times": times,
         "seconds": sum(times.values()),
         "cpu_s": time.process_time() - cpu_import,
+        **counts,
         "machine": (
             f"{jax.devices()[0].device_kind} x{jax.device_count()} "
             f"({platform.machine()}, {os.cpu_count()} CPUs), jax {jax.__version__}"
@@ -276,6 +329,54 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
     if mode == "breakdown":
         row.update(sizes)
     return row
+
+
+def counted(inner, counts: dict):
+    """``inner`` with each call of its ``update`` (each trace, under ``jax.jit``) and
+    the leaves it got counted in ``counts``."""
+    import jax
+    import optax
+
+    def update(updates, state, params=None, **extra):
+        counts["inner_traces"] += 1
+        counts["inner_leaves"] += len(jax.tree.leaves(updates))
+        return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def instrument(times: dict) -> dict:
+    """Wraps zeroshard's placement analysis (``analyze``) and plan builder
+    (``make_plan``, which runs the analysis) wherever a zeroshard module holds them,
+    so that each call adds its seconds to the returned dict (``"analysis"``,
+    ``"plan"``), which ``lap`` takes out of the stage they ran in."""
+    spent: dict[str, float] = {}
+    keys = {"analyze": "analysis", "make_plan": "plan"}
+    modules = [m for k, m in sys.modules.items() if k.split(".")[0] == "zeroshard"]
+    found = {
+        f: keys[name]
+        for m in modules
+        for name in keys
+        if callable(f := getattr(m, name, None)) and f.__module__.startswith("zeroshard")
+    }
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    wrapped = {f: timed(f, key) for f, key in found.items()}
+    for m in modules:
+        for name in keys:
+            f = getattr(m, name, None)
+            if f in wrapped:
+                setattr(m, name, wrapped[f])
+    return spent
 
 
 def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[object, dict]:
@@ -302,6 +403,7 @@ def staged(jitted, args: tuple, lap, t0: float, until: str = "run") -> tuple[obj
     return out, {
         **sizes,
         "hlo_instructions": len(ops),
+        "hlo_module": re.search(r"HloModule (\S+?),", compiled.as_text()).group(1),
         "hlo_ops": {op: sum(o == op for o in ops) for op in OPS},
     }
 
@@ -327,31 +429,47 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
     total = lambda rows: statistics.median(r["seconds"] for r in rows)
     cpu = lambda rows: statistics.median(r["cpu_s"] for r in rows)
     leaves_list = sorted({r["leaves"] for r in results})
+    base = variants[0]  # replicated, unless left out
     print(
         f"\n### Time to first step, {args.devices} devices, {args.width}-wide layers, "
         f"{args.optimizer}, {args.dtype} params, zeroshard stage {args.stage}\n\n{machine}; "
-        f"one fresh process per measurement, median of {args.repeats}; ratio: zeroshard "
-        "over replicated, wall (CPU)\n"
+        f"one fresh process per measurement, variants interleaved, median of {args.repeats}; "
+        f"wall s (CPU s); ratio: over {base}, wall (CPU)\n"
     )
+    others = variants[1:]
     if any(r["mode"] == "total" for r in results):
-        print("| leaves | params | " + " | ".join(f"{v} s (CPU)" for v in variants) + " | ratio |")
-        print("|---:|---:|" + "---:|" * (len(variants) + 1))
+        print(
+            "| leaves | params | "
+            + " | ".join(f"{v} s (CPU)" for v in variants)
+            + "".join(f" | {v} ratio" for v in others)
+            + " |"
+        )
+        print("|---:|---:|" + "---:|" * (len(variants) + len(others)))
         for leaves in leaves_list:
             rows = [by[leaves, "total", v] for v in variants]
             cells = " | ".join(f"{total(r):.2f} ({cpu(r):.2f})" for r in rows)
-            ratio = f"{total(rows[-1]) / total(rows[0]):.2f} ({cpu(rows[-1]) / cpu(rows[0]):.2f})"
-            print(f"| {leaves} | {rows[0][0]['params']:,} | {cells} | {ratio} |")
+            b = rows[0]
+            ratios = "".join(
+                f" | {total(r) / total(b):.2f} ({cpu(r) / cpu(b):.2f})" for r in rows[1:]
+            )
+            print(f"| {leaves} | {rows[0][0]['params']:,} | {cells}{ratios} |")
     if not any(r["mode"] == "breakdown" for r in results):
         return
-    print("\n### Breakdown (seconds; HLO: instructions of the compiled step)\n")
+    print(
+        "\n### Where the time goes (seconds, medians; analysis: the placement analysis, "
+        "plan: the rest of the plan and layout, each taken out of the stage it ran in; "
+        "inner traces: the inner optimizer's update calls (leaves they saw); HLO: "
+        "instructions of the compiled step; kernels: those XLA compiled for it, each "
+        "distinct one once, with --kernels)\n"
+    )
     print(
         "| leaves | variant | "
         + " | ".join(STAGES)
-        + " | sum | jaxpr eqns | HLO instr | "
+        + " | sum | inner traces | jaxpr eqns | HLO instr | kernels | "
         + " | ".join(OPS)
         + " |"
     )
-    print("|---:|---|" + "---:|" * (len(STAGES) + 3 + len(OPS)))
+    print("|---:|---|" + "---:|" * (len(STAGES) + 5 + len(OPS)))
     for leaves in leaves_list:
         for variant in variants:
             rows = by[leaves, "breakdown", variant]
@@ -359,9 +477,11 @@ def print_tables(results: list[dict], machine: str, args, variants: list[str]) -
                 f"{med(rows, s):.2f}" if s in rows[0]["times"] else "-" for s in STAGES
             )
             ops = " | ".join(str(rows[0]["hlo_ops"][op]) for op in OPS)
+            traces = f"{rows[0].get('inner_traces', 0)} ({rows[0].get('inner_leaves', 0):,})"
             print(
-                f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | "
-                f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | {ops} |"
+                f"| {leaves} | {variant} | {cells} | {total(rows):.2f} | {traces} | "
+                f"{rows[0]['jaxpr_eqns']:,} | {rows[0]['hlo_instructions']:,} | "
+                f"{rows[0].get('kernels', '-')} | {ops} |"
             )
     passes = [r for r in results if "xla_passes" in r]
     if passes:

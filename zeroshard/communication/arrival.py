@@ -46,7 +46,6 @@ from zeroshard.core.layout import Layout, PyTree
 from zeroshard.core.mesh import each_laid_out, keep_axes
 from zeroshard.core.placement import Plan
 from zeroshard.measuring.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
-from zeroshard.optimizer.clipping import local_squares
 from zeroshard.optimizer.config import ShardConfig
 
 GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
@@ -111,13 +110,17 @@ class Arrival:
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
         """The global L2 norm of the mean gradient from this device's part (its
-        ``pieces`` of the sliced leaves, by leaf, and its owned ``rows``), and whether
-        it is finite: one scalar all-reduce, so every device takes the same decision.
-        A ``nan`` or ``inf`` anywhere makes the summed squares non-finite, so they carry
-        the verdict with no reduction of their own (as does a norm past float32's
-        range, about 1.8e19, where every update would overflow anyway)."""
-        axis = self.config.axis_name
-        squares = local_squares([g for g in (*pieces, *rows) if g is not None])
+        ``pieces`` of the sliced leaves, by leaf, grouped as
+        :attr:`zeroshard.core.placement.Plan.on_view` holds them, and its owned ``rows``),
+        and whether it is finite: one scalar all-reduce, so every device takes the
+        same decision. A ``nan`` or ``inf`` anywhere makes the summed squares
+        non-finite, so they carry the verdict with no reduction of their own (as does
+        a norm past float32's range, about 1.8e19, where every update would overflow
+        anyway). Each leaf's squares are summed alone, then the leaves' sums in leaf
+        order (the same bits with groups as without)."""
+        axis, square = self.config.axis_name, lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
+        sums = [*plan.on_view.each(square, pieces), *(square(r) for r in rows if r is not None)]
+        squares = sum((x for x in sums if x is not None), jnp.float32(0))
         if not is_identity(squares, axis):
             squares = jax.lax.psum(squares, axis)
         return jnp.sqrt(squares), jnp.isfinite(squares)
@@ -343,7 +346,7 @@ class Canonical:
     def norm_and_finite(
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
-        layout, parts = plan.layout, []
+        layout, parts, pieces = plan.layout, [], plan.on_view.ungrouped(pieces)
         square = lambda x: jnp.square(x.astype(jnp.float32))
         for i, s in enumerate(layout.slots):
             if not s.owned:

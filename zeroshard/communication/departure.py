@@ -40,7 +40,7 @@ from zeroshard.communication.stage3 import (
 )
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import Layout, PyTree
-from zeroshard.core.placement import Plan
+from zeroshard.core.placement import Grouping, Plan
 from zeroshard.measuring.scopes import ALL_GATHER, FROM_OWNERS, TO_OWNERS, UPDATE, scope
 from zeroshard.optimizer.config import ShardConfig
 
@@ -60,7 +60,8 @@ class Departure:
     - ``row(layout, new, device, bucket, dtype)``: ``device``'s new owned leaves of
       ``bucket`` (``new[i]``: its units of leaf ``i``) packed for ``send``;
     - ``send(plan, new, rows, params)``: the new parameters, laid out as ``params``,
-      from this device's new pieces of the sliced leaves and its ``row`` per bucket;
+      from this device's new pieces of the sliced leaves (grouped, as
+      :attr:`zeroshard.core.placement.Plan.on_view` holds them) and its ``row`` per bucket;
     - ``nbytes(plan)``: bytes per device the departure's collectives return, summed
       (as :func:`zeroshard.compiled_collectives` reports ``result_bytes``), over more than one
       device.
@@ -104,7 +105,7 @@ class AllGather(Departure):
 
     def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
         with scope(ALL_GATHER):
-            return self.gather(plan.layout, new, rows, plan.leaf_order)
+            return self.gather(plan.layout, new, rows, plan.leaf_order, plan.on_view)
 
     def gather(
         self,
@@ -112,20 +113,29 @@ class AllGather(Departure):
         pieces: Sequence[jax.Array | None],
         rows: Sequence[jax.Array | None],
         order: Sequence[int] | None = None,
+        grouping: Grouping | None = None,
     ) -> PyTree:
         """The full parameter tree, invariant over the axis (usable with ``P()``), from
-        this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's)
-        and its row of owned leaves per bucket (``None`` where it owns nothing); small
-        leaves packed in ``order`` (see :meth:`zeroshard.core.layout.Layout.groups`)."""
+        this device's 1-D piece of each sliced leaf (any dtype; cast to the leaf's;
+        held as ``grouping`` holds them, if given: each run of a group's leaves in a
+        packed collective goes in as one slice of its buffer) and its row of owned
+        leaves per bucket (``None`` where it owns nothing); small leaves packed in
+        ``order`` (see :meth:`zeroshard.core.layout.Layout.groups`)."""
         # One device: each leaf is its piece, reshaped (no concatenation).
         one = is_identity([p for p in pieces if p is not None], self.config.axis_name)
+        grouping = grouping or Grouping(layout.treedef, (), False)
+        pieces = grouping.ungrouped(pieces) if one else pieces
         leaves = layout.sliced(lambda s, p: s.uncut(p.astype(s.dtype)) if one else None, pieces)
         for group in () if one else layout.groups(self.config.pack_bytes, order):
+            runs = grouping.runs(pieces, group)
+            parts = [x.astype(layout.slots[run[0]].dtype) for run, x in runs]
             # (a split leaf's: the device's block, from the pieces over the batch axes)
-            parts = [pieces[i].astype(layout.slots[i].dtype) for i in group]
             fulls = self.everyone(parts, layout.slots[group[0]].split.over)
-            for i, full in zip(group, fulls, strict=True):
-                leaves[i] = layout.slots[i].moved.uncut(full)
+            for (run, _), full in zip(runs, fulls, strict=True):
+                width = full.shape[1] // len(run)
+                for k, i in enumerate(run):
+                    part = full if len(run) == 1 else full[:, k * width : (k + 1) * width]
+                    leaves[i] = layout.slots[i].moved.uncut(part)
         fulls = layout.per_owned_bucket(lambda b, x: self.everyone([rows[b].astype(x.dtype)])[0])
         for i in (i for i, s in enumerate(layout.slots) if s.owned):
             leaves[i] = layout.owned_full(fulls[layout.slots[i].bucket], i)
@@ -155,6 +165,10 @@ class QuantizedAllGather(AllGather):
     per collective of :class:`AllGather`). Every device, the owner included, holds the
     decoded weights; the exact ones stay in the optimizer state's master weights,
     which every bucket keeps. Scope ``zeroshard/all_gather``."""
+
+    def send(self, plan: Plan, new: list, rows: tuple, params: PyTree) -> PyTree:
+        with scope(ALL_GATHER):  # (each leaf its own part: blocks never span two leaves)
+            return self.gather(plan.layout, plan.on_view.ungrouped(new), rows, plan.leaf_order)
 
     def everyone(self, parts: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
         axis, dtype = axes or self.config.axis_name, parts[0].dtype
@@ -213,7 +227,7 @@ class ToPieces(Departure):
         leaves = layout.treedef.flatten_up_to(params)
         with scope(FROM_OWNERS):
             back = exchange(rows, self.config.axis_name)  # the owners' units -> pieces
-            new = list(new)
+            new = plan.on_view.ungrouped(new)
             for i in (i for i, s in enumerate(layout.slots) if s.owned):
                 new[i] = _new_piece(plan, i, back, leaves[i])
             return to_shards(layout, new)

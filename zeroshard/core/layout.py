@@ -289,7 +289,7 @@ class Slot:
     def own(self, held: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the leaf as the update holds it: of the
         device's block."""
-        moved, index = self.moved, index // self.split.blocks
+        moved, index = self.moved, self.piece_index(index)
         if moved.num_shards == 1 and moved.piece_size == moved.size:
             return jnp.ravel(held)
         cols = jax.lax.dynamic_slice_in_dim(
@@ -370,12 +370,16 @@ class Slot:
     def padding_mask(self, index: jax.Array | int) -> jax.Array:
         """Which elements of device ``index``'s 1-D piece are the leaf's (not padding)."""
         layer = math.prod(self.held_shape[self.stacked :])
-        mine = jnp.arange(self.width) + index // self.split.blocks * self.width < layer
+        mine = jnp.arange(self.width) + self.piece_index(index) * self.width < layer
         return jnp.broadcast_to(mine, (self.layers, self.width)).reshape(-1)
 
     def cut(self, leaf: jax.Array, index: jax.Array | int) -> jax.Array:
         """Device ``index``'s 1-D piece of the full ``leaf``."""
         return self.own(self.split.block(leaf, index % self.split.blocks), index)
+
+    def piece_index(self, index: jax.Array | int) -> jax.Array | int:
+        """Which piece of its block device ``index`` holds (no division traced for one)."""
+        return index if self.split.blocks == 1 else index // self.split.blocks
 
     def blocks(self, leaf: jax.Array) -> jax.Array:
         """Every device's piece of ``leaf``: ``(num_shards, piece_size)``, row ``d`` for

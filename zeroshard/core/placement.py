@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -368,6 +369,42 @@ class Grouping:
             out[g[0]] = joined.reshape(*leaves[g[0]].shape[:-1], -1)
             for i in g[1:]:
                 out[i] = None
+        return out
+
+    def runs(self, leaves: list, order: Sequence[int]) -> list[tuple[tuple[int, ...], Any]]:
+        """The values of the leaves ``order`` (held as :meth:`grouped` holds them) in
+        runs: each run of a group's leaves, consecutive there as in ``order``, one
+        slice of the group's buffer; any other leaf alone, as it is. A collective
+        that packs them then moves the buffer with no copy per leaf."""
+        where = {i: (g, k) for g in self.groups for k, i in enumerate(g)}
+        runs: list[list[int]] = []
+        for i in order:
+            last = runs[-1][-1] if runs else None
+            if i in where and last in where and where[last] == (where[i][0], where[i][1] - 1):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+
+        def value(run: list[int]) -> Any:
+            if run[0] not in where:
+                return leaves[run[0]]
+            (g, k), flat = where[run[0]], jnp.ravel(leaves[where[run[0]][0][0]])
+            width = flat.shape[0] // len(g)
+            return flat if len(run) == len(g) else flat[k * width : (k + len(run)) * width]
+
+        return [(tuple(run), value(run)) for run in runs]
+
+    def each(self, fn: Any, leaves: list) -> list:
+        """``fn`` of each leaf's value (``None`` where it has none), from values held as
+        :meth:`grouped` holds them: a group's leaves by one ``jax.lax.map`` over its
+        buffer's rows (each row computed as its leaf alone: the same bits), not by a
+        slice and a kernel of its own per leaf."""
+        firsts = {g[0] for g in self.groups}
+        out = [None if x is None or i in firsts else fn(x) for i, x in enumerate(leaves)]
+        for g in self.groups:
+            rows = jax.lax.map(fn, jnp.ravel(leaves[g[0]]).reshape(len(g), -1))
+            for k, i in enumerate(g):
+                out[i] = rows[k]
         return out
 
     def ungrouped(self, leaves: list) -> list:

@@ -213,9 +213,7 @@ def updated(
         pieces = master_pieces(plan, state, departure.own_pieces(plan, params))
     # The norm leaf by leaf, as without groups (the same sum, the same bits).
     with scope(GRAD_NORM):
-        grad_norm, finite = arrival.norm_and_finite(
-            plan, plan.on_view.ungrouped(grad_pieces), grad_rows
-        )
+        grad_norm, finite = arrival.norm_and_finite(plan, grad_pieces, grad_rows)
     with scope(UPDATE):
         update_branch = _branch_update(inner, config, plan, route, extra_args, prepare)
         # (a leaf updated a piece at a time prepares its gradient a piece at a time: no
@@ -234,10 +232,9 @@ def updated(
         loss_scale = config.loss_scale
         scale = None if loss_scale is None else loss_scale.adjust(state.loss_scale, finite)
     new_state = ShardedState(inner_state, master, grad_norm, skipped, scale, owned, state.layout)
-    # Cast to the parameters' dtypes once per group, then cut into the leaves' pieces.
+    # Cast to the parameters' dtypes once per group; the departure cuts the leaves out.
     cast = lambda s, x: None if x is None else x.astype(s.dtype)
-    new = plan.on_view.ungrouped(plan.layout.sliced(cast, new))
-    return departure.send(plan, new, rows, params), new_state
+    return departure.send(plan, plan.layout.sliced(cast, new), rows, params), new_state
 
 
 def master_pieces(
