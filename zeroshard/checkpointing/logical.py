@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -38,10 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.collectives import axes_of
+from zeroshard.communication.collectives import axes_of, vary
 from zeroshard.communication.departure import departure_of
 from zeroshard.communication.jit_pieces import as_pieces
-from zeroshard.communication.stage3 import to_shards
+from zeroshard.communication.stage3 import is_shard, to_shards
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import PyTree, Slot, is_floating
 from zeroshard.core.mesh import (
@@ -106,7 +107,10 @@ def to_logical(slot: Slot, piece: jax.Array, axis_name: str) -> jax.Array:
     n, shape = slot.num_shards, slot.shape
     if _rows(slot):
         return piece.reshape((shape[0] // n, *shape[1:]))
-    full = slot.uncut(jax.lax.all_gather(piece.reshape(-1), axis_name, to="invarying"))
+    # (typed varying over every axis it is gathered over: jax 0.12.1 refuses a gather
+    # of a piece that is invariant over one of them, e.g. under deterministic=)
+    piece = vary(piece.reshape(-1), axis_name)
+    full = slot.uncut(jax.lax.all_gather(piece, axis_name, to="invarying"))
     return logical_block(full, axis_name)
 
 
@@ -276,13 +280,19 @@ def to_optax_state(state: TrainState, tx: ShardedTransformation) -> tuple[PyTree
       their first dimension where it divides by the axis size, else replicated.
     """
     built, mesh = layout_of_state(tx, state), mesh_of(state)
-    # (the weights as the state says it holds them: stage 3's pieces, or whole)
-    departure = departure_of(built.tx.config, key_of(state.opt_state).pieces)
+    # (the weights as they are held: the own step's stage-3 pieces, as its state says;
+    # the drop-in's stage 3 keeps a weight the devices cannot cut as a padded piece)
+    held = jax.tree.leaves(state.params, is_leaf=is_shard)
+    pieces = key_of(state.opt_state).pieces or any(map(is_shard, held))
+    departure = departure_of(built.tx.config, pieces)
     params = state.params  # (stages 1 and 2 on Explicit axes: laid out whole, or in blocks)
     params = params if departure.pieces else each_laid_out(params, built.layout.leaf_specs(), mesh)
     if departure.pieces:  # (the drop-in's stage 3: its blocks as pieces)
         params = as_pieces(params, built.layout, mesh, built.axis_name)
-    return _to_optax_converter(built, mesh, departure)(params, state.opt_state)
+    # (the drop-in's state beside its weights made pieces: keyed as the converter reads it)
+    made = key_of(state.opt_state)
+    opt_state = state.opt_state._replace(layout=dataclasses.replace(made, pieces=pieces))
+    return _to_optax_converter(built, mesh, departure)(params, opt_state)
 
 
 @functools.lru_cache(maxsize=64)

@@ -57,12 +57,15 @@ try:  # flax is optional; its msgpack (flax.serialization.to_bytes) writes the k
 except ImportError:
     serialization = None
 if serialization is not None:
-    _FIELDS = ("axes", "splits")
+    _FIELDS = ("axes", "splits", "pieces")  # (a field missing in older bytes: the target's)
     serialization.register_serialization_state(
         LayoutKey,
         lambda key: {f: serialization.to_state_dict(getattr(key, f)) for f in _FIELDS},
         lambda key, saved: LayoutKey(
-            *(serialization.from_state_dict(getattr(key, f), saved[f], f) for f in _FIELDS)
+            *(
+                serialization.from_state_dict(getattr(key, f), saved.get(f, getattr(key, f)), f)
+                for f in _FIELDS
+            )
         ),
     )
 

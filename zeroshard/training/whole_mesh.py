@@ -18,6 +18,7 @@ to it when the loss raises per device, so the same loss works with no option to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +64,7 @@ class WholeMeshStep:
         loss = loss if scale is None else loss / scale.scale
         if self.pieces:  # (the drop-in's update of its weights, as pieces again)
             made = key_of(state.opt_state)  # (the drop-in's state's, then the step's again)
-            opt_state = state.opt_state._replace(layout=made._replace(pieces=False))
+            opt_state = state.opt_state._replace(layout=dataclasses.replace(made, pieces=False))
             params, opt_state = apply_pieces(self.three, grads, opt_state, state.params, {})
             opt_state = opt_state._replace(layout=made)
         else:  # (the state kept as zeroshard's step keeps it)
