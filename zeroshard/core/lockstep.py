@@ -63,15 +63,20 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     device (see the module's docstring). Branches without collectives give the plain
     ``lax.switch`` (of the branches as traced here).
 
+    A collective inside a loop in a branch cannot be taken out: such branches run as
+    ``lax.switch`` runs them (as every runtime but jax 0.12.1's CPU one pairs them).
+
     Raises:
-      ValueError: if the branches' collectives do not pair one to one, or one sits in
-        a loop inside a branch (where it cannot be taken out).
+      ValueError: if the branches' collectives do not pair one to one.
     """
     flat, tree = jax.tree.flatten(args)
     call = lambda f: lambda *xs: f(*jax.tree.unflatten(tree, xs))
     traced = [jax.make_jaxpr(call(f), return_shape=True)(*flat) for f in branches]
     closed = [c for c, _ in traced]
-    found = [collective_eqns(c) for c in closed]
+    try:
+        found = [collective_eqns(c) for c in closed]
+    except InLoop:  # (taken out of no loop: the branches as they are, as jax runs them;
+        found = []  # Muon's Newton-Schulz over a blocked leaf, every device alike)
     if not any(found):  # (the traced branches, not traced again)
         outs = jax.lax.switch(index, [jex_core.jaxpr_as_fun(c) for c in closed], *flat)
         return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
@@ -89,12 +94,16 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
 
 
+class InLoop(ValueError):
+    """A collective inside a loop in a branch: it cannot be taken out of the branch."""
+
+
 def collective_eqns(closed: Any) -> list:
     """The collective equations of a (closed) jaxpr in the order it reaches them: calls
     walked into, a conditional's branches one after the other.
 
     Raises:
-      ValueError: for a collective inside a loop.
+      InLoop: for a collective inside a loop.
     """
     found = []
     for eqn in open_jaxpr(closed).eqns:
@@ -107,7 +116,7 @@ def collective_eqns(closed: Any) -> list:
         elif sub is not None and name not in ("scan", "while"):  # a call: walked into
             found += collective_eqns(sub)
         elif _holds(eqn):
-            raise ValueError(
+            raise InLoop(
                 f"A collective inside a {name} in one device's branch of the sharded "
                 "update cannot be run by every device in one order; place the leaves "
                 "whose update it is in as sliced (placement=...), not owned."
