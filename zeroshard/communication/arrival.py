@@ -484,10 +484,17 @@ class Nested:
     def specs(self, plan: Plan) -> tuple[list, tuple]:
         """``PartitionSpec``s of the parts :meth:`bring` returns: each 1-D, split over
         ``rest``."""
-        piece, layout = P(self.rest), plan.layout
-        return [None if s.owned else piece for s in layout.slots], layout.per_owned_bucket(
-            lambda b, bucket: piece
-        )
+        return part_specs(plan, self.rest)
+
+
+def part_specs(plan: Plan, axes: tuple[str, ...]) -> tuple[list, tuple]:
+    """``PartitionSpec``s of :data:`GradParts` whose 1-D parts are split over ``axes``
+    (a device's parts one block of each: the form they leave a step's loss region in,
+    and enter its update region, :func:`zeroshard.core.update.region`)."""
+    piece, layout = P(axes), plan.layout
+    return [None if s.owned else piece for s in layout.slots], layout.per_owned_bucket(
+        lambda b, bucket: piece
+    )
 
 
 def check_local(leaves: list, layout: Layout, axis_name: str) -> None:

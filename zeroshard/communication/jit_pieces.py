@@ -51,7 +51,7 @@ from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree, Slot
 from zeroshard.core.mesh import each_laid_out
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import Route, kept_apart, updated
+from zeroshard.core.update import kept_apart, region
 
 
 def is_padded(slot: Slot) -> bool:
@@ -192,7 +192,7 @@ def apply_pieces(
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = Route.of(opt.config, 3 if three else 2, mean=True)
+    route = opt.route_of(3 if three else 2, mean=True)
     route = route if three else route.held  # (stage 2: the pieces in, the weights whole out)
     # The gradients arrive as stage 3's weights are kept, where they can be (at stage
     # 2 too: zs.layer's backward lays them out so), the weights as they are kept.
@@ -213,26 +213,31 @@ def apply_pieces(
     grads = [
         array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots, strict=True)
     ]
+    pieces = lambda xs, cut: [
+        _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
+    ]
+    held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
 
-    def local(grads: list, state: object, params: list, extra_args: dict) -> tuple:
-        index = jax.lax.axis_index(axis)
-        pieces = lambda xs, cut: [_piece(*a, index).piece for a in zip(xs, slots, cut, strict=True)]
-        held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
+    def arrive(grads: list, params: list) -> tuple:
         grads = jax.lax.optimization_barrier(pieces(grads, cut))
         parts = route.arrival.bring(plan, held(grads))
-        whole = held(pieces(params, kept)) if three else treedef.unflatten(params)
-        new, state = updated(opt.inner, opt.config, plan, route, parts, state, whole, **extra_args)
+        return parts, held(pieces(params, kept)) if three else treedef.unflatten(params)
+
+    def leave(new: PyTree, params: list) -> list:
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
         if three:  # (a kept weight's block or piece from its piece; a whole one gathered)
             new = [_block(*x, axis) for x in zip(new, slots, kept, params, strict=True)]
-        return new, state
+        return new
 
-    step = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(cuts, opt.specs_of(plan), specs, P()),
-        out_specs=(specs, opt.specs_of(plan)),
-        axis_names=set(mesh.axis_names),
+    state_specs = opt.specs_of(plan)
+    step = region(
+        opt,
+        plan,
+        route,
+        mesh,
+        (cuts, state_specs, specs, specs),
+        arrive,
+        leave,
         check_vma=plan.layout.num_shards > 1,
     )
     laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)

@@ -244,18 +244,17 @@ def _placed(x: Any) -> bool:
     return isinstance(getattr(x, "sharding", None), NamedSharding)
 
 
-def laid_out(tree: PyTree, specs: PyTree) -> PyTree:
-    """``tree`` laid out as ``specs`` (a tree of ``PartitionSpec`` on the mesh in
-    context) say: resharded on Explicit axes, constrained on Auto ones (the compiler
-    then keeps each device's block only, where the value was whole)."""
+def laid_out(tree: PyTree, specs: PyTree, mesh: Any = None) -> PyTree:
+    """``tree`` laid out as ``specs`` (a tree of ``PartitionSpec`` on ``mesh``, default:
+    the mesh in context) say: resharded on Explicit axes, constrained on Auto ones (the
+    compiler then keeps each device's block only, where the value was whole)."""
 
     def put(x: Any, spec: P) -> Any:
         if not any(spec):  # (replicated over them: as it is)
             return x
         explicit = AxisType.Explicit in getattr(jax.typeof(x).sharding.mesh, "axis_types", ())
-        return (
-            jax.sharding.reshard(x, spec) if explicit else jax.lax.with_sharding_constraint(x, spec)
-        )
+        to = spec if mesh is None else NamedSharding(mesh, spec)
+        return jax.sharding.reshard(x, to) if explicit else jax.lax.with_sharding_constraint(x, to)
 
     return jax.tree.map(put, tree, specs)
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
 from zeroshard.communication import canonical
@@ -235,6 +236,66 @@ def updated(
     # Cast to the parameters' dtypes once per group; the departure cuts the leaves out.
     cast = lambda s, x: None if x is None else x.astype(s.dtype)
     return departure.send(plan, plan.layout.sliced(cast, new), rows, params), new_state
+
+
+def region(
+    opt: Any,
+    plan: Plan,
+    route: Route,
+    mesh: Any,
+    specs: tuple,
+    arrive: Callable[[Any, PyTree], tuple[Any, PyTree]] | None = None,
+    leave: Callable[[PyTree, PyTree], PyTree] | None = None,
+    check_vma: bool = True,
+) -> Callable[..., tuple[PyTree, ShardedState]]:
+    """The one update region every entry point runs: ``jax.shard_map`` manual over
+    every axis of ``mesh``, ``(grads, state, params, extra_args) -> (new params,
+    state)``: the gradients' parts (``arrive(grads, params)`` gives them and the
+    weights as the departure holds them; default: ``grads`` are the parts, ``params``
+    those weights), :func:`updated`, and the new weights (``leave(new, params)``;
+    default: as :func:`updated` returns them).
+
+    Args:
+      opt: the sharded optimizer (:class:`zeroshard.optimizer.sharded.Sharded`).
+      plan: its plan for the parameters.
+      route: how the parts arrive and the weights leave.
+      mesh: the mesh (concrete or abstract).
+      specs: ``PartitionSpec`` trees of the gradients, the state, the weights in, and
+        the new weights out.
+      arrive: the gradients' parts on this device, and the weights ``updated`` takes.
+      leave: the new weights as the region returns them.
+      check_vma: ``shard_map``'s type check (off on one device: nothing is reduced).
+    """
+    grads, state, params, out = specs
+
+    def local(grads: Any, state: ShardedState, params: PyTree, extra_args: dict) -> tuple:
+        parts, held = arrive(grads, params) if arrive else (grads, params)
+        new, state = updated(opt.inner, opt.config, plan, route, parts, state, held, **extra_args)
+        return (leave(new, params) if leave else new), state
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(grads, state, params, P()),
+        out_specs=(out, state),
+        axis_names=set(mesh.axis_names),
+        check_vma=check_vma,
+    )
+
+
+def handed(plan: Plan, parts: GradParts) -> GradParts:
+    """``parts`` as a step's loss region hands them to its update region
+    (:func:`region`): in the dtypes the inner optimizer takes them, as :func:`updated`
+    casts them (but a leaf updated a piece at a time, :mod:`zeroshard.core.piecewise`,
+    as it arrived). Cast in the loss region, a low-precision sum XLA computed in
+    float32 stays unrounded, as it did when the update ran in that region."""
+    dtypes, slots, later = plan.inner_dtypes, plan.layout.slots, piecewise.pieced(plan)
+    cast = lambda g, d: None if g is None else g.astype(d)
+    pieces = [
+        g if i in later else cast(g, dtypes[s.bucket])
+        for i, (s, g) in enumerate(zip(slots, parts[0], strict=True))
+    ]
+    return pieces, tuple(cast(r, dtypes[b]) for b, r in enumerate(parts[1]))
 
 
 def master_pieces(

@@ -30,7 +30,7 @@ from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.core.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
 from zeroshard.core.placement import Plan, make_plan
-from zeroshard.core.update import Route, kept_apart, updated
+from zeroshard.core.update import Route, kept_apart, region, updated
 from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
 from zeroshard.optimizer.config import ShardConfig
 from zeroshard.optimizer.loss_scale import LossScaleState
@@ -301,36 +301,34 @@ class Sharded:
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
-        step = jax.shard_map(
-            functools.partial(opt._local_update, plan=plan if splits else None, summed=summed),
-            mesh=mesh,
-            in_specs=(grads_at, specs, leaves, P()),
-            out_specs=(leaves, specs),
-            axis_names=set(mesh.axis_names),
-            check_vma=num_shards > 1 and not summed,  # (jax types no sum of partial sums)
+        route = opt.route_of(3 if key_of(state).pieces else 1, mean=True, summed=summed)
+        arrive = lambda grads, params: (route.arrival.bring(plan, grads), params)
+        specs = (grads_at, specs, leaves, leaves)
+        # (jax types no sum of partial sums)
+        step = region(
+            opt, plan, route, mesh, specs, arrive, check_vma=num_shards > 1 and not summed
         )
         laid = lambda tree, specs: each_laid_out(tree, specs, mesh)
         new, state = step(laid(grads, grads_at), state, laid(params, leaves), extra_args)
         return with_layout(new, params), state
 
+    def route_of(
+        self, stage: int, mean: bool = False, summed: frozenset[str] = frozenset()
+    ) -> Route:
+        """``tx.update``'s route (:meth:`zeroshard.core.update.Route.of`) for weights held as
+        at ``stage``: each device's local gradients (in a user's ``shard_map``), or
+        with ``mean`` the mean gradient (in a ``jax.jit``; its partial sums over the
+        axes ``summed``, if any)."""
+        return Route.of(self.config, stage, mean=mean, summed=summed)
+
     def _local_update(
-        self,
-        grads: PyTree,
-        state: ShardedState,
-        params: PyTree,
-        extra_args: dict,
-        plan: Plan | None = None,
-        summed: frozenset[str] | None = None,
+        self, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
     ) -> tuple[PyTree, ShardedState]:
-        """The update flow inside ``shard_map`` (by ``plan``, or the plan of the
-        arguments, checked), by the route chosen here for the two entries that run it:
-        this device's local ``grads`` (:meth:`apply`; the weights held as the state
-        says), or with ``summed`` the mean gradient (:meth:`apply_mean`: its partial
-        sums over the axes ``summed``, if any)."""
-        stage, mean = 3 if key_of(state).pieces else 1, summed is not None
-        route = Route.of(self.config, stage, mean=mean, summed=summed or frozenset())
-        if plan is None:
-            plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
+        """The update flow inside a user's ``shard_map`` (:meth:`apply`): this device's
+        local ``grads``, the weights held as the state says, by the plan of the
+        arguments."""
+        route = self.route_of(3 if key_of(state).pieces else 1)
+        plan = self.plan(params, jax.lax.axis_size(self.config.axis_name))
         self.check_state(plan, state)
         parts = route.arrival.bring(plan, grads)
         return updated(self.inner, self.config, plan, route, parts, state, params, **extra_args)

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import reads_only_gathered
-from zeroshard.communication.arrival import Nested
+from zeroshard.communication.arrival import Nested, part_specs
 from zeroshard.communication.collectives import mesh_size
 from zeroshard.communication.departure import departure_of
 from zeroshard.communication.stage3 import full_structs, layout_of, to_shards
@@ -39,7 +39,7 @@ from zeroshard.core.mesh import (
     run_on_mesh,
 )
 from zeroshard.core.state_layout import StateLayout, state_layout
-from zeroshard.core.update import Route, kept_apart, updated
+from zeroshard.core.update import Route, handed, kept_apart, region
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training import held, step_io
@@ -223,13 +223,11 @@ class TrainStep:
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
 
-    def _local_step(
-        self, state: TrainState, batch: PyTree, key: Key, layout: PyTree, built: StateLayout
-    ) -> Result:
-        """One step on this device: the loss and gradients of its rows, then the one
-        update flow of :mod:`zeroshard.core.update`, on the state laid out as ``built``
-        says (over every axis of the state, of which some may not be manual here)."""
-        plan = built.plan
+    def _local_loss(self, state: TrainState, batch: PyTree, key: Key, plan: Any) -> tuple:
+        """The step's loss region on this device: the loss and gradients of its rows
+        and their parts of the mean gradient (:mod:`zeroshard.communication.arrival`),
+        handed to the update region (:func:`zeroshard.core.update.region`) with the
+        loss metrics, the model state and the inner update's extra arguments."""
         scale = state.opt_state.loss_scale
         value_and_grad = self._value_and_grad(scale)
         route, params = self.route, self._varying(state.params)
@@ -239,6 +237,7 @@ class TrainStep:
             params = held.pieces_of(
                 plan.layout, params, self.axis_name, self.opt.config.reduce_dtype
             )
+        self._taken = route  # (read by the update region, traced after this one)
         loop, arrival = route.loop, self.nested or route.arrival
         out, parts = loop.run(value_and_grad, params, batch, key, state.model_state, plan, arrival)
         loss, (aux, model_state) = out
@@ -250,41 +249,10 @@ class TrainStep:
         if "value" in plan.analysis.extras:
             mean = loss.astype(jnp.float32)
             extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        params, opt_state = self._update(built, route, parts, state, extra)
-        params = params if layout is None or route.departure.pieces else laid_out(params, layout)
-        states = (state.opt_state, opt_state)
-        metrics = step_io.step_metrics(
-            self.opt.config, loss, aux, batch, self.batch_axes, states, reduced=loop.reduced
-        )
+        metrics = step_io.loss_metrics(loss, aux, batch, self.batch_axes, loop.reduced)
         if not loop.reduced:  # (averaged already)
             model_state = step_io.mean_state(model_state, self.batch_axes)
-        return TrainState(state.step + 1, params, opt_state, model_state), metrics
-
-    def _update(
-        self, built: StateLayout, route: Route, parts: Any, state: TrainState, extra: dict
-    ) -> Any:
-        """The new parameters and optimizer state (:func:`zeroshard.core.update.updated`) for
-        gradient ``parts`` that came by ``route``, manual over the state's other axes
-        too (:attr:`rest`), if any."""
-        opt, plan = built.tx.optimizer, built.plan
-
-        def update(parts: Any, opt_state: Any, params: PyTree, extra: dict) -> Any:
-            return updated(opt.inner, opt.config, plan, route, parts, opt_state, params, **extra)
-
-        if self.nested is None:
-            return update(parts, state.opt_state, state.params, extra)
-        specs = keep_axes(built.specs(route.departure), self.rest)
-        params = state.params
-        if not route.departure.pieces:  # (whole, or a split leaf's block)
-            params = each_laid_out(params, specs.params)
-        run = jax.shard_map(
-            update,
-            in_specs=(self.nested.specs(plan), specs.opt_state, specs.params, P()),
-            out_specs=(specs.params, specs.opt_state),
-            axis_names=set(self.rest),
-            check_vma=plan.layout.num_shards > 1,  # (as the step's: one device, no types)
-        )
-        return run(parts, state.opt_state, params, extra)
+        return handed(plan, parts), extra, metrics, model_state
 
     def state_specs(self, params: PyTree, layout: tuple | None = None) -> TrainState:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
@@ -346,19 +314,32 @@ class TrainStep:
         batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
-        step = jax.shard_map(
-            partial(self._local_step, layout=layout, built=built),
+        axes = self.opt.config.batch_axes
+        loss_region = jax.shard_map(
+            partial(self._local_loss, plan=built.plan),
             mesh=self.mesh,
             in_specs=(specs, batch_specs, P()),
-            out_specs=(specs, P()),
-            axis_names=set(self.opt.config.batch_axes),
+            out_specs=(part_specs(built.plan, axes), P(), P(), P()),  # (rest: auto there)
+            axis_names=set(axes),
             # On one device (of the state) nothing is reduced or gathered: without the types,
             # the gradients are not all-reduced for us and the collectives are left out.
             check_vma=self.num_shards > 1,
         )
         # zs.gather and zs.layer's default axis, and how they gather
         with in_step(StepContext(self.axis_name, self.route.gather, self.rest)):
-            return step(state, batch, key)
+            parts, extra, metrics, model_state = loss_region(state, batch, key)
+        opt, route = built.tx.optimizer, self._taken
+        specs, params = built.specs(route.departure), state.params
+        if not route.departure.pieces:  # (whole over the other axes, or a split leaf's block)
+            params = each_laid_out(params, specs.params, self.mesh)
+        parts_at = part_specs(built.plan, (*axes, *self.rest))
+        specs = (parts_at, specs.opt_state, specs.params, specs.params)
+        update = region(opt, built.plan, route, self.mesh, specs, check_vma=self.num_shards > 1)
+        params, opt_state = update(parts, state.opt_state, params, extra)
+        if layout is not None and not route.departure.pieces:  # (the weights' own layout)
+            params = laid_out(params, layout, self.mesh)
+        metrics = step_io.update_metrics(self.opt.config, (state.opt_state, opt_state), metrics)
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     def _place(self, batch: PyTree) -> PyTree:
         """``batch`` split over the batch axes; abstract values (``jax.ShapeDtypeStruct``,

@@ -90,12 +90,27 @@ def step_metrics(
     states: tuple,
     reduced: bool = False,
 ) -> dict:
-    """A step's metrics: the global mean ``loss``, the gradient norm, ``aux`` (when there
-    is one) as :func:`global_aux` returns it for this device's ``batch`` (with
-    ``reduced``, ``loss`` and ``aux`` are global already), and what the
-    sharded update did, from its optimizer state before and after it (``states``;
-    ``config``: the optimizer's options). Every value but ``aux`` is a replicated
-    scalar, the same on every device:
+    """A step's metrics: :func:`loss_metrics` and :func:`update_metrics` together."""
+    return update_metrics(config, states, loss_metrics(loss, aux, batch, axes, reduced))
+
+
+def loss_metrics(loss: jax.Array, aux: Any, batch: PyTree, axes: Axes, reduced: bool) -> dict:
+    """The global mean ``loss`` and ``aux`` (when there is one) as :func:`global_aux`
+    returns it for this device's ``batch`` (with ``reduced``, both are global already)."""
+    with scope(METRICS):
+        metrics = {"loss": loss.astype(jnp.float32)}
+        if not reduced:
+            metrics["loss"] = pmean(metrics["loss"], axes)
+        if aux is not None:
+            metrics["aux"] = aux if reduced else global_aux(aux, local_rows(batch), axes)
+    return metrics
+
+
+def update_metrics(config: ShardConfig, states: tuple, metrics: dict) -> dict:
+    """``metrics`` (:func:`loss_metrics`) with the gradient norm and what the sharded
+    update did, from its optimizer state before and after it (``states``; ``config``:
+    the optimizer's options). Every value but ``aux`` is a replicated scalar, the same
+    on every device:
 
     - ``"skipped"`` (when ``config.skip_nonfinite``, the default): int32, 1 when this
       step's update was skipped because the mean gradient was not finite (the
@@ -106,11 +121,7 @@ def step_metrics(
       after ``growth_interval`` finite steps, larger.
     """
     before, after = states
-    with scope(METRICS):
-        loss = loss.astype(jnp.float32)
-        metrics = {"loss": loss if reduced else pmean(loss, axes), "grad_norm": after.grad_norm}
-        if aux is not None:
-            metrics["aux"] = aux if reduced else global_aux(aux, local_rows(batch), axes)
+    metrics = {"loss": metrics["loss"], "grad_norm": after.grad_norm, **metrics}
     if config.skip_nonfinite:
         metrics["skipped"] = after.skipped - before.skipped
     if config.loss_scale is not None:
