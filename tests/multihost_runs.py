@@ -21,6 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_env(processes: int) -> dict:
+    """The environment of each of ``processes`` processes of one run."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if processes > 1:
+        # On jax 0.12.1 a multi-process run whose step comes from the persistent
+        # compilation cache (tests/conftest.py) hangs in step 1: they compile.
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return env
+
+
 class Run:
     """``processes`` processes of the example, or of ``script`` (8 devices in all), logs
     in ``tmp_path``. The script takes the example's ``--local-devices``,
@@ -44,6 +54,7 @@ class Run:
         common = ["--local-devices", str(8 // processes), *args]
         if processes > 1:
             common += ["--coordinator", f"127.0.0.1:{free_port()}"]
+        env = process_env(processes)
         self.procs = []
         for i, log in enumerate(self.logs):
             extra = ["--num-processes", str(processes), "--process-id", str(i)]
@@ -53,7 +64,7 @@ class Run:
                         [sys.executable, "-u", script, *common, *extra],
                         stdout=out,
                         stderr=subprocess.STDOUT,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        env=env,
                         start_new_session=True,
                     )
                 )

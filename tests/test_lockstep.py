@@ -91,9 +91,9 @@ def test_no_collective_runs_inside_a_devices_branch(inner, stage, rng):
     assert "all-reduce(" in hlo
 
 
-def _device_switch(branches, x, mesh, hlo=False):
+def _device_switch(branches, x, mesh, hlo=False, run=True):
     """``lockstep.switch`` in a ``shard_map``: device 0 takes branch 1, the others 0
-    (with ``hlo``, also the compiled program's text)."""
+    (with ``hlo``, also the compiled program's text; without ``run``, only that)."""
 
     @jax.jit
     @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P("data"))
@@ -102,7 +102,10 @@ def _device_switch(branches, x, mesh, hlo=False):
         return lockstep.switch(index, branches, x)
 
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
-    return (f(x), f.lower(x).compile().as_text()) if hlo else f(x)
+    if hlo:
+        text = f.lower(x).compile().as_text()
+        return (f(x) if run else None), text
+    return f(x)
 
 
 def test_switch_pairs_the_branches_collectives_in_order():
@@ -128,6 +131,41 @@ def test_switch_pairs_the_branches_collectives_in_order():
     expected = np.sum(xs * 2 * total) + total
     np.testing.assert_allclose(np.asarray(out), np.full(8, expected), rtol=1e-6)
     assert collectives_in_branches(hlo) == [] and hlo.count("all-reduce(") == 2
+
+
+def test_switch_takes_collectives_out_of_loops():
+    """A ``psum`` inside a ``fori_loop`` of concrete bounds (a ``scan``: Muon's
+    Newton-Schulz iteration over a blocked leaf) and inside a reversed ``scan`` with
+    stacked outputs: the loops are unrolled, every collective runs outside the
+    conditionals (checked on the compiled program before it runs: the old code's
+    program hangs on jax 0.12.1), and the numbers are the loops'."""
+    mesh = make_mesh(8)
+
+    def branch(scale):
+        def run(x):
+            c = jax.lax.fori_loop(0, 3, lambda i, c: c + 0.1 * jax.lax.psum(scale * c, "data"), x)
+
+            def body(carry, r):
+                s = jax.lax.psum(carry * r, "data")
+                return carry + 0.01 * s, s
+
+            c, ys = jax.lax.scan(body, c, jnp.arange(1.0, 3.0), reverse=True)
+            return c + ys[0] - ys[1]
+
+        return run
+
+    x = jnp.arange(1.0, 9.0)
+    _, hlo = _device_switch([branch(1.0), branch(3.0)], x, mesh, hlo=True, run=False)
+    assert collectives_in_branches(hlo) == [] and "all-reduce(" in hlo
+    out = _device_switch([branch(1.0), branch(3.0)], x, mesh)
+    c, scale = np.arange(1.0, 9.0), np.where(np.arange(8) == 0, 3.0, 1.0)
+    for _ in range(3):
+        c = c + 0.1 * np.sum(scale * c)
+    ys = [0.0, 0.0]
+    for i in (1, 0):  # reversed
+        ys[i] = np.sum(c * (i + 1))
+        c = c + 0.01 * ys[i]
+    np.testing.assert_allclose(np.asarray(out), c + ys[0] - ys[1], rtol=1e-5)
 
 
 def test_switch_without_collectives_is_a_plain_switch():

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from multihost_runs import Run
+from multihost_runs import Run, process_env
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "multihost.py")
 NONFINITE_WORKER = os.path.join(os.path.dirname(__file__), "nonfinite_worker.py")
@@ -44,7 +44,7 @@ def launch(tmp_path, name: str, processes: int, *args: str) -> dict:
                 [sys.executable, EXAMPLE, *common, *extra],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                env=process_env(processes),
                 start_new_session=True,
             )
         )

@@ -34,6 +34,15 @@ operands need kept: the compiler removes the rest), then the collectives run out
 it, the same ones in the same order on every device; the last ``lax.switch`` runs
 the branches whole, with each collective's result taken from outside. Every
 operation runs on the same operands as in the branch itself: the bits are the same.
+
+A collective inside a ``scan`` (a ``fori_loop`` of concrete bounds is one: Muon's
+Newton-Schulz iteration over a blocked leaf) is taken out by unrolling that loop
+first: its body is traced ``length`` times, on the slices of its scanned operands,
+as jax itself lowers a scan unrolled whole (``unroll=True``). Only a ``while`` loop
+of a traced trip count keeps its collectives in the branch. (Cut at its collectives,
+a branch can be fused differently by XLA: on jax 0.10.2, Muon over a blocked leaf on 2
+devices in stage 3, which ran as a plain ``lax.switch`` before, differs in the last
+bits: a norm's ``reduce_sum`` is fused with the elementwise operations before it.)
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from zeroshard.analysis.jaxprs import called_jaxpr, open_jaxpr, primitives, walk
+from zeroshard.analysis.jaxprs import called_jaxpr, open_jaxpr, primitives, scan_parts, walk
 from zeroshard.communication.collectives import vary, varying_axes
 
 # The primitives that communicate across devices (names of jax 0.10 to 0.12).
@@ -63,8 +72,10 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     device (see the module's docstring). Branches without collectives give the plain
     ``lax.switch`` (of the branches as traced here).
 
-    A collective inside a loop in a branch cannot be taken out: such branches run as
-    ``lax.switch`` runs them (as every runtime but jax 0.12.1's CPU one pairs them).
+    A ``scan`` holding collectives is unrolled first (:func:`unroll_scans`). A
+    collective inside a ``while`` loop in a branch cannot be taken out: such branches
+    run as ``lax.switch`` runs them (as every runtime but jax 0.12.1's CPU one pairs
+    them).
 
     Raises:
       ValueError: if the branches' collectives do not pair one to one.
@@ -73,10 +84,12 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
     call = lambda f: lambda *xs: f(*jax.tree.unflatten(tree, xs))
     traced = [jax.make_jaxpr(call(f), return_shape=True)(*flat) for f in branches]
     closed = [c for c, _ in traced]
+    if any(_scans(c) for c in closed):  # (the others' jaxprs stay as traced)
+        closed = [unroll_scans(c, flat) if _scans(c) else c for c in closed]
     try:
         found = [collective_eqns(c) for c in closed]
-    except InLoop:  # (taken out of no loop: the branches as they are, as jax runs them;
-        found = []  # Muon's Newton-Schulz over a blocked leaf, every device alike)
+    except InLoop:  # (a while loop's: the branches as they are, as jax runs them)
+        found = []
     if not any(found):  # (the traced branches, not traced again)
         outs = jax.lax.switch(index, [jex_core.jaxpr_as_fun(c) for c in closed], *flat)
         return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
@@ -92,6 +105,49 @@ def switch(index: jax.Array, branches: Sequence[Callable[..., Any]], *args: Any)
             fed[k] = _bind(eqn, [next(operands) for _ in eqn.invars])
     outs = jax.lax.switch(index, [_whole(c, fed) for c in closed], *flat)
     return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
+
+
+def unroll_scans(closed: Any, args: Sequence[Any]) -> Any:
+    """A (closed) jaxpr of the same inputs and outputs, traced on ``args``, whose
+    ``scan`` loops holding collectives (in calls and conditionals too, and nested) are
+    unrolled: the body traced once per iteration, on the slices of the scanned
+    operands (in reverse for ``reverse=True``), its outputs stacked; as jax lowers a
+    scan of ``unroll=True``. Other equations are bound as they are."""
+
+    def step(eqn: Any, xs: list) -> list:
+        name = eqn.primitive.name
+        if name == "scan" and _holds(eqn):
+            consts, carry, scanned = scan_parts(eqn, xs)
+            length, reverse = eqn.params["length"], eqn.params["reverse"]
+            rows = []
+            for i_ in range(length):
+                i = length - 1 - i_ if reverse else i_
+                x = [jax.lax.index_in_dim(a, i, keepdims=False) for a in scanned]
+                out = walk(eqn.params["jaxpr"], [*consts, *carry, *x], step)
+                carry, row = out[: len(carry)], out[len(carry) :]
+                rows.append(row)
+            rows = rows[::-1] if reverse else rows
+            ys = [
+                jax.lax.concatenate([jax.lax.expand_dims(r, (0,)) for r in col], 0)
+                for col in zip(*rows, strict=True)
+            ] or [_zeros(v) for v in eqn.outvars[len(carry) :]]
+            outs = [*carry, *ys]
+        elif name == "cond" and _scans(eqn):
+            run = lambda b: lambda *zs: walk(b, list(zs), step)
+            outs = jax.lax.switch(xs[0], [run(b) for b in eqn.params["branches"]], *xs[1:])
+        else:
+            return _bind(eqn, xs)
+        return [vary(y, tuple(varying_axes(v))) for y, v in zip(outs, eqn.outvars, strict=True)]
+
+    return jax.make_jaxpr(lambda *xs: walk(closed, list(xs), step))(*args)
+
+
+def _scans(x: Any) -> bool:
+    """Whether a (closed) jaxpr, or an equation, holds a ``scan`` that holds a
+    collective (in calls, conditionals and loops too)."""
+    if open_jaxpr(x) is not None:
+        return any(map(_scans, open_jaxpr(x).eqns))
+    return (x.primitive.name == "scan" and _holds(x)) or any(map(_scans, _subjaxprs(x)))
 
 
 class InLoop(ValueError):
