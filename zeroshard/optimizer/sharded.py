@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
+from zeroshard.communication.arrival import part_specs
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
 from zeroshard.communication.stage3 import full_structs, is_shard
@@ -35,6 +36,8 @@ from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
 from zeroshard.optimizer.config import ShardConfig
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.state import LayoutKey, ShardedState, key_of
+from zeroshard.training import gradient
+from zeroshard.training.gradient import Grads
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +242,9 @@ class Sharded:
           TypeError: for a state this transformation's ``init`` did not make.
         """
         check_extra_args(extra_args)
+        if isinstance(updates, Grads):  # (tx.value_and_grad's: reduced already)
+            new, state = self.apply_grads(updates, state, params, extra_args)
+            return jax.tree.map(lambda n, p: n - p, new, params), state
         self.config.sum_order.check_drop_in()
         (state, reboxed), (params, like) = unboxed(state), unboxed(params)
         self.check_arguments(state, params)
@@ -268,8 +274,40 @@ class Sharded:
         mesh = find_mesh(self.config, tree, any_axes=True)
         self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
         made = tree.layout if isinstance(tree, ShardedState) else None  # (in tx.update)
-        opt, splits = self.spanning(mesh), self.typed_splits(mesh, params, made)
-        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits), mesh
+        return *self.spanned(mesh, params, made), mesh
+
+    def spanned(
+        self, mesh: Any, params: PyTree, made: Any = None, splits: Mapping[int, Split] | None = None
+    ) -> tuple[Sharded, Plan]:
+        """The drop-in's optimizer on ``mesh`` (:meth:`spanning`) and its plan for
+        ``params``, its leaves of ``splits`` kept block by block (default: the
+        drop-in's, :meth:`typed_splits`, for a state ``made`` so, if given)."""
+        splits = self.typed_splits(mesh, params, made) if splits is None else splits
+        opt = self.spanning(mesh)
+        return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
+
+    def apply_grads(
+        self, grads: Grads, state: ShardedState, params: PyTree, extra_args: dict
+    ) -> tuple[PyTree, ShardedState]:
+        """``tx.update`` of ``tx.value_and_grad``'s gradient
+        (:class:`zeroshard.training.gradient.Grads`): the update region alone, on the
+        parts as they came, the new weights all-gathered whole."""
+        mesh = find_mesh(self.config, state, any_axes=True)
+        opt, plan = self.spanned(mesh, params, state.layout)
+        opt.check_state(plan, state)
+        check_layout(state, opt.specs_of(plan))
+        leaves = plan.layout.leaf_specs()
+        parts = part_specs(plan, (*self.config.batch_axes, *self.other_axes(mesh)))
+        specs = (parts, opt.specs_of(plan), leaves, leaves)
+        update = region(opt, plan, grads.route, mesh, specs, check_vma=plan.layout.num_shards > 1)
+        new, state = update(grads.parts, state, each_laid_out(params, leaves, mesh), extra_args)
+        return with_layout(new, params), state
+
+    def value_and_grad(
+        self, fun: Callable[..., Any], has_aux: bool = False, accum_steps: int = 1
+    ) -> Callable[..., tuple]:
+        """See :meth:`ShardedTransformation.value_and_grad`."""
+        return gradient.value_and_grad(self, fun, has_aux, accum_steps)
 
     def apply_mean(
         self,
@@ -289,10 +327,8 @@ class Sharded:
         block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
         drop-in's, :meth:`typed_splits`)."""
         mesh = find_mesh(self.config, state, any_axes=True)
-        splits = self.typed_splits(mesh, params, state.layout) if splits is None else splits
-        opt, summed = self.spanning(mesh), partial_sums(grads)
-        num_shards = mesh_size(mesh, opt.config.axis_name)
-        plan = opt.plan(params, num_shards, splits)
+        (opt, plan), summed = self.spanned(mesh, params, state.layout, splits), partial_sums(grads)
+        num_shards = plan.layout.num_shards
         opt.check_state(plan, state)
         specs = opt.specs_of(plan)
         check_layout(state, specs)
@@ -461,6 +497,37 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def _as(self, opt: Sharded) -> ShardedTransformation:
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
+
+    def value_and_grad(
+        self, fun: Callable[..., Any], has_aux: bool = False, *, accum_steps: int = 1
+    ) -> Callable[..., tuple]:
+        """zeroshard's gradient in your own ``jax.jit``: ``fun``'s value and the mean
+        gradient over the batch axes, each gradient reduced by zeroshard as the
+        backward pass makes it (reduce-scattered; int8 with ``quantize_grads``, in a
+        fixed order with ``deterministic=``, averaged over a replica axis;
+        accumulated over ``accum_steps`` micro-batches), for ``tx.update``.
+
+        ``fun(params, batch)`` (``fun(params, batch, key=key)`` when a key is given)
+        returns a scalar loss, or ``(loss, aux)`` with ``has_aux``, as in
+        :func:`zeroshard.make_train_step`. The returned function,
+        ``f(params, batch, key=None)``, runs ``fun`` on each device's rows of
+        ``batch`` (split over the batch axes) and returns ``(loss, grads)`` (with
+        ``has_aux``: ``((loss, aux), grads)``): the global mean loss (aux as the step's
+        metrics give it) and :class:`zeroshard.training.gradient.Grads`, each device's
+        part of the mean gradient, which ``tx.update(grads, opt_state, params)`` takes
+        with no further gradient collective::
+
+            @jax.jit
+            def step(params, opt_state, batch):
+                loss, grads = tx.value_and_grad(loss_fn)(params, batch)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, loss
+
+        Raises:
+          ValueError: at stage 3 and with ``loss_scale=`` (not yet supported); for a
+            batch the batch axes do not divide.
+        """
+        return self.optimizer.value_and_grad(fun, has_aux, accum_steps)
 
     def shard_params(self, params: PyTree) -> PyTree:
         """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each

@@ -21,28 +21,26 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.analysis.reads import reads_only_gathered
-from zeroshard.communication.arrival import Nested, part_specs
+from zeroshard.communication.arrival import part_specs
 from zeroshard.communication.collectives import mesh_size
 from zeroshard.communication.departure import departure_of
 from zeroshard.communication.stage3 import full_structs, layout_of, to_shards
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import (
-    StepContext,
     check_mesh,
     each_laid_out,
-    in_step,
     keep_axes,
     laid_out,
     own_layout,
     run_on_mesh,
 )
 from zeroshard.core.state_layout import StateLayout, state_layout
-from zeroshard.core.update import Route, handed, kept_apart, region
+from zeroshard.core.update import Route, kept_apart, region
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
-from zeroshard.training import held, step_io
+from zeroshard.training import step_io
+from zeroshard.training.gradient import LossRegion
 from zeroshard.training.whole_mesh import Fallback
 
 Key = jax.Array | None
@@ -212,47 +210,17 @@ class TrainStep:
         # The micro-batches run over the batch axes; with other axes, the gradients
         # arrive manual over those axes too (nested; so does the update).
         self.route = Route.of(self.state_tx.config, accum_steps=k, batch_axes=axes)
-        self.nested = Nested(self.route.arrival, self.rest) if self.rest else None
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
         self._fallback = Fallback(self)  # (see the class)
-        # Stage 2 with a loss that gathers (its pieces are over the batch axes)
-        self.held_route = None if self.nested else self.route.held
+        loss = self._fallback.loss
+        self.loss_region = LossRegion(
+            loss, self.has_aux, self.opt.config, self.route, self.rest, self.mesh
+        )
         self._jits: dict[Any, Any] = {}
         self._last: Any = None
-
-    def _local_loss(self, state: TrainState, batch: PyTree, key: Key, plan: Any) -> tuple:
-        """The step's loss region on this device: the loss and gradients of its rows
-        and their parts of the mean gradient (:mod:`zeroshard.communication.arrival`),
-        handed to the update region (:func:`zeroshard.core.update.region`) with the
-        loss metrics, the model state and the inner update's extra arguments."""
-        scale = state.opt_state.loss_scale
-        value_and_grad = self._value_and_grad(scale)
-        route, params = self.route, self._varying(state.params)
-        if self._holds(params, batch, key, state.model_state):
-            route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
-            value_and_grad = held.value_and_grad(loss, params)
-            params = held.pieces_of(
-                plan.layout, params, self.axis_name, self.opt.config.reduce_dtype
-            )
-        self._taken = route  # (read by the update region, traced after this one)
-        loop, arrival = route.loop, self.nested or route.arrival
-        out, parts = loop.run(value_and_grad, params, batch, key, state.model_state, plan, arrival)
-        loss, (aux, model_state) = out
-        if scale is not None:
-            loss = loss / scale.scale
-        # An update that requires value= (optax.contrib.reduce_on_plateau) gets the
-        # step's global mean loss, as plain optax's update(..., value=loss) would.
-        extra = {}
-        if "value" in plan.analysis.extras:
-            mean = loss.astype(jnp.float32)
-            extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
-        metrics = step_io.loss_metrics(loss, aux, batch, self.batch_axes, loop.reduced)
-        if not loop.reduced:  # (averaged already)
-            model_state = step_io.mean_state(model_state, self.batch_axes)
-        return handed(plan, parts), extra, metrics, model_state
 
     def state_specs(self, params: PyTree, layout: tuple | None = None) -> TrainState:
         """The ``PartitionSpec``s of the global state this step takes for ``params``
@@ -269,34 +237,6 @@ class TrainStep:
         weights = treedef.unflatten(layout or [P()] * treedef.num_leaves)
         return state_layout(self.tx, self.mesh, structs, weights)
 
-    def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
-        """Whether this stage-2 step hands its loss
-        :class:`zeroshard.communication.stage3.Held` leaves
-        (:mod:`zeroshard.training.held`): its loss reads the parameters only through
-        :func:`zeroshard.gather` (traced on one micro-batch of the device's rows)."""
-        if self.held_route is None:
-            return False
-        rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
-        loss = step_io.step_loss(self._fallback.loss, self.has_aux, None)
-        key = step_io.device_key(key, self.batch_axes)
-        return reads_only_gathered(loss, params, rows, key, model_state)
-
-    def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
-        """The loss (times the loss scale, if any) and its gradient, in the step's
-        convention (:func:`zeroshard.training.step_io.step_loss`)."""
-        loss = step_io.step_loss(self._fallback.loss, self.has_aux, scale)
-        return jax.value_and_grad(loss, has_aux=True)
-
-    def _varying(self, params: PyTree) -> PyTree:
-        """``params`` cast to vary over the batch axes: the gradient of an invariant
-        input would be all-reduced automatically (a local gradient is what the
-        reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
-        over the replica axis, if any, not)."""
-        axes = self.opt.config.batch_axes  # (the replica axis, if any, then the sharding axis)
-        if self.route.departure.pieces:
-            axes = tuple(a for a in axes if a not in self.opt.config.axes)
-        return jax.lax.pcast(params, axes, to="varying") if axes else params
-
     def _global_step(
         self, state: TrainState, batch: PyTree, key: Key, layout: Any = None
     ) -> Result:
@@ -311,24 +251,14 @@ class TrainStep:
         built = self.layout_for(state.params, layout)
         built.tx.optimizer.check_state(built.plan, state.opt_state)  # (made for this layout)
         specs = keep_axes(built.specs(self.route.departure), self.opt.config.batch_axes)
-        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
         axes = self.opt.config.batch_axes
-        loss_region = jax.shard_map(
-            partial(self._local_loss, plan=built.plan),
-            mesh=self.mesh,
-            in_specs=(specs, batch_specs, P()),
-            out_specs=(part_specs(built.plan, axes), P(), P(), P()),  # (rest: auto there)
-            axis_names=set(axes),
-            # On one device (of the state) nothing is reduced or gathered: without the types,
-            # the gradients are not all-reduced for us and the collectives are left out.
-            check_vma=self.num_shards > 1,
+        extras = (state.model_state, state.opt_state.loss_scale)
+        parts, extra, metrics, model_state = self.loss_region(
+            built.plan, specs.params, state.params, batch, key, extras
         )
-        # zs.gather and zs.layer's default axis, and how they gather
-        with in_step(StepContext(self.axis_name, self.route.gather, self.rest)):
-            parts, extra, metrics, model_state = loss_region(state, batch, key)
-        opt, route = built.tx.optimizer, self._taken
+        opt, route = built.tx.optimizer, self.loss_region.taken
         specs, params = built.specs(route.departure), state.params
         if not route.departure.pieces:  # (whole over the other axes, or a split leaf's block)
             params = each_laid_out(params, specs.params, self.mesh)

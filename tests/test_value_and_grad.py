@@ -1,0 +1,124 @@
+"""``tx.value_and_grad`` in the user's own ``jax.jit``: zeroshard's gradient, taken by
+``tx.update`` with no further gradient collective, is ``zs.make_train_step``'s."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, awkward_loss, awkward_params, batches, reference_run
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeroshard as zs
+
+OPTIONS = {
+    "exact": ({}, 1),
+    "accumulated": ({}, 2),
+    "int8": ({"quantize_grads": "int8"}, 1),
+    "int8-accumulated": ({"quantize_grads": "int8"}, 2),
+    "deterministic": ({"deterministic": 16}, 1),
+    "replica": ({"replica_axis": "replica"}, 1),
+}
+INNERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def mesh_for(options: dict) -> jax.sharding.Mesh:
+    if "replica_axis" in options:
+        return jax.make_mesh((2, 4), ("replica", "data"))
+    return jax.make_mesh((8,), ("data",))
+
+
+def user_step(tx, accum_steps: int = 1):
+    """The user's own step: tx.value_and_grad, tx.update, optax.apply_updates."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = tx.value_and_grad(awkward_loss, accum_steps=accum_steps)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, updates
+
+    return step
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_one_step_is_make_train_steps_bit_for_bit(option, inner, stage):
+    """From the same weights, one step through tx.value_and_grad and tx.update gives
+    make_train_step's loss and optimizer state bit for bit, and updates that are
+    exactly its new weights minus the old."""
+    options, accum = OPTIONS[option]
+    params, mesh = awkward_params(np.random.default_rng(0)), mesh_for(options)
+    (batch,) = batches(np.random.default_rng(1), 1, size=32)
+    tx = zs.sharded(INNERS[inner](), stage=stage, **options)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    own = zs.make_train_step(awkward_loss, tx, mesh, stage=stage, accum_steps=accum)
+    new_state, metrics = own(state, batch)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        _, opt_state, loss, updates = user_step(tx, accum)(p, tx.init(p), batch)
+    assert np.asarray(loss) == np.asarray(metrics["loss"])
+    own_leaves, user_leaves = (jax.tree.leaves(s) for s in (new_state.opt_state, opt_state))
+    assert len(own_leaves) == len(user_leaves)
+    for a, b in zip(own_leaves, user_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    moved = jax.tree.map(lambda n, o: np.asarray(n) - np.asarray(o), new_state.params, params)
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(moved), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("inner", list(INNERS))
+def test_three_steps_give_plain_optax(inner, stage):
+    """Three steps of the user's step give plain optax's weights on one device on the
+    global batch."""
+    params, mesh = awkward_params(np.random.default_rng(2)), mesh_for({})
+    data = batches(np.random.default_rng(3), 3, size=32)
+    tx = zs.sharded(INNERS[inner](), stage=stage)
+    step = user_step(tx)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        opt_state = tx.init(p)
+        for batch in data:
+            p, opt_state, _, _ = step(p, opt_state, batch)
+    expected = reference_run(awkward_loss, INNERS[inner](), params, data)
+    assert_trees_close(p, expected, rtol=1e-5)
+
+
+def test_no_gradient_all_reduce_in_the_users_step():
+    """The user's step reduce-scatters the gradients and all-gathers the new weights;
+    what it all-reduces are scalars (the loss and the gradient norm)."""
+    params, mesh = awkward_params(np.random.default_rng(4)), mesh_for({})
+    (batch,) = batches(np.random.default_rng(5), 1, size=32)
+    tx = zs.sharded(optax.adam(1e-2))
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        text = user_step(tx).lower(p, tx.init(p), batch).compile().as_text()
+    found = zs.compiled_collectives(text, mesh=mesh)
+    kinds = {c.kind for c in found}
+    assert "reduce-scatter" in kinds and "all-gather" in kinds, kinds
+    assert all(c.result_bytes <= 8 for c in found if c.kind == "all-reduce"), found
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [({"stage": 3}, "stage=3"), ({"loss_scale": zs.DynamicLossScale()}, "loss_scale")],
+)
+def test_what_it_does_not_take_yet_is_refused(options, match):
+    tx = zs.sharded(optax.sgd(0.1), **options)
+    with pytest.raises(ValueError, match=match):
+        tx.value_and_grad(awkward_loss)
+
+
+def test_an_indivisible_batch_is_refused():
+    params, mesh = awkward_params(np.random.default_rng(6)), mesh_for({})
+    (batch,) = batches(np.random.default_rng(7), 1, size=12)
+    tx = zs.sharded(optax.sgd(0.1))
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        with pytest.raises(ValueError, match="12"):
+            user_step(tx)(p, tx.init(p), batch)
+    assert jnp.ndim(p["scale"]) == 0  # (the weights are untouched)

@@ -1,0 +1,196 @@
+"""Gradient: zeroshard's gradient, the first of a step's two regions, and ``tx.value_and_grad``.
+
+The loss region runs the loss on each device's rows, manual over the batch axes (the
+keys folded with the device's index, the loss scaled, the micro-batch loop, stage 2's
+held route, stage 3's gathers, the fixed-order rounds), and reduces each gradient as
+its route's arrival says (:mod:`zeroshard.communication.arrival`). Its parts of the
+mean gradient leave the region as global arrays, each device's block its own part
+(:func:`zeroshard.communication.arrival.part_specs`), in the dtypes the update takes
+them (:func:`zeroshard.core.update.handed`); the update region
+(:func:`zeroshard.core.update.region`) takes them with no further gradient
+collective. :class:`zeroshard.training.step.TrainStep` is the two regions;
+``tx.value_and_grad`` (:func:`value_and_grad`) gives the first in a user's own
+``jax.jit``, as :class:`Grads` that ``tx.update`` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeroshard.analysis.reads import reads_only_gathered
+from zeroshard.communication.arrival import GradParts, Nested, part_specs
+from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import StepContext, find_mesh, in_step
+from zeroshard.core.placement import Plan
+from zeroshard.core.update import Route, handed
+from zeroshard.training import held, step_io
+
+Key = jax.Array | None
+"""A step's random key (``None``: none)."""
+
+
+@dataclasses.dataclass(eq=False)
+class LossRegion:
+    """The loss region of a step on ``mesh``: ``loss_fn`` (in the convention of
+    :func:`zeroshard.make_train_step`) differentiated on each device's rows, its
+    gradients brought by ``route`` (over the state's other axes ``rest`` too, where
+    there are any: :class:`zeroshard.communication.arrival.Nested`).
+
+    Attributes:
+      loss_fn: the user's loss.
+      has_aux: whether it returns ``(loss, aux)``.
+      config: the step's optimizer options (its batch axes, stage, reduce dtype).
+      route: how the gradients arrive (and, from :attr:`taken`, leave).
+      rest: the state's axes besides the batch's.
+      mesh: the mesh.
+      taken: the route the last trace took (stage 2's :attr:`Route.held` where the
+        loss reads the weights only through ``zs.gather``), for the update region.
+    """
+
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+    config: Any
+    route: Route
+    rest: tuple[str, ...]
+    mesh: Any
+    taken: Route | None = None
+
+    def __post_init__(self) -> None:
+        self.nested = Nested(self.route.arrival, self.rest) if self.rest else None
+        # Stage 2 with a loss that gathers (its pieces are over the batch axes)
+        self.held_route = None if self.nested else self.route.held
+        self.batch_axes = self.route.loop.axes
+        self.taken = self.route
+
+    def __call__(
+        self, plan: Plan, specs: PyTree, params: PyTree, batch: PyTree, key: Key, extras: tuple
+    ) -> tuple:
+        """The region on ``params`` (laid out as ``specs``, over the batch axes) and
+        ``batch`` (split over them): this device's parts of the mean gradient as
+        global arrays, the update's extra arguments, the loss metrics and the model
+        state (``extras``: the model state and the loss scale's state, or ``None``)."""
+        axes = self.config.batch_axes
+        batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
+        region = jax.shard_map(
+            partial(self.local, plan=plan),
+            mesh=self.mesh,
+            in_specs=(specs, batch_specs, P(), P()),
+            out_specs=(part_specs(plan, axes), P(), P(), P()),  # (rest: auto there)
+            axis_names=set(axes),
+            # On one device (of the state) nothing is reduced or gathered: without the types,
+            # the gradients are not all-reduced for us and the collectives are left out.
+            check_vma=plan.layout.num_shards > 1,
+        )
+        # zs.gather and zs.layer's default axis, and how they gather
+        with in_step(StepContext(self.config.axis_name, self.route.gather, self.rest)):
+            return region(params, batch, key, extras)
+
+    def local(self, params: PyTree, batch: PyTree, key: Key, extras: tuple, plan: Plan) -> tuple:
+        """The region on this device (see :meth:`__call__`)."""
+        model_state, scale = extras
+        value_and_grad = self._value_and_grad(scale)
+        route, params = self.route, self._varying(params)
+        if self._holds(params, batch, key, model_state):
+            route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
+            value_and_grad = held.value_and_grad(loss, params)
+            params = held.pieces_of(
+                plan.layout, params, self.config.axis_name, self.config.reduce_dtype
+            )
+        self.taken = route  # (read by the update region, traced after this one)
+        loop, arrival = route.loop, self.nested or route.arrival
+        out, parts = loop.run(value_and_grad, params, batch, key, model_state, plan, arrival)
+        loss, (aux, model_state) = out
+        if scale is not None:
+            loss = loss / scale.scale
+        # An update that requires value= (optax.contrib.reduce_on_plateau) gets the
+        # step's global mean loss, as plain optax's update(..., value=loss) would.
+        extra = {}
+        if "value" in plan.analysis.extras:
+            mean = loss.astype(jnp.float32)
+            extra["value"] = mean if loop.reduced else step_io.pmean(mean, self.batch_axes)
+        metrics = step_io.loss_metrics(loss, aux, batch, self.batch_axes, loop.reduced)
+        if not loop.reduced:  # (averaged already)
+            model_state = step_io.mean_state(model_state, self.batch_axes)
+        return handed(plan, parts), extra, metrics, model_state
+
+    def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
+        """Whether this stage-2 step hands its loss
+        :class:`zeroshard.communication.stage3.Held` leaves
+        (:mod:`zeroshard.training.held`): its loss reads the parameters only through
+        :func:`zeroshard.gather` (traced on one micro-batch of the device's rows)."""
+        if self.held_route is None:
+            return False
+        rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
+        loss = step_io.step_loss(self.loss_fn, self.has_aux, None)
+        key = step_io.device_key(key, self.batch_axes)
+        return reads_only_gathered(loss, params, rows, key, model_state)
+
+    def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
+        """The loss (times the loss scale, if any) and its gradient, in the step's
+        convention (:func:`zeroshard.training.step_io.step_loss`)."""
+        loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        return jax.value_and_grad(loss, has_aux=True)
+
+    def _varying(self, params: PyTree) -> PyTree:
+        """``params`` cast to vary over the batch axes: the gradient of an invariant
+        input would be all-reduced automatically (a local gradient is what the
+        reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
+        over the replica axis, if any, not)."""
+        axes = self.config.batch_axes  # (the replica axis, if any, then the sharding axis)
+        if self.route.departure.pieces:
+            axes = tuple(a for a in axes if a not in self.config.axes)
+        return jax.lax.pcast(params, axes, to="varying") if axes else params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Grads:
+    """The mean gradient as ``tx.value_and_grad`` returns it: each device's parts of
+    it (:data:`zeroshard.communication.arrival.GradParts`), global arrays whose
+    blocks are the devices' parts, and the route they came by. ``tx.update(grads,
+    opt_state, params)`` takes them with no further gradient collective.
+
+    Attributes:
+      parts: the parts: a 1-D array per sliced leaf (``None`` for a leaf one device
+        owns), and per bucket of owned leaves the owners' rows.
+      route: how they came (static).
+    """
+
+    parts: GradParts
+    route: Route = dataclasses.field(metadata=dict(static=True))
+
+
+def value_and_grad(
+    opt: Any, fun: Callable[..., Any], has_aux: bool = False, accum_steps: int = 1
+) -> Callable[..., tuple]:
+    """``tx.value_and_grad`` (see
+    :meth:`zeroshard.optimizer.sharded.ShardedTransformation.value_and_grad`) for the
+    sharded optimizer ``opt``."""
+    config = opt.config
+    config.check_value_and_grad()
+
+    def run(params: PyTree, batch: PyTree, key: Key = None) -> tuple:
+        mesh = find_mesh(config, params, any_axes=True)
+        step, plan = opt.spanned(mesh, params)
+        route = Route.of(step.config, accum_steps=accum_steps, batch_axes=config.batch_axes)
+        parts = math.prod(mesh.shape[a] for a in config.batch_axes)
+        route.loop.check(parts)
+        route.loop.check_batch(batch, parts)
+        region = LossRegion(fun, has_aux, config, route, step.other_axes(mesh), mesh)
+        batch = step_io.placed(batch, NamedSharding(mesh, P(config.batch_axes)))
+        # (the weights whole over the batch axes; over the others as they are laid out)
+        parts, _, metrics, _ = region(plan, P(), params, batch, key, (None, None))
+        value = metrics["loss"]
+        grads = Grads(parts, region.taken)
+        return ((value, metrics.get("aux")) if has_aux else value), grads
+
+    return run
