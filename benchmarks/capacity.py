@@ -9,7 +9,9 @@ weights, on N devices:
   device's fp32 master copy (the ZeRO paper's baseline: 16 bytes per parameter);
 - ``jit-sharded``: plain optax under ``jax.jit``, the master weights and moments laid
   out over ``"data"`` by ``NamedSharding`` (flax's ``optimizer_sharding``, MaxText);
-- ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step;
+- ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step
+  (``-2``, ``-3``: at stages 2 and 3; ``dropin-vg``, ``-vg-2``: its gradient taken by
+  ``tx.value_and_grad``, not ``jax.grad``);
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
   reduce-scatters each layer's gradient in the backward pass, ``zeroshard.training.held``),
@@ -56,6 +58,8 @@ VARIANTS = (
     "dropin",
     "dropin-2",
     "dropin-3",
+    "dropin-vg",
+    "dropin-vg-2",
     "zeroshard-1",
     "zeroshard-2",
     "zeroshard-3",
@@ -76,7 +80,9 @@ def formula(variant: str, n: int) -> float | None:
         "gspmd-fsdp": 16 / n,
         "dropin-3": 16 / n,
         "dropin-2": 2 + 14 / n,
+        "dropin-vg-2": 2 + 14 / n,
         "dropin": 4 + 12 / n,
+        "dropin-vg": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
     }.get(variant)
 
@@ -238,14 +244,19 @@ def variant_step(
         step = zs.make_train_step(loss(stage), tx, mesh, stage=stage)
         lower = lambda s, b: step.jitted.lower(s, b, None)
         return (lambda s, b: step(s, b)[0]), on(mesh, jax.eval_shape(init, structs)), lower
-    if name.startswith("dropin"):  # (dropin-2, -3: zs.layer in the scan; 3: weights as pieces)
+    # (dropin-2, -3: zs.layer in the scan; 3: weights as pieces; -vg: tx.value_and_grad)
+    if name.startswith("dropin"):
         stage = int(name[-1]) if name[-1].isdigit() else 1
         tx = zs.sharded(inner, mesh=mesh, stacked=stacked(args), state_bits=bits, stage=stage)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
         params = tx.shard_params(params)
 
         def dropin(p, s, b):
-            updates, s = tx.update(jax.grad(loss(stage))(p, b), s, p)
+            if "-vg" in name:  # (zeroshard's gradient: tx.value_and_grad)
+                grads = tx.value_and_grad(loss(stage))(p, b)[1]
+            else:
+                grads = jax.grad(loss(stage))(p, b)
+            updates, s = tx.update(grads, s, p)
             return optax.apply_updates(p, updates), s
 
         step = jax.jit(dropin, donate_argnums=(0, 1))
@@ -332,7 +343,7 @@ def make_mesh(name: str, devices: int) -> Any:
     import jax
     from jax.sharding import AxisType
 
-    auto = name in ("jit-sharded", "gspmd-fsdp", "dropin", "dropin-2", "dropin-3")
+    auto = name in ("jit-sharded", "gspmd-fsdp") or name.startswith("dropin")
     return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
@@ -373,9 +384,13 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
     structs, batch = shapes(args.width, layers, args.vocab, args.model), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
-    estimated = {"replicated": 0, "gspmd-fsdp": 3, "dropin-2": 2, "dropin-3": 3}.get(
-        name, stage or 1
-    )
+    estimated = {
+        "replicated": 0,
+        "gspmd-fsdp": 3,
+        "dropin-2": 2,
+        "dropin-vg-2": 2,
+        "dropin-3": 3,
+    }.get(name, stage or 1)
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=stacked(args), state_bits=bits)
         loss = transformer_loss(gathering(stage), max(1, args.width // 64), prefetch=args.prefetch)

@@ -8,7 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, awkward_loss, awkward_params, batches, reference_run
+from helpers import (
+    assert_trees_close,
+    awkward_loss,
+    awkward_params,
+    batches,
+    layered_loss,
+    layered_params,
+    reference_run,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -103,13 +111,9 @@ def test_no_gradient_all_reduce_in_the_users_step():
     assert all(c.result_bytes <= 8 for c in found if c.kind == "all-reduce"), found
 
 
-@pytest.mark.parametrize(
-    "options, match",
-    [({"stage": 3}, "stage=3"), ({"loss_scale": zs.DynamicLossScale()}, "loss_scale")],
-)
-def test_what_it_does_not_take_yet_is_refused(options, match):
-    tx = zs.sharded(optax.sgd(0.1), **options)
-    with pytest.raises(ValueError, match=match):
+def test_loss_scaling_is_refused_for_now():
+    tx = zs.sharded(optax.sgd(0.1), loss_scale=zs.DynamicLossScale())
+    with pytest.raises(ValueError, match="loss_scale"):
         tx.value_and_grad(awkward_loss)
 
 
@@ -122,3 +126,30 @@ def test_an_indivisible_batch_is_refused():
         with pytest.raises(ValueError, match="12"):
             user_step(tx)(p, tx.init(p), batch)
     assert jnp.ndim(p["scale"]) == 0  # (the weights are untouched)
+
+
+@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize("accum", [1, 2])
+def test_stage3_one_step_is_make_train_steps_bit_for_bit(inner, accum):
+    """Stage 3: the drop-in's weights (tx.shard_params), read through zs.layer in the
+    loss, give make_train_step's loss and optimizer state bit for bit."""
+    params, mesh = layered_params(np.random.default_rng(8), width=64), mesh_for({})
+    rng = np.random.default_rng(9)
+    batch = {k: jnp.asarray(rng.normal(size=(32, 64)), jnp.float32) for k in ("x", "y")}
+    loss = lambda p, b: layered_loss(p, b, stage=3)
+    tx = zs.sharded(INNERS[inner](), stage=3)
+    own = zs.make_train_step(loss, tx, mesh, stage=3, accum_steps=accum)
+    new_state, metrics = own(zs.init_train_state(params, tx, mesh, stage=3), batch)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        value, grads = tx.value_and_grad(loss, accum_steps=accum)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with jax.set_mesh(mesh):
+        p = tx.shard_params(jax.device_put(params, NamedSharding(mesh, P())))
+        p, opt_state, value = step(p, tx.init(p), batch)
+    assert np.asarray(value) == np.asarray(metrics["loss"])
+    for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

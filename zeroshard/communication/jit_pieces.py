@@ -40,6 +40,8 @@ naming the option): ``quantize_grads``; ``quantize_weights`` at stage 3;
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -49,9 +51,9 @@ from zeroshard.communication.collectives import all_gathered, axes_of
 from zeroshard.communication.stage3 import Piece, is_shard
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree, Slot
-from zeroshard.core.mesh import each_laid_out
+from zeroshard.core.mesh import each_laid_out, find_mesh
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import kept_apart, region
+from zeroshard.core.update import Grads, kept_apart, region
 
 
 def is_padded(slot: Slot) -> bool:
@@ -188,40 +190,31 @@ def apply_pieces(
     stay pieces, a padded one's :class:`zeroshard.communication.stage3.Piece` (a weight given whole,
     not laid out by :func:`shard_params`, is all-gathered within its block); at stage
     2 they are all-gathered whole."""
-    opt, plan, mesh = opt.in_jit(state, params)
+    given = isinstance(grads, Grads)  # (tx.value_and_grad's parts, at stage 3)
+    if given:  # (zeroshard reduced them: what the drop-in refuses, it takes)
+        mesh = find_mesh(opt.config, state, any_axes=True)
+        opt, plan = opt.spanned(mesh, params, state.layout)
+    else:
+        opt, plan, mesh = opt.in_jit(state, params)
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = opt.route_of(3 if three else 2, mean=True)
+    route = grads.route if given else opt.route_of(3 if three else 2, mean=True)
     route = route if three else route.held  # (stage 2: the pieces in, the weights whole out)
-    # The gradients arrive as stage 3's weights are kept, where they can be (at stage
-    # 2 too: zs.layer's backward lays them out so), the weights as they are kept.
-    leaves, grads = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)
-    cuts = [_spec(s, g, axis, True) for s, g in zip(slots, grads, strict=True)]
+    leaves = treedef.flatten_up_to(params)
     specs = [_spec(s, x, axis, three) for s, x in zip(slots, leaves, strict=True)]
-    cut, kept = (
-        [spec != s.leaf_spec() for s, spec in zip(slots, x, strict=True)] for x in (cuts, specs)
-    )
-    # The gradients cast to the inner optimizer's dtype once, and each device's block
-    # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the
-    # update. (Cast in the update, the compiler kept two more float32 copies of each
-    # stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries, not 57
-    # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92. With
-    # the barrier before the reshape, jax 0.12 laid the piece out as the update's
-    # conditional does not take it, and copied it: 96 MiB, not 57.)
-    array = lambda x: getattr(x, "piece", x)
-    grads = [
-        array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots, strict=True)
-    ]
+    kept = [spec != s.leaf_spec() for s, spec in zip(slots, specs, strict=True)]
     pieces = lambda xs, cut: [
         _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
     ]
     held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
-
-    def arrive(grads: list, params: list) -> tuple:
-        grads = jax.lax.optimization_barrier(pieces(grads, cut))
-        parts = route.arrival.bring(plan, held(grads))
-        return parts, held(pieces(params, kept)) if three else treedef.unflatten(params)
+    weights = lambda params: held(pieces(params, kept)) if three else treedef.unflatten(params)
+    if given:
+        cuts, grads = grads.specs(plan), grads.parts
+        arrive = lambda parts, params: (parts, weights(params))
+    else:
+        cuts, grads, arrive = _arriving(plan, route, axis, treedef.flatten_up_to(grads), pieces)
+        arrive = partial(arrive, weights=weights)
 
     def leave(new: PyTree, params: list) -> list:
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
@@ -241,9 +234,39 @@ def apply_pieces(
         check_vma=plan.layout.num_shards > 1,
     )
     laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
+    array = lambda x: getattr(x, "piece", x)
     new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
     new = [Piece(n, x.leaf) if is_shard(x) else n for n, x in zip(new, leaves, strict=True)]
     return treedef.unflatten(new), state
+
+
+def _arriving(plan: Plan, route: Any, axis: Any, grads: list, pieces: Callable) -> tuple:
+    """The mean gradient's leaves ``grads`` as the drop-in's update region takes them:
+    their layouts, the leaves, and ``arrive(grads, params, weights)``, each device's
+    parts and the weights as ``weights(params)`` holds them."""
+    slots, treedef = plan.layout.slots, plan.layout.treedef
+    # The gradients arrive as stage 3's weights are kept, where they can be (at stage
+    # 2 too: zs.layer's backward lays them out so).
+    cuts = [_spec(s, g, axis, True) for s, g in zip(slots, grads, strict=True)]
+    cut = [spec != s.leaf_spec() for s, spec in zip(slots, cuts, strict=True)]
+    # The gradients cast to the inner optimizer's dtype once, and each device's block
+    # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the
+    # update. (Cast in the update, the compiler kept two more float32 copies of each
+    # stacked gradient alive: 32 layers of capacity.py, 103 MiB of temporaries, not 57
+    # on jax 0.12; without the barrier jax 0.10.2 still kept them: 103, not 92. With
+    # the barrier before the reshape, jax 0.12 laid the piece out as the update's
+    # conditional does not take it, and copied it: 96 MiB, not 57.)
+    array = lambda x: getattr(x, "piece", x)
+    grads = [
+        array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots, strict=True)
+    ]
+
+    def arrive(grads: list, params: list, weights: Callable) -> tuple:
+        grads = jax.lax.optimization_barrier(pieces(grads, cut))
+        parts = route.arrival.bring(plan, treedef.unflatten(map(Piece, grads, slots)))
+        return parts, weights(params)
+
+    return cuts, grads, arrive
 
 
 def as_pieces(params: PyTree, layout: object, mesh: Mesh, axis: object) -> PyTree:

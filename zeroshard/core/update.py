@@ -27,6 +27,7 @@ the compiled program's op names tell them apart.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from zeroshard.communication.arrival import (
     QuantizedPieces,
     QuantizedReduceScatter,
     ReduceScatter,
+    part_specs,
 )
 from zeroshard.communication.departure import Departure, departure_of
 from zeroshard.communication.quantized import quantized_gather
@@ -152,6 +154,31 @@ class Route(NamedTuple):
         else:
             arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
         return cls(arrival, all_gathered, loop, gather, held)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Grads:
+    """The mean gradient as ``tx.value_and_grad`` returns it
+    (:mod:`zeroshard.training.gradient`): each device's parts of it
+    (:data:`zeroshard.communication.arrival.GradParts`), global arrays whose blocks are
+    the devices' parts, and how they came. ``tx.update(grads, opt_state, params)``
+    takes them with no further gradient collective.
+
+    Attributes:
+      parts: the parts: a 1-D array per sliced leaf (``None`` for a leaf one device
+        owns), and per bucket of owned leaves the owners' rows.
+      route: how they came (static).
+      axes: the mesh axes their blocks are split over, major first (static).
+    """
+
+    parts: GradParts
+    route: Route = dataclasses.field(metadata=dict(static=True))
+    axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+
+    def specs(self, plan: Plan) -> tuple[list, tuple]:
+        """The parts' ``PartitionSpec``s for ``plan``."""
+        return part_specs(plan, self.axes)
 
 
 def kept_apart(stage: int) -> tuple[bool, bool, bool]:

@@ -169,18 +169,15 @@ class ShardConfig:
             )
 
     def check_value_and_grad(self) -> None:
-        """Refuses what ``tx.value_and_grad`` does not do yet: stage 3 (its weights are
-        the drop-in's blocks, not the pieces the loss region gathers) and dynamic loss
-        scaling (the scale lives in the optimizer state, which it is not given).
+        """Refuses what ``tx.value_and_grad`` does not do yet: dynamic loss scaling (the
+        scale lives in the optimizer state, which it is not given).
 
         Raises:
           ValueError: naming the option and the step that takes it.
         """
-        given = [f"stage={self.stage}"] if self.stage == 3 else []
-        given += ["loss_scale=..."] if self.loss_scale is not None else []
-        if given:
+        if self.loss_scale is not None:
             raise ValueError(
-                f"zs.sharded(..., {', '.join(given)}).value_and_grad is not supported yet: "
+                "zs.sharded(..., loss_scale=...).value_and_grad is not supported yet: "
                 "take the gradient with jax.value_and_grad and pass it to tx.update, or "
                 f"train with zs.make_train_step(..., stage={self.stage})."
             )

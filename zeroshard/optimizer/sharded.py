@@ -23,7 +23,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
-from zeroshard.communication.arrival import part_specs
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
 from zeroshard.communication.stage3 import full_structs, is_shard
@@ -31,13 +30,12 @@ from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
 from zeroshard.core.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
 from zeroshard.core.placement import Plan, make_plan
-from zeroshard.core.update import Route, kept_apart, region, updated
+from zeroshard.core.update import Grads, Route, kept_apart, region, updated
 from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
 from zeroshard.optimizer.config import ShardConfig
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.state import LayoutKey, ShardedState, key_of
 from zeroshard.training import gradient
-from zeroshard.training.gradient import Grads
 
 logger = logging.getLogger(__name__)
 
@@ -242,17 +240,19 @@ class Sharded:
           TypeError: for a state this transformation's ``init`` did not make.
         """
         check_extra_args(extra_args)
-        if isinstance(updates, Grads):  # (tx.value_and_grad's: reduced already)
-            new, state = self.apply_grads(updates, state, params, extra_args)
-            return jax.tree.map(lambda n, p: n - p, new, params), state
-        self.config.sum_order.check_drop_in()
+        given = isinstance(updates, Grads)  # (tx.value_and_grad's: reduced by zeroshard)
+        if not given:
+            self.config.sum_order.check_drop_in()
         (state, reboxed), (params, like) = unboxed(state), unboxed(params)
         self.check_arguments(state, params)
         local = bound_axis_size(self.config.axis_name) is not None
-        grads = unboxed(updates)[0]
-        if local:
+        grads = updates if given else unboxed(updates)[0]
+        kept = kept_apart(self.config.stage)
+        if local and not given:
             new, state = self.apply(grads, state, params, **extra_args)
-        elif kept_apart(self.config.stage)[1] and not partial_sums(grads):  # (as pieces)
+        elif given and not kept[2]:  # (their parts as they came, the weights whole)
+            new, state = self.apply_grads(grads, state, params, extra_args)
+        elif given or (kept[1] and not partial_sums(grads)):  # (as pieces)
             new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
@@ -297,8 +297,7 @@ class Sharded:
         opt.check_state(plan, state)
         check_layout(state, opt.specs_of(plan))
         leaves = plan.layout.leaf_specs()
-        parts = part_specs(plan, (*self.config.batch_axes, *self.other_axes(mesh)))
-        specs = (parts, opt.specs_of(plan), leaves, leaves)
+        specs = (grads.specs(plan), opt.specs_of(plan), leaves, leaves)
         update = region(opt, plan, grads.route, mesh, specs, check_vma=plan.layout.num_shards > 1)
         new, state = update(grads.parts, state, each_laid_out(params, leaves, mesh), extra_args)
         return with_layout(new, params), state

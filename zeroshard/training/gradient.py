@@ -10,7 +10,7 @@ them (:func:`zeroshard.core.update.handed`); the update region
 (:func:`zeroshard.core.update.region`) takes them with no further gradient
 collective. :class:`zeroshard.training.step.TrainStep` is the two regions;
 ``tx.value_and_grad`` (:func:`value_and_grad`) gives the first in a user's own
-``jax.jit``, as :class:`Grads` that ``tx.update`` takes.
+``jax.jit``, as :class:`zeroshard.core.update.Grads` that ``tx.update`` takes.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis.reads import reads_only_gathered
-from zeroshard.communication.arrival import GradParts, Nested, part_specs
+from zeroshard.communication.arrival import Nested, part_specs
+from zeroshard.communication.jit_pieces import as_pieces
 from zeroshard.core.layout import PyTree
-from zeroshard.core.mesh import StepContext, find_mesh, in_step
+from zeroshard.core.mesh import StepContext, find_mesh, in_step, keep_axes
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import Route, handed
+from zeroshard.core.update import Grads, Route, handed
 from zeroshard.training import held, step_io
 
 Key = jax.Array | None
@@ -151,24 +152,6 @@ class LossRegion:
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Grads:
-    """The mean gradient as ``tx.value_and_grad`` returns it: each device's parts of
-    it (:data:`zeroshard.communication.arrival.GradParts`), global arrays whose
-    blocks are the devices' parts, and the route they came by. ``tx.update(grads,
-    opt_state, params)`` takes them with no further gradient collective.
-
-    Attributes:
-      parts: the parts: a 1-D array per sliced leaf (``None`` for a leaf one device
-        owns), and per bucket of owned leaves the owners' rows.
-      route: how they came (static).
-    """
-
-    parts: GradParts
-    route: Route = dataclasses.field(metadata=dict(static=True))
-
-
 def value_and_grad(
     opt: Any, fun: Callable[..., Any], has_aux: bool = False, accum_steps: int = 1
 ) -> Callable[..., tuple]:
@@ -187,10 +170,14 @@ def value_and_grad(
         route.loop.check_batch(batch, parts)
         region = LossRegion(fun, has_aux, config, route, step.other_axes(mesh), mesh)
         batch = step_io.placed(batch, NamedSharding(mesh, P(config.batch_axes)))
-        # (the weights whole over the batch axes; over the others as they are laid out)
-        parts, _, metrics, _ = region(plan, P(), params, batch, key, (None, None))
+        specs = P()  # (the weights whole over the batch axes; over the others as laid out)
+        if route.departure.pieces:  # (stage 3: the drop-in's blocks as pieces, no data moved)
+            axis = step.config.axis_name
+            params = as_pieces(params, plan.layout, mesh, axis)
+            specs = keep_axes(route.departure.param_specs(plan.layout, axis), config.batch_axes)
+        parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None))
         value = metrics["loss"]
-        grads = Grads(parts, region.taken)
+        grads = Grads(parts, region.taken, (*config.batch_axes, *region.rest))
         return ((value, metrics.get("aux")) if has_aux else value), grads
 
     return run
