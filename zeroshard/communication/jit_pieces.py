@@ -189,8 +189,9 @@ def apply_pieces(
     :func:`_spec`) and of ``params`` with its state. At stage 3 the new weights
     stay pieces, a padded one's :class:`zeroshard.communication.stage3.Piece` (a weight given whole,
     not laid out by :func:`shard_params`, is all-gathered within its block); at stage
-    2 they are all-gathered whole."""
-    given = isinstance(grads, Grads)  # (tx.value_and_grad's parts, at stage 3)
+    2 they are all-gathered whole. ``tx.value_and_grad``'s ``grads``
+    (:class:`zeroshard.core.update.Grads`, at any stage) enter as the parts they are."""
+    given = isinstance(grads, Grads)  # (tx.value_and_grad's parts, at any stage)
     if given:  # (zeroshard reduced them: what the drop-in refuses, it takes)
         mesh = find_mesh(opt.config, state, any_axes=True)
         opt, plan = opt.spanned(mesh, params, state.layout)
@@ -199,8 +200,9 @@ def apply_pieces(
     opt.check_state(plan, state)
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    route = grads.route if given else opt.route_of(3 if three else 2, mean=True)
-    route = route if three else route.held  # (stage 2: the pieces in, the weights whole out)
+    if not given:  # (stage 2: the pieces in, the weights whole out)
+        route = opt.route_of(3 if three else 2, mean=True)
+        route = route if three else route.held
     leaves = treedef.flatten_up_to(params)
     specs = [_spec(s, x, axis, three) for s, x in zip(slots, leaves, strict=True)]
     kept = [spec != s.leaf_spec() for s, spec in zip(slots, specs, strict=True)]
@@ -209,8 +211,8 @@ def apply_pieces(
     ]
     held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
     weights = lambda params: held(pieces(params, kept)) if three else treedef.unflatten(params)
-    if given:
-        cuts, grads = grads.specs(plan), grads.parts
+    if given:  # (as they came)
+        route, cuts, grads = grads.route, grads.specs(plan), grads.parts
         arrive = lambda parts, params: (parts, weights(params))
     else:
         cuts, grads, arrive = _arriving(plan, route, axis, treedef.flatten_up_to(grads), pieces)

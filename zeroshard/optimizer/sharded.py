@@ -247,12 +247,9 @@ class Sharded:
         self.check_arguments(state, params)
         local = bound_axis_size(self.config.axis_name) is not None
         grads = updates if given else unboxed(updates)[0]
-        kept = kept_apart(self.config.stage)
         if local and not given:
             new, state = self.apply(grads, state, params, **extra_args)
-        elif given and not kept[2]:  # (their parts as they came, the weights whole)
-            new, state = self.apply_grads(grads, state, params, extra_args)
-        elif given or (kept[1] and not partial_sums(grads)):  # (as pieces)
+        elif given or (kept_apart(self.config.stage)[1] and not partial_sums(grads)):
             new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
@@ -285,28 +282,6 @@ class Sharded:
         splits = self.typed_splits(mesh, params, made) if splits is None else splits
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
-
-    def apply_grads(
-        self, grads: Grads, state: ShardedState, params: PyTree, extra_args: dict
-    ) -> tuple[PyTree, ShardedState]:
-        """``tx.update`` of ``tx.value_and_grad``'s gradient
-        (:class:`zeroshard.training.gradient.Grads`): the update region alone, on the
-        parts as they came, the new weights all-gathered whole."""
-        mesh = find_mesh(self.config, state, any_axes=True)
-        opt, plan = self.spanned(mesh, params, state.layout)
-        opt.check_state(plan, state)
-        check_layout(state, opt.specs_of(plan))
-        leaves = plan.layout.leaf_specs()
-        specs = (grads.specs(plan), opt.specs_of(plan), leaves, leaves)
-        update = region(opt, plan, grads.route, mesh, specs, check_vma=plan.layout.num_shards > 1)
-        new, state = update(grads.parts, state, each_laid_out(params, leaves, mesh), extra_args)
-        return with_layout(new, params), state
-
-    def value_and_grad(
-        self, fun: Callable[..., Any], has_aux: bool = False, accum_steps: int = 1
-    ) -> Callable[..., tuple]:
-        """See :meth:`ShardedTransformation.value_and_grad`."""
-        return gradient.value_and_grad(self, fun, has_aux, accum_steps)
 
     def apply_mean(
         self,
@@ -347,14 +322,12 @@ class Sharded:
         new, state = step(laid(grads, grads_at), state, laid(params, leaves), extra_args)
         return with_layout(new, params), state
 
-    def route_of(
-        self, stage: int, mean: bool = False, summed: frozenset[str] = frozenset()
-    ) -> Route:
-        """``tx.update``'s route (:meth:`zeroshard.core.update.Route.of`) for weights held as
-        at ``stage``: each device's local gradients (in a user's ``shard_map``), or
-        with ``mean`` the mean gradient (in a ``jax.jit``; its partial sums over the
-        axes ``summed``, if any)."""
-        return Route.of(self.config, stage, mean=mean, summed=summed)
+    def route_of(self, stage: int | None = None, mean: bool = False, **options: Any) -> Route:
+        """The route (:meth:`zeroshard.core.update.Route.of`, its ``options`` too) of a
+        step or ``tx.update`` for weights held as at ``stage`` (default: the
+        config's): each device's local gradients, or with ``mean`` the mean gradient
+        (``tx.update`` in a ``jax.jit``)."""
+        return Route.of(self.config, stage, mean=mean, **options)
 
     def _local_update(
         self, grads: PyTree, state: ShardedState, params: PyTree, extra_args: dict
@@ -526,7 +499,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
           ValueError: at stage 3 and with ``loss_scale=`` (not yet supported); for a
             batch the batch axes do not divide.
         """
-        return self.optimizer.value_and_grad(fun, has_aux, accum_steps)
+        return gradient.value_and_grad(self.optimizer, fun, has_aux, accum_steps)
 
     def shard_params(self, params: PyTree) -> PyTree:
         """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each

@@ -164,7 +164,7 @@ def value_and_grad(
     def run(params: PyTree, batch: PyTree, key: Key = None) -> tuple:
         mesh = find_mesh(config, params, any_axes=True)
         step, plan = opt.spanned(mesh, params)
-        route = Route.of(step.config, accum_steps=accum_steps, batch_axes=config.batch_axes)
+        route = step.route_of(accum_steps=accum_steps, batch_axes=config.batch_axes)
         parts = math.prod(mesh.shape[a] for a in config.batch_axes)
         route.loop.check(parts)
         route.loop.check_batch(batch, parts)

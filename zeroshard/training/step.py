@@ -36,7 +36,7 @@ from zeroshard.core.mesh import (
     run_on_mesh,
 )
 from zeroshard.core.state_layout import StateLayout, state_layout
-from zeroshard.core.update import Route, kept_apart, region
+from zeroshard.core.update import kept_apart, region
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training import step_io
@@ -209,7 +209,7 @@ class TrainStep:
         self.rest = self.opt.other_axes(self.mesh)
         # The micro-batches run over the batch axes; with other axes, the gradients
         # arrive manual over those axes too (nested; so does the update).
-        self.route = Route.of(self.state_tx.config, accum_steps=k, batch_axes=axes)
+        self.route = self.state_tx.optimizer.route_of(accum_steps=k, batch_axes=axes)
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
         self.route.loop.check(self.batch_parts)
@@ -259,9 +259,8 @@ class TrainStep:
             built.plan, specs.params, state.params, batch, key, extras
         )
         opt, route = built.tx.optimizer, self.loss_region.taken
-        specs, params = built.specs(route.departure), state.params
-        if not route.departure.pieces:  # (whole over the other axes, or a split leaf's block)
-            params = each_laid_out(params, specs.params, self.mesh)
+        specs = built.specs(route.departure)  # (whole over the other axes, or a block)
+        params = each_laid_out(state.params, specs.params, self.mesh)
         parts_at = part_specs(built.plan, (*axes, *self.rest))
         specs = (parts_at, specs.opt_state, specs.params, specs.params)
         update = region(opt, built.plan, route, self.mesh, specs, check_vma=self.num_shards > 1)
