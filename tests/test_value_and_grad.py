@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +155,41 @@ def test_stage3_one_step_is_make_train_steps_bit_for_bit(inner, accum):
     assert np.asarray(value) == np.asarray(metrics["loss"])
     for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(opt_state), strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_on_a_tensor_parallel_mesh(stage):
+    """4 data x 2 model (Auto axes), column/row-parallel weights: plain optax's
+    weights on one device, kept in their "model" layout, and the state 1/8 per device."""
+    rng = np.random.default_rng(10)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
+    params = {"up": f(16, 64), "down": f(64, 16), "b": f(16)}
+    specs = {"up": P(None, "model"), "down": P("model", None), "b": P()}
+    data = [{"x": f(32, 16), "y": f(32, 16)} for _ in range(3)]
+
+    def loss_fn(p, batch):
+        return jnp.mean((jax.nn.relu(batch["x"] @ p["up"]) @ p["down"] + p["b"] - batch["y"]) ** 2)
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = zs.sharded(optax.adam(1e-2), stage=stage)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def step(params, opt_state, batch, layout=True):
+        # (on Auto axes the traced weights show no layout: the state's says it)
+        made = opt_state.layout if layout else None
+        loss, grads = tx.value_and_grad(loss_fn, layout=made)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.set_mesh(mesh):
+        p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        opt_state = tx.init(p)
+        with pytest.raises(ValueError, match="layout=opt_state.layout"):
+            step(p, opt_state, data[0], False)
+        for batch in data:
+            p, opt_state = step(p, opt_state, batch)
+    assert_trees_close(p, reference_run(loss_fn, optax.adam(1e-2), params, data), rtol=1e-5)
+    for k, v in p.items():
+        assert v.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), v.ndim), k
+    mu = opt_state.inner_state[0].mu["up"]
+    assert {s.data.size for s in mu.addressable_shards} == {mu.size // 8}

@@ -211,9 +211,10 @@ class FixedOrder(Psum):
     def check_drop_in(self) -> None:
         raise ValueError(
             f"zs.sharded(..., deterministic={self.parts}) fixes the order of the gradients' "
-            "sums, which happen in the step: use it with zs.make_train_step (or zs.flax's "
-            "steps). In your own step the gradients arrive summed already, in an order that "
-            "depends on the device count."
+            "sums, which zeroshard must take: take the gradient in your step with "
+            "tx.value_and_grad(loss_fn)(params, batch) instead of jax.grad, or train with "
+            "zs.make_train_step (or zs.flax's steps). From jax.grad the gradients arrive "
+            "summed already, in an order that depends on the device count."
         )
 
     def check_devices(self, num_shards: int, axes: str | tuple[str, ...]) -> None:

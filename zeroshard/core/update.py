@@ -170,14 +170,32 @@ class Grads:
         owns), and per bucket of owned leaves the owners' rows.
       route: how they came (static).
       axes: the mesh axes their blocks are split over, major first (static).
+      splits: the leaves they keep block by block, and how (static).
     """
 
     parts: GradParts
     route: Route = dataclasses.field(metadata=dict(static=True))
     axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    splits: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @staticmethod
+    def splits_of(plan: Plan) -> tuple:
+        """``plan``'s leaves kept block by block, as :attr:`splits` records them."""
+        return tuple(sorted(plan.layout.splits.items(), key=lambda item: item[0]))
 
     def specs(self, plan: Plan) -> tuple[list, tuple]:
-        """The parts' ``PartitionSpec``s for ``plan``."""
+        """The parts' ``PartitionSpec``s for ``plan``, the update's.
+
+        Raises:
+          ValueError: where ``plan`` keeps other leaves block by block than the parts.
+        """
+        if self.splits_of(plan) != self.splits:
+            raise ValueError(
+                "tx.update got tx.value_and_grad's gradient for the weights laid out "
+                "otherwise than the optimizer state was made for (in a jax.jit on Auto "
+                "mesh axes a traced weight shows no layout): pass the state's, "
+                "tx.value_and_grad(loss_fn, layout=opt_state.layout)."
+            )
         return part_specs(plan, self.axes)
 
 

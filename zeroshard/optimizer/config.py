@@ -163,8 +163,9 @@ class ShardConfig:
                 f"{', '.join(given)}: there jax.grad reduces the gradients and (at stage 3) "
                 "the compiler gathers the weights, not zeroshard, so neither can travel as "
                 "int8 codes (stage 2 quantizes its all-gather of the new weights), and the "
-                "pieces are cut over a mesh whose batch axes come first. Leave it out, or "
-                "train with "
+                "pieces are cut over a mesh whose batch axes come first. Leave it out, take "
+                "the gradient with tx.value_and_grad(loss_fn)(params, batch) instead of "
+                "jax.grad (zeroshard then reduces it), or train with "
                 f"zs.make_train_step(..., stage={self.stage})."
             )
 

@@ -471,7 +471,12 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
 
     def value_and_grad(
-        self, fun: Callable[..., Any], has_aux: bool = False, *, accum_steps: int = 1
+        self,
+        fun: Callable[..., Any],
+        has_aux: bool = False,
+        *,
+        accum_steps: int = 1,
+        layout: LayoutKey | None = None,
     ) -> Callable[..., tuple]:
         """zeroshard's gradient in your own ``jax.jit``: ``fun``'s value and the mean
         gradient over the batch axes, each gradient reduced by zeroshard as the
@@ -495,11 +500,16 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state, loss
 
+        On a mesh with Auto axes besides the batch's, a traced weight in your
+        ``jax.jit`` shows no layout: pass the state's, ``layout=opt_state.layout``
+        (static), so that a tensor-parallel weight's gradient is cut within its block
+        as the state was made for; ``tx.update`` refuses parts cut otherwise.
+
         Raises:
-          ValueError: at stage 3 and with ``loss_scale=`` (not yet supported); for a
-            batch the batch axes do not divide.
+          ValueError: with ``loss_scale=`` (not yet supported); for a batch the batch
+            axes do not divide.
         """
-        return gradient.value_and_grad(self.optimizer, fun, has_aux, accum_steps)
+        return gradient.value_and_grad(self.optimizer, fun, has_aux, accum_steps, layout)
 
     def shard_params(self, params: PyTree) -> PyTree:
         """``params`` laid out as ``stage=3`` keeps them in your own ``jax.jit``: each

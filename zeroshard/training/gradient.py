@@ -153,7 +153,11 @@ class LossRegion:
 
 
 def value_and_grad(
-    opt: Any, fun: Callable[..., Any], has_aux: bool = False, accum_steps: int = 1
+    opt: Any,
+    fun: Callable[..., Any],
+    has_aux: bool = False,
+    accum_steps: int = 1,
+    layout: Any = None,
 ) -> Callable[..., tuple]:
     """``tx.value_and_grad`` (see
     :meth:`zeroshard.optimizer.sharded.ShardedTransformation.value_and_grad`) for the
@@ -163,12 +167,13 @@ def value_and_grad(
 
     def run(params: PyTree, batch: PyTree, key: Key = None) -> tuple:
         mesh = find_mesh(config, params, any_axes=True)
-        step, plan = opt.spanned(mesh, params)
+        step, plan = opt.spanned(mesh, params, layout)
+        config.sum_order.check_devices(plan.layout.num_shards, step.config.axis_name)
         route = step.route_of(accum_steps=accum_steps, batch_axes=config.batch_axes)
         parts = math.prod(mesh.shape[a] for a in config.batch_axes)
         route.loop.check(parts)
         route.loop.check_batch(batch, parts)
-        region = LossRegion(fun, has_aux, config, route, step.other_axes(mesh), mesh)
+        region = LossRegion(fun, has_aux, config, route, opt.other_axes(mesh), mesh)
         batch = step_io.placed(batch, NamedSharding(mesh, P(config.batch_axes)))
         specs = P()  # (the weights whole over the batch axes; over the others as laid out)
         if route.departure.pieces:  # (stage 3: the drop-in's blocks as pieces, no data moved)
@@ -177,7 +182,8 @@ def value_and_grad(
             specs = keep_axes(route.departure.param_specs(plan.layout, axis), config.batch_axes)
         parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None))
         value = metrics["loss"]
-        grads = Grads(parts, region.taken, (*config.batch_axes, *region.rest))
+        axes = (*config.batch_axes, *region.rest)
+        grads = Grads(parts, region.taken, axes, Grads.splits_of(plan))
         return ((value, metrics.get("aux")) if has_aux else value), grads
 
     return run
