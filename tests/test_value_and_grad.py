@@ -177,7 +177,7 @@ def test_on_a_tensor_parallel_mesh(stage):
     def step(params, opt_state, batch, layout=True):
         # (on Auto axes the traced weights show no layout: the state's says it)
         made = opt_state.layout if layout else None
-        loss, grads = tx.value_and_grad(loss_fn, layout=made)(params, batch)
+        _, grads = tx.value_and_grad(loss_fn, layout=made)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
