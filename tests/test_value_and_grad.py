@@ -193,3 +193,51 @@ def test_on_a_tensor_parallel_mesh(stage):
         assert v.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), v.ndim), k
     mu = opt_state.inner_state[0].mu["up"]
     assert {s.data.size for s in mu.addressable_shards} == {mu.size // 8}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_the_learning_rate_set_mid_run_with_optax_tree_set(inner, stage):
+    """optax.tree_utils.tree_set on the state of optax.inject_hyperparams between two
+    steps of the user's step: the new rate is read back and taken, as plain optax
+    takes it on one device on the global batch."""
+    make = {
+        "sgd": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+        "adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    }[inner]
+    new_rate = {"sgd": 0.4, "adam": 5e-2}[inner]
+    params = awkward_params(np.random.default_rng(11))
+    data = batches(np.random.default_rng(12), 4, size=32)
+    # (stage 3: the weights read through zs.gather, as zeroshard's step reads them)
+    loss = (lambda p, b: awkward_loss(zs.gather(p), b)) if stage == 3 else awkward_loss
+    tx, mesh = zs.sharded(make(), stage=stage), mesh_for({})
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        updates, opt_state = tx.update(tx.value_and_grad(loss)(params, batch)[1], opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        p = tx.shard_params(p) if stage == 3 else p
+        opt_state = tx.init(p)
+        for i, batch in enumerate(data):
+            if i == 2:
+                opt_state = optax.tree_utils.tree_set(
+                    opt_state, learning_rate=jnp.asarray(new_rate)
+                )
+            p, opt_state = step(p, opt_state, batch)
+    assert optax.tree_utils.tree_get(opt_state, "learning_rate") == new_rate
+    reference = make()
+    plain, plain_state = params, reference.init(params)
+    for i, batch in enumerate(data):
+        if i == 2:
+            plain_state = optax.tree_utils.tree_set(
+                plain_state, learning_rate=jnp.asarray(new_rate)
+            )
+        updates, plain_state = reference.update(
+            jax.grad(awkward_loss)(plain, batch), plain_state, plain
+        )
+        plain = optax.apply_updates(plain, updates)
+    got = jax.tree.map(np.asarray, jax.device_get(zs.gather(p) if stage == 3 else p))
+    assert_trees_close(got, plain, rtol=1e-5)
