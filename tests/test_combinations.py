@@ -331,14 +331,39 @@ def check_refusal(d: Draw, error: Exception) -> str:
     return listed[0]
 
 
+def run_value_and_grad(d: Draw, tx, params: dict, data: list[dict]) -> tuple[dict, object]:
+    """The user's own jitted step with zeroshard's gradient, ``tx.value_and_grad``, at
+    the draw's stage (3: the weights laid out by ``tx.shard_params``, read through
+    ``zs.gather``)."""
+    mesh, tx = make_mesh(d), tx.at_stage(d.stage)
+    rows = NamedSharding(mesh, P(MESHES[d.mesh][3]))
+    loss = (lambda p, b: loss_fn(zs.gather(p), b)) if d.stage == 3 else loss_fn
+    with jax.set_mesh(mesh):
+        params = placed(params, mesh)
+        params = tx.shard_params(params) if d.stage == 3 else params
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            grad = tx.value_and_grad(loss, accum_steps=d.accum_steps, layout=opt_state.layout)
+            updates, opt_state = tx.update(grad(params, batch)[1], opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        for batch in data:
+            params, opt_state = step(params, opt_state, jax.device_put(batch, rows))
+        got = jax.device_get(zs.gather(params, tx.axis_name)) if d.stage == 3 else params
+    return got, opt_state
+
+
 def run_draw(d: Draw, tmp_path) -> str:
     """Runs draw ``d``; returns "works" or the refusal met."""
     params, data = model(d)
     inner, options = optimizer(d)
     try:
         tx = zs.sharded(inner, **options)
-        run = run_dropin if d.entry == "dropin" else run_step
-        args = (tmp_path,) if d.entry != "dropin" else ()
+        vg = "_vg" in d.entry  # (tx.value_and_grad in the user's jit)
+        run = run_dropin if d.entry == "dropin" else run_value_and_grad if vg else run_step
+        args = (tmp_path,) if run is run_step else ()
         got, opt_state = run(d, tx, params, data, *args)
     except (ValueError, TypeError) as error:
         return check_refusal(d, error)
@@ -353,6 +378,22 @@ def test_every_combination_trains_like_optax_or_is_refused(seed, tmp_path):
     print(f"{seed:03d} {d}: {run_draw(d, tmp_path)}")
 
 
+VG_ENTRIES = ["stage1_vg", "stage1_vg_accum2", "stage2_vg", "stage2_vg_accum2", "stage3_vg"]
+VG_ENTRIES.append("stage3_vg_accum2")
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"draw{s:03d}")
+def test_every_combination_through_value_and_grad(seed, tmp_path):
+    """The sampler's draws with the entry ``tx.value_and_grad`` in the user's own
+    ``jax.jit`` (stages 1-3, with and without accumulation; no checkpoint): plain
+    optax's numbers, or a refusal the docs list."""
+    d = draw(1000 + seed)
+    rng = np.random.default_rng([55, seed])
+    extra = "none" if d.extra == "restore" else d.extra
+    d = dataclasses.replace(d, entry=VG_ENTRIES[int(rng.integers(len(VG_ENTRIES)))], extra=extra)
+    print(f"{seed:03d} {d}: {run_draw(d, tmp_path)}")
+
+
 def test_each_refusal_the_table_lists_is_raised_and_no_other_is_listed(tmp_path):
     """The refusals of docs/combinations.md, each met by the smallest program that
     meets it (tracing, never compiling); the table lists no others."""
@@ -364,10 +405,19 @@ def test_each_refusal_the_table_lists_is_raised_and_no_other_is_listed(tmp_path)
         with jax.set_mesh(mesh):
             jax.eval_shape(exact.update, params, exact.init(params), params)
 
+    def replica_first():
+        three = zs.sharded(optax.sgd(0.1), stage=3, replica_axis="replica")
+        with jax.set_mesh(jax.make_mesh((2, 4), ("replica", "data"))):
+            three.shard_params(params)
+
     cases = [
         lambda: zs.sharded(optax.sgd(0.1), deterministic=16, replica_axis="replica"),
         dropin,
         lambda: zs.make_train_step(lambda p, b: 0.0, exact, mesh, accum_steps=2),
+        lambda: zs.sharded(optax.sgd(0.1), loss_scale=zs.DynamicLossScale()).value_and_grad(
+            lambda p, b: 0.0
+        ),
+        replica_first,
     ]
     met = []
     for case in cases:

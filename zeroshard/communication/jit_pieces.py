@@ -95,7 +95,7 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
     padded one (:func:`is_padded`) made its :class:`zeroshard.communication.stage3.Piece`; else
     whole (its own layout). Arrays placed, traced values constrained,
     ``jax.ShapeDtypeStruct`` leaves given the sharding."""
-    opt, plan, mesh = opt.in_jit(params, params)
+    opt, plan, mesh = opt.in_jit(params, params, grads=False)
     three, axis, slots = kept_apart(opt.config.stage)[2], opt.config.axis_name, plan.layout.slots
 
     def place(x: jax.Array, spec: P) -> jax.Array:

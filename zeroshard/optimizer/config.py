@@ -137,16 +137,27 @@ class ShardConfig:
         once."""
         return PSUM if self.deterministic is None else FixedOrder(self.deterministic)
 
-    def check_in_jit(self, mesh: Any, pieces: bool) -> None:
-        """Refuses what stages 2 and 3 of ``update`` in the user's own ``jax.jit`` do
-        not do, on ``mesh`` (:mod:`zeroshard.communication.jit_pieces`): there ``jax.grad`` reduces
-        the gradients, and the compiler gathers the weights held as ``pieces`` (stage
-        3) where ``zs.layer`` lays them out whole, so zeroshard can neither fix the
-        sums' order nor quantize them.
+    def check_in_jit(self, mesh: Any, pieces: bool, grads: bool = True) -> None:
+        """Refuses what stages 2 and 3 in the user's own ``jax.jit`` do not do, on
+        ``mesh`` (:mod:`zeroshard.communication.jit_pieces`): the weights' pieces are
+        cut over the mesh's batch axes major first; and, for an update of ``grads``
+        from ``jax.grad``, which reduced them, and the compiler's gathers of weights
+        held as ``pieces`` (stage 3), zeroshard can neither fix the sums' order nor
+        quantize them (``tx.value_and_grad``'s gradient it reduces itself).
 
         Raises:
           ValueError: naming the options (or the mesh's axes) and what to do instead.
         """
+        first = next((i for i, a in enumerate(mesh.axis_names) if a in self.axes), 0)
+        if any(mesh.shape[a] > 1 for a in mesh.axis_names[:first]):  # (the pieces: batch-major)
+            raise ValueError(
+                f"zs.sharded(..., stage={self.stage}) in your own jax.jit cuts the weights' "
+                f"pieces over the batch axes {self.axes!r} major first, and a mesh of axes "
+                f"{dict(mesh.shape)} has others before them: put the batch axes first, or "
+                f"train with zs.make_train_step(..., stage={self.stage})."
+            )
+        if not grads:
+            return
         self.sum_order.check_drop_in()  # (deterministic=)
         options = {
             "replica_axis": self.replica_axis,
@@ -154,18 +165,14 @@ class ShardConfig:
             "quantize_weights": self.quantize_weights if pieces else None,
         }
         given = [f"{k}={v!r}" for k, v in options.items() if v is not None]
-        first = next((i for i, a in enumerate(mesh.axis_names) if a in self.axes), 0)
-        if any(mesh.shape[a] > 1 for a in mesh.axis_names[:first]):  # (the pieces: batch-major)
-            given.append(f"a mesh of axes {dict(mesh.shape)} whose batch axes are not its first")
         if given:
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit does not support "
                 f"{', '.join(given)}: there jax.grad reduces the gradients and (at stage 3) "
                 "the compiler gathers the weights, not zeroshard, so neither can travel as "
-                "int8 codes (stage 2 quantizes its all-gather of the new weights), and the "
-                "pieces are cut over a mesh whose batch axes come first. Leave it out, take "
-                "the gradient with tx.value_and_grad(loss_fn)(params, batch) instead of "
-                "jax.grad (zeroshard then reduces it), or train with "
+                "int8 codes (stage 2 quantizes its all-gather of the new weights). Leave it "
+                "out, take the gradient with tx.value_and_grad(loss_fn)(params, batch) "
+                "instead of jax.grad (zeroshard then reduces it), or train with "
                 f"zs.make_train_step(..., stage={self.stage})."
             )
 

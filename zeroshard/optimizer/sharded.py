@@ -152,7 +152,7 @@ class Sharded:
             raise
         three = kept_apart(self.config.stage)[2]  # (stage 3: from the pieces, never whole)
         if three:  # (on the mesh as given: spanning it, every axis is the batch's)
-            self.config.check_in_jit(mesh, pieces=True)
+            self.config.check_in_jit(mesh, pieces=True, grads=False)
         opt, splits = self.spanning(mesh), self.typed_splits(mesh, params)
         plan = opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
         specs, leaves = opt.specs_of(plan), plan.layout.leaf_specs()
@@ -263,13 +263,16 @@ class Sharded:
         state says whether as stage 3's pieces), and the new state out."""
         return self._local_update(grads, state, params, extra_args)
 
-    def in_jit(self, tree: PyTree, params: PyTree) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
+    def in_jit(
+        self, tree: PyTree, params: PyTree, grads: bool = True
+    ) -> tuple[Sharded, Plan, jax.sharding.Mesh]:
         """The drop-in's optimizer (:meth:`spanning`), its plan for ``params`` and
         the mesh (``tree``'s, see :func:`zeroshard.core.mesh.find_mesh`), at stages 2
         and 3 (:mod:`zeroshard.communication.jit_pieces`; what they refuse:
-        :meth:`zeroshard.optimizer.config.ShardConfig.check_in_jit`)."""
+        :meth:`zeroshard.optimizer.config.ShardConfig.check_in_jit`, with ``grads``
+        what ``jax.grad``'s gradient cannot take too)."""
         mesh = find_mesh(self.config, tree, any_axes=True)
-        self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2])
+        self.config.check_in_jit(mesh, kept_apart(self.config.stage)[2], grads)
         made = tree.layout if isinstance(tree, ShardedState) else None  # (in tx.update)
         return *self.spanned(mesh, params, made), mesh
 
