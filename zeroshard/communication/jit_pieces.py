@@ -32,9 +32,12 @@ The update is zeroshard's own (:func:`zeroshard.core.update.updated`), so low-bi
 (``state_bits``), the global-norm clip over the pieces and accumulation in the
 inner optimizer (``optax.MultiSteps``) work as in zeroshard's step, and stage 2's
 all-gather of the new weights carries ``quantize_weights``' codes. What the user's
-step reduces or gathers is the compiler's, so this path refuses (at trace time,
-naming the option): ``quantize_grads``; ``quantize_weights`` at stage 3;
-``deterministic``; ``replica_axis``; a mesh whose batch axes are not its first.
+step reduces or gathers with ``jax.grad`` is the compiler's, so ``tx.update`` of its
+gradient refuses (at trace time, naming the option): ``quantize_grads``;
+``quantize_weights`` at stage 3; ``deterministic``; ``replica_axis``. Given
+``tx.value_and_grad``'s gradient, which zeroshard reduced, it takes them. The weights'
+pieces are cut over the batch axes major first: a mesh with other axes before them is
+refused.
 """
 
 from __future__ import annotations
