@@ -208,7 +208,8 @@ class TrainStep:
         self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
         self.rest = self.opt.other_axes(self.mesh)
         # The micro-batches run over the batch axes; with other axes, the gradients
-        # arrive manual over those axes too (nested; so does the update).
+        # arrive manual over those axes too (nested), and the update region runs manual
+        # over every axis.
         self.route = self.state_tx.optimizer.route_of(accum_steps=k, batch_axes=axes)
         self.batch_axes = self.route.loop.axes
         self.batch_parts = math.prod(self.mesh.shape[a] for a in axes)
