@@ -493,7 +493,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         ``f(params, batch, key=None)``, runs ``fun`` on each device's rows of
         ``batch`` (split over the batch axes) and returns ``(loss, grads)`` (with
         ``has_aux``: ``((loss, aux), grads)``): the global mean loss (aux as the step's
-        metrics give it) and :class:`zeroshard.training.gradient.Grads`, each device's
+        metrics give it) and :class:`zeroshard.core.update.Grads`, each device's
         part of the mean gradient, which ``tx.update(grads, opt_state, params)`` takes
         with no further gradient collective::
 
