@@ -43,7 +43,6 @@ refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import jax
@@ -218,8 +217,8 @@ def apply_pieces(
         route, cuts, grads = grads.route, grads.specs(plan), grads.parts
         arrive = lambda parts, params: (parts, weights(params))
     else:
-        cuts, grads, arrive = _arriving(plan, route, axis, treedef.flatten_up_to(grads), pieces)
-        arrive = partial(arrive, weights=weights)
+        grads = treedef.flatten_up_to(grads)
+        cuts, grads, arrive = _arriving(plan, route, axis, grads, pieces, weights)
 
     def leave(new: PyTree, params: list) -> list:
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
@@ -245,10 +244,12 @@ def apply_pieces(
     return treedef.unflatten(new), state
 
 
-def _arriving(plan: Plan, route: Any, axis: Any, grads: list, pieces: Callable) -> tuple:
+def _arriving(
+    plan: Plan, route: Any, axis: Any, grads: list, pieces: Callable, weights: Callable
+) -> tuple:
     """The mean gradient's leaves ``grads`` as the drop-in's update region takes them:
-    their layouts, the leaves, and ``arrive(grads, params, weights)``, each device's
-    parts and the weights as ``weights(params)`` holds them."""
+    their layouts, the leaves, and ``arrive(grads, params)``, each device's parts and
+    the weights as ``weights(params)`` holds them."""
     slots, treedef = plan.layout.slots, plan.layout.treedef
     # The gradients arrive as stage 3's weights are kept, where they can be (at stage
     # 2 too: zs.layer's backward lays them out so).
@@ -266,7 +267,7 @@ def _arriving(plan: Plan, route: Any, axis: Any, grads: list, pieces: Callable) 
         array(g).astype(plan.inner_dtypes[s.bucket]) for g, s in zip(grads, slots, strict=True)
     ]
 
-    def arrive(grads: list, params: list, weights: Callable) -> tuple:
+    def arrive(grads: list, params: list) -> tuple:
         grads = jax.lax.optimization_barrier(pieces(grads, cut))
         parts = route.arrival.bring(plan, treedef.unflatten(map(Piece, grads, slots)))
         return parts, weights(params)
