@@ -5,10 +5,9 @@ them, the SHA-256 of its metadata record, and :class:`CheckpointCorruptedError`.
 depend on how the leaves are split. A leaf's checksum is a position-weighted sum: every
 element's bits (as ``uint32`` words) are mixed with its flat index in the *global* array
 by an integer hash (murmur3's finaliser), and the hashes are summed modulo 2**32.
-Addition is associative and commutative, so each device hashes only its own block (block
-offset + local index gives the global index) and one ``psum`` adds the blocks: the value
-is the same on 1, 3 or 8 devices, for any split, and nothing is gathered. Replicated
-leaves are hashed once (no ``psum`` over axes they are not split over).
+Addition is associative and commutative, so each device hashes only its own block (the
+compiler gives it its elements' global indices) and one all-reduce adds the blocks: the
+value is the same on 1, 3 or 8 devices, for any split, and nothing is gathered.
 
 A change of any single element always changes the checksum (the hash is a bijection
 of the element's bits for a fixed position); a random change of several elements is
@@ -49,7 +48,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,54 +102,29 @@ def _words(x: jax.Array) -> jax.Array:
     return words
 
 
-def _block_sum(block: jax.Array, shape: tuple[int, ...], offsets: list[jax.Array]) -> jax.Array:
-    """Sum of the element hashes of ``block``, which starts at ``offsets`` in ``shape``."""
-    index = jnp.zeros(block.shape, jnp.uint32)
-    for k in range(block.ndim):
-        stride = math.prod(shape[k + 1 :]) % 2**32
-        position = jax.lax.broadcasted_iota(jnp.uint32, block.shape, k) + offsets[k]
-        index = index + position * jnp.uint32(stride)
-    hashed = _fmix32(_words(block) + index * jnp.uint32(_GOLDEN))
-    return jnp.sum(hashed, dtype=jnp.uint32)
+def _sum(x: jax.Array) -> jax.Array:
+    """Sum of the element hashes of ``x`` (a global array: the compiler hashes each
+    device's block where it lies, its positions the global ones, and adds the blocks)."""
+    index = jnp.zeros(x.shape, jnp.uint32)
+    for k in range(x.ndim):
+        stride = math.prod(x.shape[k + 1 :]) % 2**32
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, k) * jnp.uint32(stride)
+    hashed = _fmix32(_words(x) + index * jnp.uint32(_GOLDEN))
+    # int32 wraps like uint32, and every backend's all-reduce has it
+    total = jnp.sum(jax.lax.bitcast_convert_type(hashed, jnp.int32), dtype=jnp.int32)
+    return jax.lax.bitcast_convert_type(total, jnp.uint32)
 
 
 @functools.lru_cache(maxsize=64)
-def _program(mesh: jax.sharding.Mesh, leaves: tuple[tuple[tuple[int, ...], Any, P], ...]):
-    """One jitted ``shard_map`` hashing every leaf on its own devices."""
-
-    def local(*blocks: jax.Array) -> tuple[jax.Array, ...]:
-        sums = []
-        for block, (shape, _, spec) in zip(blocks, leaves, strict=True):
-            offsets, axes = [], []
-            for k, entry in enumerate(spec):
-                names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-                axes += names
-                index = jax.lax.axis_index(names).astype(jnp.uint32) if names else jnp.uint32(0)
-                offsets.append(index * jnp.uint32(block.shape[k]))
-            total = _block_sum(block, shape, offsets)
-            if axes:  # int32 wraps like uint32; every backend's all-reduce has it
-                as_int = jax.lax.bitcast_convert_type(total, jnp.int32)
-                total = jax.lax.bitcast_convert_type(jax.lax.psum(as_int, tuple(axes)), jnp.uint32)
-            sums.append(total)
-        return jnp.stack(sums)  # one transfer to the host for all of them
-
-    in_specs = tuple(spec for _, _, spec in leaves)
-    out_specs = P()
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+def checksum_program(mesh: jax.sharding.Mesh) -> Callable[..., jax.Array]:
+    """The jitted program that :func:`checksums` runs for arrays laid out on ``mesh``:
+    it returns their checksums as one replicated ``uint32`` vector (one transfer to the
+    host for all of them). Compiled once per mesh and shapes, dtypes and shardings."""
+    stacked = lambda *xs: jnp.stack([_sum(x) for x in xs])
+    return jax.jit(stacked, out_shardings=NamedSharding(mesh, P()))
 
 
-@jax.jit
-def _whole(x: jax.Array) -> jax.Array:
-    return _block_sum(x, x.shape, [jnp.uint32(0)] * x.ndim)
-
-
-def checksum_program(mesh: jax.sharding.Mesh, leaves: Sequence[jax.Array]):
-    """The jitted ``shard_map`` that :func:`checksums` runs for ``leaves`` (arrays laid
-    out on ``mesh``): it returns their checksums as one replicated ``uint32`` vector.
-    Compiled once per mesh and shapes, dtypes and shardings of the leaves."""
-    full = lambda spec, ndim: P(*spec, *(None,) * (ndim - len(spec)))  # an entry per dimension
-    key = tuple((tuple(x.shape), jnp.dtype(x.dtype), full(x.sharding.spec, x.ndim)) for x in leaves)
-    return _program(mesh, key)
+_whole = jax.jit(_sum)
 
 
 def _read(x: jax.Array) -> np.ndarray:
@@ -162,7 +136,7 @@ def checksums(tree: PyTree) -> PyTree:
     """The checksum of every array in ``tree``, whatever its sharding.
 
     Arrays laid out with a ``NamedSharding`` are hashed where they live: each device
-    hashes its own block and the blocks are summed with one ``psum`` (see the module
+    hashes its own block and the blocks are summed with one all-reduce (see the module
     docstring). Other arrays (host arrays, single-device arrays) are hashed whole.
     Under ``jax.distributed`` every process must call it, in the same order.
 
@@ -179,7 +153,7 @@ def checksums(tree: PyTree) -> PyTree:
     sums = {}
     if placed:
         arrays = [leaves[i] for i in placed]
-        totals = _read(checksum_program(meshes.pop(), arrays)(*arrays))
+        totals = _read(checksum_program(meshes.pop())(*arrays))
         sums = {i: int(total) for i, total in zip(placed, totals, strict=True)}
     whole = lambda x: int(_read(_whole(jnp.asarray(x))))
     return treedef.unflatten(sums[i] if i in sums else whole(x) for i, x in enumerate(leaves))
