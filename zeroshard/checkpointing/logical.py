@@ -49,6 +49,7 @@ from zeroshard.core.mesh import (
     check_mesh,
     each_laid_out,
     mesh_of,
+    on_mesh,
     run_on_mesh,
 )
 from zeroshard.core.placement import Key, Plan
@@ -327,10 +328,7 @@ def _to_optax_converter(
     specs = built.specs(departure)
     in_specs = (specs.params, specs.opt_state)
     out_specs = _specs(logical_structs(plan, tx), num_shards, axis)
-    convert = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes_of(axis))
-    )
-    return jax.jit(convert)
+    return on_mesh(local, mesh, axes_of(axis), (in_specs, out_specs))
 
 
 def from_optax_state(

@@ -53,7 +53,7 @@ from zeroshard.communication.collectives import all_gathered, axes_of
 from zeroshard.communication.stage3 import Piece, is_shard
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree, Slot
-from zeroshard.core.mesh import each_laid_out, find_mesh
+from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh
 from zeroshard.core.placement import Plan
 from zeroshard.core.update import Grads, kept_apart, region
 
@@ -131,21 +131,13 @@ def pieces_of(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object)
         _piece(x, s, spec != s.leaf_spec(), jax.lax.axis_index(axis)).piece
         for x, s, spec in zip(xs, on, ins, strict=True)
     ]
-    run = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(ins,),
-        out_specs=outs,
-        axis_names=set(mesh.axis_names),
-        check_vma=mesh.size > 1,
-    )
+    run = on_mesh(local, mesh, mesh.axis_names, ((ins,), outs), check_vma=mesh.size > 1)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in given):  # (abstract: given the sharding)
         placed = lambda x, spec: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
         )
         made = list(map(placed, jax.eval_shape(run, given), outs))
     elif some:
-        run = run if any(isinstance(x, jax.core.Tracer) for x in given) else jax.jit(run)
         made = run(each_laid_out(given, ins, mesh))
     out = [*xs]
     for i, x, s in zip(some, made if some else (), on, strict=True):

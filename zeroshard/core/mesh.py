@@ -185,19 +185,38 @@ def axis_of_step(axis_name: str | None, caller: str) -> str:
     return current
 
 
+def on_mesh(
+    local: Callable[..., Any],
+    mesh: Any,
+    axes: Collection[str],
+    specs: tuple[Any, Any],
+    check_vma: bool = True,
+) -> Callable[..., Any]:
+    """``local`` run on every device of ``mesh`` on its own part: a jitted
+    ``shard_map`` manual over ``axes`` (``specs``: its ``(in_specs, out_specs)``).
+    The programs that build or convert a state (``tx.init``, the own step's state,
+    the checkpoint conversions, stage 3's pieces from their blocks) are each one."""
+    in_specs, out_specs = specs
+    return jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(axes),
+            check_vma=check_vma,
+        )
+    )
+
+
 def run_on_mesh(
     local: Callable[..., Any], mesh: Any, axis_name: str, specs: tuple[Any, Any], *args: Any
 ) -> Any:
-    """``local`` on every device of ``mesh`` (a jitted ``shard_map``, manual over
-    ``axis_name``; ``specs``: its ``(in_specs, out_specs)``), on ``args`` placed as the
+    """:func:`on_mesh` (manual over ``axis_name``) on ``args`` placed as the
     ``in_specs`` say: how a state is first laid out, each device building its part."""
-    in_specs, out_specs = specs
     named = lambda spec: NamedSharding(mesh, spec)
-    placed = jax.device_put(args, jax.tree.map(named, in_specs, is_leaf=lambda x: isinstance(x, P)))
-    run = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes_of(axis_name))
-    )
-    return jax.jit(run)(*placed)
+    placed = jax.device_put(args, jax.tree.map(named, specs[0], is_leaf=lambda x: isinstance(x, P)))
+    return on_mesh(local, mesh, axes_of(axis_name), specs)(*placed)
 
 
 def keep_axes(specs: PyTree, axes: Collection[str], leading: bool = False) -> PyTree:

@@ -28,7 +28,14 @@ from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_
 from zeroshard.communication.stage3 import full_structs, is_shard
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
-from zeroshard.core.mesh import bound_axis_size, each_laid_out, find_mesh, typed_layout, with_layout
+from zeroshard.core.mesh import (
+    bound_axis_size,
+    each_laid_out,
+    find_mesh,
+    on_mesh,
+    typed_layout,
+    with_layout,
+)
 from zeroshard.core.placement import Plan, make_plan
 from zeroshard.core.update import Grads, Route, kept_apart, region, updated
 from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
@@ -160,14 +167,8 @@ class Sharded:
         local = functools.partial(opt.init_local, plan=plan)
         if three:
             params, leaves, local = init_pieces(opt, plan, params)
-        init = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(leaves, P()),
-            out_specs=specs,
-            axis_names=set(mesh.axis_names),
-        )
-        state = jax.jit(init)(each_laid_out(params, leaves, mesh), None)
+        init = on_mesh(local, mesh, mesh.axis_names, ((leaves, P()), specs))
+        state = init(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
 
     def typed_splits(self, mesh: Any, params: PyTree, made: Any = None) -> dict[int, Split]:
