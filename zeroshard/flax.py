@@ -63,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.stage3 import gather, layer
 from zeroshard.core.layout import PyTree
-from zeroshard.core.mesh import check_mesh
+from zeroshard.core.mesh import check_mesh, sharding_of
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import key_of
 from zeroshard.training.step import TrainState, TrainStep, init_train_state
@@ -75,7 +75,7 @@ def _placed_copy(tree: PyTree, mesh: jax.sharding.Mesh, axis_name: str) -> PyTre
     over the mesh's other axes as it already was (the model's sharding annotations)."""
 
     def spec(x: Any) -> P:
-        sharding = getattr(x, "sharding", None)
+        sharding = sharding_of(x)
         if not isinstance(sharding, NamedSharding) or sharding.mesh.shape != mesh.shape:
             return P()
         drop = lambda e: (
@@ -140,7 +140,7 @@ def nnx_optimizer(
 
 
 def _spec(x: Any) -> P:
-    sharding = getattr(x, "sharding", None)
+    sharding = sharding_of(x)
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 

@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import is_placed
 
 
 class CheckpointCorruptedError(ValueError):
@@ -148,8 +149,8 @@ def checksums(tree: PyTree) -> PyTree:
       values in any layout on any number of devices.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    meshes = {x.sharding.mesh for x in leaves if _on_mesh(x)}
-    placed = [i for i, x in enumerate(leaves) if len(meshes) == 1 and _on_mesh(x)]
+    meshes = {x.sharding.mesh for x in leaves if is_placed(x)}
+    placed = [i for i, x in enumerate(leaves) if len(meshes) == 1 and is_placed(x)]
     sums = {}
     if placed:
         arrays = [leaves[i] for i in placed]
@@ -157,10 +158,6 @@ def checksums(tree: PyTree) -> PyTree:
         sums = {i: int(total) for i, total in zip(placed, totals, strict=True)}
     whole = lambda x: int(_read(_whole(jnp.asarray(x))))
     return treedef.unflatten(sums[i] if i in sums else whole(x) for i, x in enumerate(leaves))
-
-
-def _on_mesh(x: Any) -> bool:
-    return isinstance(getattr(x, "sharding", None), NamedSharding)
 
 
 def record(item: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.core.layout import PyTree
-from zeroshard.core.mesh import find_mesh, mesh_of
+from zeroshard.core.mesh import find_mesh, mesh_of, sharding_of
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import ShardedState, key_of
 from zeroshard.training.step import TrainState
@@ -176,7 +176,7 @@ def _structs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     devices = set(mesh.devices.flat)
 
     def struct(x: Any) -> jax.ShapeDtypeStruct:
-        sharding = getattr(x, "sharding", None)
+        sharding = sharding_of(x)
         keep = isinstance(sharding, NamedSharding) and set(sharding.device_set) == devices
         shape = jax.eval_shape(lambda y: stored(y), x)
         if not keep or _is_key(x):

@@ -53,7 +53,7 @@ from zeroshard.communication.collectives import all_gathered, axes_of
 from zeroshard.communication.stage3 import Piece, is_shard
 from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree, Slot
-from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh
+from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh, sharding_of
 from zeroshard.core.placement import Plan
 from zeroshard.core.update import Grads, kept_apart, region
 
@@ -105,7 +105,7 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
         if isinstance(x, jax.core.Tracer):
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-        on = getattr(getattr(x, "sharding", None), "mesh", None)
+        on = getattr(sharding_of(x), "mesh", None)
         on = on if isinstance(on, Mesh) else mesh  # (a device mesh, else the context's)
         return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from zeroshard.core.layout import PyTree
+from zeroshard.core.mesh import sharding_of
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
@@ -45,7 +46,7 @@ def state_bytes_per_device(tree: PyTree) -> int:
     def nbytes(x: Any) -> int:
         if isinstance(x, jax.Array):
             return max(s.data.nbytes for s in x.addressable_shards)
-        sharding = getattr(x, "sharding", None)
+        sharding = sharding_of(x)
         shape = np.shape(x) if sharding is None else sharding.shard_shape(x.shape)
         return math.prod(shape) * np.dtype(x.dtype).itemsize
 

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.core.layout import PyTree
-from zeroshard.core.mesh import own_layout
+from zeroshard.core.mesh import own_layout, sharding_of
 from zeroshard.core.state_layout import state_devices_on, state_layout
 from zeroshard.core.update import kept_apart
 from zeroshard.optimizer.config import check_mesh_axes
@@ -347,7 +347,7 @@ def _own_step_memory(
     laid = lambda x, spec, dtype=None: jax.ShapeDtypeStruct(
         x.shape,
         dtype or x.dtype,
-        sharding=own(getattr(x, "sharding", 0)) or NamedSharding(mesh, spec),
+        sharding=own(sharding_of(x)) or NamedSharding(mesh, spec),
     )  # (its own layout on a mesh, else ``spec``)
     params = jax.tree.map(lambda x: laid(x, P(), dtype), params)
     batch = jax.tree.map(lambda x: laid(x, P(tx.config.batch_axes)), batch)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from zeroshard.communication.collectives import is_identity
 from zeroshard.core.layout import PyTree, is_floating
+from zeroshard.core.mesh import sharding_of
 from zeroshard.measuring.scopes import METRICS, MODEL_STATE, scope
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def plain_outputs(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     target = output_mesh(mesh)
 
     def retype(x: Any) -> Any:
-        sharding = getattr(x, "sharding", None)
+        sharding = sharding_of(x)
         if not isinstance(sharding, NamedSharding) or sharding.mesh == target:
             return x
         return jax.device_put(x, NamedSharding(target, sharding.spec))
