@@ -92,6 +92,11 @@ def main() -> None:
     parser.add_argument("--no-replicated", action="store_true", help="zeroshard variants only")
     parser.add_argument("--no-dropin", action="store_true", help="leave out the drop-in")
     parser.add_argument(
+        "--value-and-grad",
+        action="store_true",
+        help="add vg: the drop-in given tx.value_and_grad's gradient",
+    )
+    parser.add_argument(
         "--kernels", action="store_true", help="(breakdown) count the step's compiled kernels"
     )
     parser.add_argument(
@@ -112,6 +117,7 @@ def main() -> None:
     modes = ("breakdown",) if args.until == "lower" or args.no_total else modes
     trees = dict(t.split("=", 1) for t in args.trees)
     kinds = ("zeroshard",) if args.no_dropin else ("zeroshard", "dropin")
+    kinds += ("vg",) if args.value_and_grad else ()
     variants = [f"{k}:{label}" for label in trees for k in kinds] or list(kinds)
     variants = variants if args.no_gspmd or args.no_replicated else ["gspmd", *variants]
     variants = variants if args.no_replicated else ["replicated", *variants]
@@ -263,11 +269,14 @@ def measure(args, variant: str, mode: str, leaves: int) -> dict:
         else:
             args_ = ((state, placed_on(batch), None), (state, placed_on(halved), None))
             out, sizes = staged(train_step.jitted, args_, lap, t0, args.until)
-    elif variant.startswith("dropin"):
+    elif variant.startswith(("dropin", "vg")):
         tx = zs.sharded(inner, axis_name="data", stage=args.stage, **pack)
+        grad = jax.grad(loss_fn)
+        if variant.startswith("vg"):  # (zeroshard's gradient in the user's step)
+            grad = lambda p, b: tx.value_and_grad(loss_fn)(p, b)[1]
 
         def user_step(p, s, b):
-            updates, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+            updates, s = tx.update(grad(p, b), s, p)
             return optax.apply_updates(p, updates), s
 
         with jax.set_mesh(mesh):
