@@ -241,3 +241,39 @@ def test_the_learning_rate_set_mid_run_with_optax_tree_set(inner, stage):
         plain = optax.apply_updates(plain, updates)
     got = jax.tree.map(np.asarray, jax.device_get(zs.gather(p) if stage == 3 else p))
     assert_trees_close(got, plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_loss_whose_sharding_calls_fail_per_device_runs_on_the_whole_mesh(rng, stage):
+    """The MLP of test_step_whole_mesh.py on a 4 x 2 Explicit mesh, its second matmul's
+    output laid out over "data" by the model itself, which jax refuses per device:
+    tx.value_and_grad differentiates it on the whole mesh instead (jax.grad's mean
+    gradient, which tx.update takes), as make_train_step does: plain optax's numbers."""
+    from jax.sharding import AxisType
+    from test_step_whole_mesh import data_and_params, explicit_loss, gathering, plain_run
+
+    params, data = data_and_params(rng)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    tx = zs.sharded(optax.adam(1e-2), axis_name="data", stage=stage)
+    loss_fn = gathering if stage == 3 else explicit_loss  # (stage 3 reads pieces so)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = tx.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with jax.set_mesh(mesh):
+        laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        laid = tx.shard_params(laid) if stage == 3 else laid
+        opt_state, losses = tx.init(laid), []
+        for batch in data:
+            laid, opt_state, loss = step(laid, opt_state, batch)
+            losses.append(float(loss))
+        with pytest.raises(ValueError, match="cannot contain axis names") as refused:
+            jax.jit(tx.value_and_grad(loss_fn, accum_steps=2))(laid, data[0])
+    plain_losses, plain = plain_run(optax.adam(1e-2), params, data)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_trees_close(laid, plain, 1e-5)
+    assert any("accum_steps=2" in note for note in refused.value.__notes__)

@@ -509,9 +509,17 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         (static), so that a tensor-parallel weight's gradient is cut within its block
         as the state was made for; ``tx.update`` refuses parts cut otherwise.
 
+        A loss whose own sharding calls cannot run per device (they name the batch
+        axis, pass a ``PartitionSpec`` to ``reshard``, or leave it with ``auto_axes``)
+        is differentiated on the whole mesh instead, as :func:`zeroshard.make_train_step`
+        does: ``grads`` is then ``jax.grad``'s mean gradient, which ``tx.update`` takes
+        as it takes yours (without the options only zeroshard's reduction has).
+
         Raises:
           ValueError: with ``loss_scale=`` (not yet supported); for a batch the batch
-            axes do not divide.
+            axes do not divide; for such a loss with ``accum_steps``,
+            ``deterministic=``, ``quantize_grads`` or a replica axis, jax's error with
+            a note naming the option.
         """
         return gradient.value_and_grad(self.optimizer, fun, has_aux, accum_steps, layout)
 

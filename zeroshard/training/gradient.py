@@ -16,6 +16,7 @@ collective. :class:`zeroshard.training.step.TrainStep` is the two regions;
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from functools import partial
@@ -32,8 +33,10 @@ from zeroshard.communication.jit_pieces import as_pieces
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import StepContext, find_mesh, in_step, keep_axes
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import Grads, Route, handed
+from zeroshard.core.update import Grads, Route, handed, kept_apart
 from zeroshard.training import held, step_io
+
+logger = logging.getLogger(__name__)
 
 Key = jax.Array | None
 """A step's random key (``None``: none)."""
@@ -161,7 +164,9 @@ def value_and_grad(
 ) -> Callable[..., tuple]:
     """``tx.value_and_grad`` (see
     :meth:`zeroshard.optimizer.sharded.ShardedTransformation.value_and_grad`) for the
-    sharded optimizer ``opt``."""
+    sharded optimizer ``opt``. A loss whose own sharding calls fail per device
+    (:class:`Refusals`) is differentiated on the whole mesh instead
+    (:func:`on_whole_mesh`): its gradient is ``jax.grad``'s, the mean gradient."""
     config = opt.config
     config.check_value_and_grad()
 
@@ -173,17 +178,107 @@ def value_and_grad(
         parts = math.prod(mesh.shape[a] for a in config.batch_axes)
         route.loop.check(parts)
         route.loop.check_batch(batch, parts)
-        region = LossRegion(fun, has_aux, config, route, opt.other_axes(mesh), mesh)
+        refusals = Refusals(fun)
+        region = LossRegion(refusals.loss, has_aux, config, route, opt.other_axes(mesh), mesh)
         batch = step_io.placed(batch, NamedSharding(mesh, P(config.batch_axes)))
-        specs = P()  # (the weights whole over the batch axes; over the others as laid out)
+        given, specs = (
+            params,
+            P(),
+        )  # (the weights whole over the batch axes; the others as laid out)
         if route.departure.pieces:  # (stage 3: the drop-in's blocks as pieces, no data moved)
             axis = step.config.axis_name
             params = as_pieces(params, plan.layout, mesh, axis)
             specs = keep_axes(route.departure.param_specs(plan.layout, axis), config.batch_axes)
-        parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None))
+        try:
+            parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None))
+        except REFUSED as error:  # (raised while tracing)
+            if error is not refusals.error:
+                raise
+            check_whole_mesh(opt, mesh, accum_steps, error, "tx.value_and_grad")
+            out, grads = on_whole_mesh(fun, has_aux, None, config)(given, batch, key, None)
+            value, (aux, _) = out
+            return ((value, aux) if has_aux else value), grads
         value = metrics["loss"]
         axes = (*config.batch_axes, *region.rest)
         grads = Grads(parts, region.taken, axes, Grads.splits_of(plan))
         return ((value, metrics.get("aux")) if has_aux else value), grads
 
     return run
+
+
+REFUSED = (ValueError, NotImplementedError)
+"""What jax raises for a sharding call over a manual axis: a ``PartitionSpec`` naming
+it (``ValueError``), or ``auto_axes`` leaving it (``NotImplementedError``)."""
+
+
+class Refusals:
+    """``loss_fn``, recording jax's refusal of a sharding call over an axis the loss
+    region runs manual over (:data:`REFUSED`: an ``out_sharding=`` or ``reshard``
+    naming the batch axis, an ``auto_axes`` such as ``nnx.Embed``'s ``out_sharding=``
+    leaving it), raised while traced. Such a loss trains under the user's own
+    ``jax.jit`` on the mesh, and so it does on the whole mesh (:func:`on_whole_mesh`)."""
+
+    def __init__(self, loss_fn: Callable[..., Any]):
+        self.loss_fn, self.error = loss_fn, None
+
+    def loss(self, *args: Any, **kwargs: Any) -> Any:
+        """``loss_fn``, recording what it raises."""
+        try:
+            return self.loss_fn(*args, **kwargs)
+        except REFUSED as error:  # (jax's, not another error of the loss)
+            if any(m in str(error) for m in ("of type Auto or Manual", "from `Manual`")):
+                self.error = error
+            raise
+
+
+def on_whole_mesh(fun: Callable[..., Any], has_aux: bool, scale: Any, config: Any) -> Callable:
+    """``jax.value_and_grad`` of ``fun`` in the step's convention
+    (:func:`zeroshard.training.step_io.step_loss`, times the loss ``scale``, if any) on
+    the global batch, under ``jax.jit`` on the mesh as given: the compiler reduces the
+    gradient. ``zs.gather`` / ``zs.layer`` gather stage 3's weights as in the user's own
+    ``jax.jit``."""
+    value_and_grad = jax.value_and_grad(step_io.step_loss(fun, has_aux, scale), has_aux=True)
+
+    def run(*args: Any) -> tuple:
+        with in_step(StepContext(config.batch_axes, None)):
+            return value_and_grad(*args)
+
+    return run
+
+
+def check_whole_mesh(
+    opt: Any, mesh: Any, accum_steps: int, error: Exception, entry: str, same_layout: bool = True
+) -> None:
+    """Raises ``error`` (the loss's refusal per device) with a note naming what the
+    whole mesh cannot run: ``accum_steps``; the options ``jax.grad``'s gradient cannot
+    take (``deterministic=``, ``quantize_grads``, at stage 3 ``quantize_weights``, a
+    replica axis); and, for a step's state laid out otherwise than the drop-in's
+    (``same_layout``), a replica axis or an ``axis_name`` not first among the mesh's."""
+    config = opt.config
+    three = kept_apart(config.stage)[2]
+    try:  # (jax.grad reduces the gradients there: in its order, not quantized)
+        config.check_in_jit(mesh, pieces=three)
+        fixed = False
+    except ValueError:
+        fixed = True
+    quantized = "quantize_grads or quantize_weights" if three else "quantize_grads"
+    refused = {
+        f"accum_steps={accum_steps}": accum_steps > 1,
+        f"deterministic, {quantized}, replica_axis": fixed,
+        "replica_axis (or an axis_name not first among the mesh's axes)": not same_layout,
+    }
+    if any(refused.values()):
+        error.add_note(
+            "zeroshard: the loss's own sharding calls do not run per device "
+            f"(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
+            f"auto_axes). {entry} runs such a loss on the whole mesh instead, but not with "
+            f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
+            "zs.sharded(...) and jax.grad in your own jax.jit step."
+        )
+        raise error
+    logger.info(
+        "zeroshard: the loss does not run per device (%s); %s runs it on the whole mesh "
+        "(its gradient all-reduced by the compiler).",
+        str(error).splitlines()[0],
+        entry,
+    )

@@ -19,7 +19,6 @@ to it when the loss raises per device, so the same loss works with no option to 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.jit_pieces import apply_pieces
 from zeroshard.core.layout import PyTree
-from zeroshard.core.mesh import StepContext, in_step
 from zeroshard.core.state_layout import drop_in_is_step, state_layout
 from zeroshard.core.update import kept_apart
 from zeroshard.optimizer.sharded import optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
-from zeroshard.training.step_io import placed, step_loss, step_metrics
-
-logger = logging.getLogger(__name__)
+from zeroshard.training.gradient import REFUSED, Refusals, check_whole_mesh, on_whole_mesh
+from zeroshard.training.step_io import placed, step_metrics
 
 
 class WholeMeshStep:
@@ -55,12 +52,10 @@ class WholeMeshStep:
 
     def _step(self, state: TrainState, batch: PyTree, key: Any, splits: tuple) -> Any:
         scale = state.opt_state.loss_scale  # (the update divides the gradients by it)
-        loss_fn = step_loss(self.loss_fn, self.has_aux, scale)
-        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-        with in_step(StepContext(self.opt.config.batch_axes, None)):  # (zs.gather: as in jit)
-            (loss, (aux, model_state)), grads = value_and_grad(
-                state.params, batch, key, state.model_state
-            )
+        value_and_grad = on_whole_mesh(self.loss_fn, self.has_aux, scale, self.opt.config)
+        (loss, (aux, model_state)), grads = value_and_grad(
+            state.params, batch, key, state.model_state
+        )
         loss = loss if scale is None else loss / scale.scale
         if self.pieces:  # (the drop-in's update of its weights, as pieces again)
             made = key_of(state.opt_state)  # (the drop-in's state's, then the step's again)
@@ -88,32 +83,16 @@ class WholeMeshStep:
         return self.jitted.lower(*self._args(state, batch, key))
 
 
-REFUSED = (ValueError, NotImplementedError)
-"""What jax raises for a sharding call over a manual axis: a ``PartitionSpec`` naming
-it (``ValueError``), or ``auto_axes`` leaving it (``NotImplementedError``)."""
-
-
 class Fallback:
     """The loss of ``step`` (a :class:`zeroshard.training.step.TrainStep`), recording jax's
-    refusal of a sharding call over an axis the step runs manual over (:data:`REFUSED`:
-    an ``out_sharding=`` or ``reshard`` naming it, an ``auto_axes`` such as
-    ``nnx.Embed``'s ``out_sharding=`` leaving it), raised while traced, and the
-    :class:`WholeMeshStep` the step falls back to once it has."""
+    refusal per device (:class:`zeroshard.training.gradient.Refusals`), and the
+    :class:`WholeMeshStep` the step falls back to once it has raised it."""
 
     def __init__(self, step: Any):
         options = {k: getattr(step, k) for k in ("accum_steps", "has_aux", "donate")}
-        self.loss_fn, self.args = step.loss_fn, (step.tx, step.mesh, options)
-        self.error: Exception | None = None
+        self.refusals, self.args = Refusals(step.loss_fn), (step.tx, step.mesh, options)
+        self.loss = self.refusals.loss
         self.step: WholeMeshStep | None = None
-
-    def loss(self, *args: Any, **kwargs: Any) -> Any:
-        """``loss_fn``, recording what it raises."""
-        try:
-            return self.loss_fn(*args, **kwargs)
-        except REFUSED as error:  # (jax's, not another error of the loss)
-            if any(m in str(error) for m in ("of type Auto or Manual", "from `Manual`")):
-                self.error = error
-            raise
 
     def run(self, per_device: Callable[[], Any], lower: bool, *args: Any) -> Any:
         """``per_device()`` (the step, or its lowering), or the whole-mesh step's on
@@ -122,9 +101,9 @@ class Fallback:
             try:
                 return per_device()
             except REFUSED as error:  # (raised while tracing: nothing donated)
-                if error is not self.error:
+                if error is not self.refusals.error:
                     raise
-                self.step = whole_mesh_step(self.loss_fn, *self.args, error)
+                self.step = whole_mesh_step(self.refusals.loss_fn, *self.args, error)
         return (self.step.lower if lower else self.step)(*args)
 
 
@@ -141,34 +120,6 @@ def whole_mesh_step(
         ``quantize_weights``, a replica axis)
         and what to do instead.
     """
-    config = optimizer_of(tx).config
-    three = kept_apart(config.stage)[2]  # (the drop-in's stage 3 refuses quantized weights)
-    try:  # (jax.grad reduces the gradients there: in its order, not quantized)
-        config.check_in_jit(mesh, pieces=three)
-        fixed = False
-    except ValueError:
-        fixed = True
-    quantized = "quantize_grads or quantize_weights" if three else "quantize_grads"
-    refused = {
-        f"accum_steps={options['accum_steps']}": options["accum_steps"] > 1,
-        f"deterministic, {quantized}": fixed,
-        "replica_axis (or an axis_name not first among the mesh's axes)": not drop_in_is_step(
-            tx, mesh
-        ),
-    }
-    if any(refused.values()):
-        error.add_note(
-            "zeroshard: the loss's own sharding calls do not run per device in the step "
-            "(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
-            "auto_axes). The step runs "
-            "such a loss on the whole mesh instead, but not with "
-            f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
-            "zs.sharded(...) in your own jax.jit step."
-        )
-        raise error
-    logger.info(
-        "zeroshard: the loss does not run per device (%s); the step runs it on the whole "
-        "mesh and updates as the drop-in does (its gradient all-reduced).",
-        str(error).splitlines()[0],
-    )
+    same = drop_in_is_step(tx, mesh)
+    check_whole_mesh(optimizer_of(tx), mesh, options["accum_steps"], error, "The step", same)
     return WholeMeshStep(loss_fn, tx, mesh, options)
