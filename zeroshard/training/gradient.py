@@ -181,10 +181,8 @@ def value_and_grad(
         refusals = Refusals(fun)
         region = LossRegion(refusals.loss, has_aux, config, route, opt.other_axes(mesh), mesh)
         batch = step_io.placed(batch, NamedSharding(mesh, P(config.batch_axes)))
-        given, specs = (
-            params,
-            P(),
-        )  # (the weights whole over the batch axes; the others as laid out)
+        # (the weights whole over the batch axes; over the others as laid out)
+        given, specs = params, P()
         if route.departure.pieces:  # (stage 3: the drop-in's blocks as pieces, no data moved)
             axis = step.config.axis_name
             params = as_pieces(params, plan.layout, mesh, axis)
@@ -270,7 +268,7 @@ def check_whole_mesh(
     if any(refused.values()):
         error.add_note(
             "zeroshard: the loss's own sharding calls do not run per device "
-            f"(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
+            "(they name the batch axis, pass a PartitionSpec to reshard, or leave it with "
             f"auto_axes). {entry} runs such a loss on the whole mesh instead, but not with "
             f"{', '.join(k for k, v in refused.items() if v)}: leave it out, or train with "
             "zs.sharded(...) and jax.grad in your own jax.jit step."
