@@ -153,13 +153,18 @@ def _stage3_parts(layout: Any, params: PyTree, mesh: Any, axis_name: str) -> tup
     the whole tree out on every device first would need more memory than training."""
     rows = NamedSharding(mesh, P(axis_name))
     whole = NamedSharding(mesh, P())
-    parts, specs = [], []
+    parts, specs, cutters = [], [], {}
     for s, x in zip(layout.slots, layout.treedef.flatten_up_to(params), strict=True):
         if s.owned:
             parts.append(jax.device_put(x, whole)), specs.append(P())
             continue
+        # One program per geometry, not per leaf (a jit of each leaf's own method
+        # compiled 512 times for 512 leaves: most of a stage-3 start).
+        geometry = dataclasses.replace(s, path="")
+        if geometry not in cutters:
+            cutters[geometry] = jax.jit(geometry.blocks, out_shardings=rows)
         # (the leaf whole on every device for a moment: its pieces' layout is not its own)
-        parts.append(jax.jit(s.blocks, out_shardings=rows)(jax.device_put(x, whole)))
+        parts.append(cutters[geometry](jax.device_put(x, whole)))
         specs.append(P(axis_name))
     return parts, specs
 
@@ -255,7 +260,7 @@ class TrainStep:
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
         axes = self.opt.config.batch_axes
-        extras = (state.model_state, state.opt_state.loss_scale)
+        extras = (state.model_state, state.opt_state.loss_scale, {})
         parts, extra, metrics, model_state = self.loss_region(
             built.plan, specs.params, state.params, batch, key, extras
         )
