@@ -113,10 +113,45 @@ def test_no_gradient_all_reduce_in_the_users_step():
     assert all(c.result_bytes <= 8 for c in found if c.kind == "all-reduce"), found
 
 
-def test_loss_scaling_is_refused_for_now():
-    tx = zs.sharded(optax.sgd(0.1), loss_scale=zs.DynamicLossScale())
-    with pytest.raises(ValueError, match="loss_scale"):
-        tx.value_and_grad(awkward_loss)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dynamic_loss_scaling_with_the_loss_scaled_by_hand(stage):
+    """With ``loss_scale=`` the user multiplies the loss by the state's scale, as with
+    jax.grad, passed as a keyword argument: two steps, the second's gradient infinite,
+    give make_train_step's optimizer state bit for bit (the step skipped, the scale
+    halved, the count of skipped steps 1), and its losses times the scale."""
+    params, mesh = awkward_params(np.random.default_rng(8)), mesh_for({})
+    data = batches(np.random.default_rng(9), 2, size=32)
+    data[1]["x"] = data[1]["x"].at[3, 0].set(jnp.inf)
+    scaling = zs.DynamicLossScale(initial=2.0**10)
+    tx = zs.sharded(optax.adam(1e-2), stage=stage, loss_scale=scaling)
+    read = zs.gather if stage == 3 else lambda p: p
+    own_loss = lambda p, b: awkward_loss(read(p), b)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    own = zs.make_train_step(own_loss, tx, mesh, stage=stage)
+    own_metrics = []
+    for batch in data:
+        state, metrics = own(state, batch)
+        own_metrics.append(metrics)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        scaled = lambda p, b, scale: own_loss(p, b) * scale
+        loss, grads = tx.value_and_grad(scaled)(params, batch, scale=opt_state.loss_scale.scale)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        p = tx.shard_params(p) if stage == 3 else p
+        opt_state, losses = tx.init(p), []
+        for batch in data:
+            p, opt_state, loss = step(p, opt_state, batch)
+            losses.append(loss)
+    assert float(losses[0]) == float(own_metrics[0]["loss"]) * 2.0**10
+    assert int(opt_state.skipped) == 1 and float(opt_state.loss_scale.scale) == 2.0**9
+    own_leaves, user_leaves = (jax.tree.leaves(s) for s in (state.opt_state, opt_state))
+    for a, b in zip(own_leaves, user_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_an_indivisible_batch_is_refused():
@@ -277,3 +312,30 @@ def test_a_loss_whose_sharding_calls_fail_per_device_runs_on_the_whole_mesh(rng,
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     assert_trees_close(laid, plain, 1e-5)
     assert any("accum_steps=2" in note for note in refused.value.__notes__)
+
+
+def test_a_traced_value_closed_over_by_the_loss_is_refused_naming_the_keyword_way():
+    """jax's shard_map refuses a value of the traced step closed over by the loss on a
+    mesh with Explicit axes; the note says to pass it as a keyword argument."""
+    from jax.sharding import AxisType
+
+    params = awkward_params(np.random.default_rng(10))
+    (batch,) = batches(np.random.default_rng(11), 1, size=32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = zs.sharded(optax.sgd(0.1))
+
+    @jax.jit
+    def closed(params, batch, scale):
+        return tx.value_and_grad(lambda p, b: awkward_loss(p, b) * scale)(params, batch)[0]
+
+    @jax.jit
+    def passed(params, batch, scale):
+        scaled = lambda p, b, scale: awkward_loss(p, b) * scale
+        return tx.value_and_grad(scaled)(params, batch, scale=scale)[0]
+
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        with pytest.raises(NotImplementedError) as refused:
+            closed(p, batch, jnp.float32(2.0))
+        assert any("keyword argument" in note for note in refused.value.__notes__)
+        assert float(passed(p, batch, jnp.float32(2.0))) > 0

@@ -176,20 +176,6 @@ class ShardConfig:
                 f"zs.make_train_step(..., stage={self.stage})."
             )
 
-    def check_value_and_grad(self) -> None:
-        """Refuses what ``tx.value_and_grad`` does not do yet: dynamic loss scaling (the
-        scale lives in the optimizer state, which it is not given).
-
-        Raises:
-          ValueError: naming the option and the step that takes it.
-        """
-        if self.loss_scale is not None:
-            raise ValueError(
-                "zs.sharded(..., loss_scale=...).value_and_grad is not supported yet: "
-                "take the gradient with jax.value_and_grad and pass it to tx.update, or "
-                f"train with zs.make_train_step(..., stage={self.stage})."
-            )
-
     def master_dtype_of(self, dtype: Any) -> np.dtype | None:
         """The dtype of the master weights kept for parameters of ``dtype``, or
         ``None`` where the parameters are precise enough. Gathered as quantized

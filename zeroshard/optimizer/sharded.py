@@ -491,7 +491,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         ``fun(params, batch)`` (``fun(params, batch, key=key)`` when a key is given)
         returns a scalar loss, or ``(loss, aux)`` with ``has_aux``, as in
         :func:`zeroshard.make_train_step`. The returned function,
-        ``f(params, batch, key=None)``, runs ``fun`` on each device's rows of
+        ``f(params, batch, key=None, **kwargs)``, runs ``fun`` on each device's rows of
         ``batch`` (split over the batch axes) and returns ``(loss, grads)`` (with
         ``has_aux``: ``((loss, aux), grads)``): the global mean loss (aux as the step's
         metrics give it) and :class:`zeroshard.core.update.Grads`, each device's
@@ -509,6 +509,14 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         (static), so that a tensor-parallel weight's gradient is cut within its block
         as the state was made for; ``tx.update`` refuses parts cut otherwise.
 
+        ``kwargs`` reach ``fun`` as keyword arguments, the same on every device: pass
+        there the values of your step the loss reads (jax's ``shard_map`` refuses a
+        traced value closed over by the loss on a mesh with Explicit axes). With
+        ``loss_scale=``, multiply the loss by the scale yourself, as with ``jax.grad``
+        (the loss returned is then the scaled one): ``f(params, batch,
+        scale=opt_state.loss_scale.scale)`` for ``fun(params, batch, scale)``;
+        ``tx.update`` divides the gradient by it and adjusts it, as the own step does.
+
         A loss whose own sharding calls cannot run per device (they name the batch
         axis, pass a ``PartitionSpec`` to ``reshard``, or leave it with ``auto_axes``)
         is differentiated on the whole mesh instead, as :func:`zeroshard.make_train_step`
@@ -516,10 +524,9 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
         as it takes yours (without the options only zeroshard's reduction has).
 
         Raises:
-          ValueError: with ``loss_scale=`` (not yet supported); for a batch the batch
-            axes do not divide; for such a loss with ``accum_steps``,
-            ``deterministic=``, ``quantize_grads`` or a replica axis, jax's error with
-            a note naming the option.
+          ValueError: for a batch the batch axes do not divide; for such a loss with
+            ``accum_steps``, ``deterministic=``, ``quantize_grads`` or a replica axis,
+            jax's error with a note naming the option.
         """
         return gradient.value_and_grad(self.optimizer, fun, has_aux, accum_steps, layout)
 

@@ -81,7 +81,8 @@ class LossRegion:
         """The region on ``params`` (laid out as ``specs``, over the batch axes) and
         ``batch`` (split over them): this device's parts of the mean gradient as
         global arrays, the update's extra arguments, the loss metrics and the model
-        state (``extras``: the model state and the loss scale's state, or ``None``)."""
+        state (``extras``: the model state and the loss scale's state, or ``None``, and
+        the keyword arguments the loss takes besides, replicated)."""
         axes = self.config.batch_axes
         batch_specs = jax.tree.map(lambda _: P(self.batch_axes), batch)
         region = jax.shard_map(
@@ -100,11 +101,12 @@ class LossRegion:
 
     def local(self, params: PyTree, batch: PyTree, key: Key, extras: tuple, plan: Plan) -> tuple:
         """The region on this device (see :meth:`__call__`)."""
-        model_state, scale = extras
-        value_and_grad = self._value_and_grad(scale)
+        model_state, scale, kwargs = extras
+        loss_fn = partial(self.loss_fn, **kwargs)
+        value_and_grad = self._value_and_grad(loss_fn, scale)
         route, params = self.route, self._varying(params)
-        if self._holds(params, batch, key, model_state):
-            route, loss = self.held_route, step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        if self._holds(loss_fn, params, batch, key, model_state):
+            route, loss = self.held_route, step_io.step_loss(loss_fn, self.has_aux, scale)
             value_and_grad = held.value_and_grad(loss, params)
             params = held.pieces_of(
                 plan.layout, params, self.config.axis_name, self.config.reduce_dtype
@@ -126,7 +128,9 @@ class LossRegion:
             model_state = step_io.mean_state(model_state, self.batch_axes)
         return handed(plan, parts), extra, metrics, model_state
 
-    def _holds(self, params: PyTree, batch: PyTree, key: Key, model_state: PyTree) -> bool:
+    def _holds(
+        self, loss_fn: Callable, params: PyTree, batch: PyTree, key: Key, model_state: PyTree
+    ) -> bool:
         """Whether this stage-2 step hands its loss
         :class:`zeroshard.communication.stage3.Held` leaves
         (:mod:`zeroshard.training.held`): its loss reads the parameters only through
@@ -134,14 +138,14 @@ class LossRegion:
         if self.held_route is None:
             return False
         rows = jax.tree.map(lambda x: x[: x.shape[0] // self.route.loop.steps], batch)
-        loss = step_io.step_loss(self.loss_fn, self.has_aux, None)
+        loss = step_io.step_loss(loss_fn, self.has_aux, None)
         key = step_io.device_key(key, self.batch_axes)
         return reads_only_gathered(loss, params, rows, key, model_state)
 
-    def _value_and_grad(self, scale: Any) -> Callable[..., Any]:
+    def _value_and_grad(self, loss_fn: Callable, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.training.step_io.step_loss`)."""
-        loss = step_io.step_loss(self.loss_fn, self.has_aux, scale)
+        loss = step_io.step_loss(loss_fn, self.has_aux, scale)
         return jax.value_and_grad(loss, has_aux=True)
 
     def _varying(self, params: PyTree) -> PyTree:
@@ -168,9 +172,8 @@ def value_and_grad(
     (:class:`Refusals`) is differentiated on the whole mesh instead
     (:func:`on_whole_mesh`): its gradient is ``jax.grad``'s, the mean gradient."""
     config = opt.config
-    config.check_value_and_grad()
 
-    def run(params: PyTree, batch: PyTree, key: Key = None) -> tuple:
+    def run(params: PyTree, batch: PyTree, key: Key = None, **kwargs: Any) -> tuple:
         mesh = find_mesh(config, params, any_axes=True)
         step, plan = opt.spanned(mesh, params, layout)
         config.sum_order.check_devices(plan.layout.num_shards, step.config.axis_name)
@@ -188,12 +191,15 @@ def value_and_grad(
             params = as_pieces(params, plan.layout, mesh, axis)
             specs = keep_axes(route.departure.param_specs(plan.layout, axis), config.batch_axes)
         try:
-            parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None))
+            parts, _, metrics, _ = region(plan, specs, params, batch, key, (None, None, kwargs))
         except REFUSED as error:  # (raised while tracing)
+            if "Closing over inputs to shard_map" in str(error):
+                error.add_note(CLOSURE)
             if error is not refusals.error:
                 raise
             check_whole_mesh(opt, mesh, accum_steps, error, "tx.value_and_grad")
-            out, grads = on_whole_mesh(fun, has_aux, None, config)(given, batch, key, None)
+            whole = on_whole_mesh(partial(fun, **kwargs), has_aux, None, config)
+            out, grads = whole(given, batch, key, None)
             value, (aux, _) = out
             return ((value, aux) if has_aux else value), grads
         value = metrics["loss"]
@@ -203,6 +209,13 @@ def value_and_grad(
 
     return run
 
+
+CLOSURE = (
+    "zeroshard: tx.value_and_grad runs your loss on each device's rows (jax.shard_map), "
+    "where jax does not take a value of your traced step closed over by the loss on a mesh "
+    "with Explicit axes: pass it as a keyword argument instead, f(params, batch, "
+    "scale=opt_state.loss_scale.scale) for loss_fn(params, batch, scale)."
+)
 
 REFUSED = (ValueError, NotImplementedError)
 """What jax raises for a sharding call over a manual axis: a ``PartitionSpec`` naming
