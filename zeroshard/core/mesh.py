@@ -265,9 +265,9 @@ def is_placed(x: Any) -> bool:
 
 def sharding_of(x: Any) -> Any:
     """``x``'s sharding, where it is an array placed on devices (else ``None``). A
-    tracer has none, and asking it for one costs jax a search of the whole trace so
-    far for its error message: per leaf, the drop-in's trace of 512 leaves took 2.5x
-    as long on jax 0.10.2."""
+    tracer has none, and asking it for one costs jax 0.10.2 a search of the whole
+    trace so far for its error message: asked per leaf, the drop-in's 512-leaf step
+    took 5.9 s to trace, not 1.3."""
     return None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
 
 
