@@ -11,6 +11,10 @@ them (:func:`zeroshard.core.update.handed`); the update region
 collective. :class:`zeroshard.training.step.TrainStep` is the two regions;
 ``tx.value_and_grad`` (:func:`value_and_grad`) gives the first in a user's own
 ``jax.jit``, as :class:`zeroshard.core.update.Grads` that ``tx.update`` takes.
+
+A loss whose own sharding calls cannot run per device (:class:`Refusals`) is
+differentiated on the whole mesh instead (:func:`on_whole_mesh`), by both entries: the
+own step's :mod:`zeroshard.training.whole_mesh` step and ``tx.value_and_grad``.
 """
 
 from __future__ import annotations
