@@ -221,7 +221,7 @@ class TrainStep:
         self.route.loop.check(self.batch_parts)
         self.opt.config.sum_order.check_devices(self.num_shards, self.state_tx.axis_name)
         self._fallback = Fallback(self)  # (see the class)
-        loss = self._fallback.loss
+        loss = self._fallback.refusals.loss
         self.loss_region = LossRegion(
             loss, self.has_aux, self.opt.config, self.route, self.rest, self.mesh
         )

@@ -91,7 +91,6 @@ class Fallback:
     def __init__(self, step: Any):
         options = {k: getattr(step, k) for k in ("accum_steps", "has_aux", "donate")}
         self.refusals, self.args = Refusals(step.loss_fn), (step.tx, step.mesh, options)
-        self.loss = self.refusals.loss
         self.step: WholeMeshStep | None = None
 
     def run(self, per_device: Callable[[], Any], lower: bool, *args: Any) -> Any:
