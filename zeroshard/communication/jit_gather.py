@@ -52,10 +52,8 @@ def gather(tree: PyTree, axis_name: str | None, is_piece: Any) -> PyTree:
     A leaf whose first dimension ``axis_name`` does not divide is left as it is (the
     compiler gathers it where it is used).
 
-    Arrays on no mesh (one device) are whole already.
-
-    Raises:
-      ValueError: if ``axis_name`` is ``None`` on a mesh of several axes.
+    Arrays on no mesh (one device) are whole already. ``axis_name=None``: every
+    axis of the mesh, over which the drop-in cuts its pieces.
     """
     whole = lambda x: _whole(x) if is_piece(x) else _gathered(x, axis_name)
     with scope(GATHER):
@@ -85,7 +83,7 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
     mesh = mesh_of(x)
     if not is_floating(x) or mesh.empty:  # (on no mesh, one device: whole already)
         return x
-    batch = axes_of(axis_name or _only_axis(mesh))
+    batch = axes_of(axis_name or _default_axes(mesh))
     if not is_cut(x, batch, mesh):
         return x
     if _typed(mesh, batch):  # (its own layout, cut over the batch axes minor to it)
@@ -125,15 +123,12 @@ def mesh_of(x: Any) -> Any:
     return mesh if mesh is not None and not mesh.empty else jax.sharding.get_abstract_mesh()
 
 
-def _only_axis(mesh: Any) -> tuple[str, ...]:
+def _default_axes(mesh: Any) -> tuple[str, ...]:
     """The batch axes of the step that runs the loss on the whole mesh; else every
-    axis of ``mesh``, which the drop-in cuts its pieces over, where one at most has
-    more than one device."""
+    axis of ``mesh``: the drop-in's pieces are cut over the axes of its state, which
+    span the mesh. (An optimizer whose ``axis_name`` keeps a tensor-parallel split
+    within its blocks: the mark gathers the split too, the same values; naming the
+    axis keeps it.)"""
     if step := current_step():
         return axes_of(step.axis_name)
-    if sum(n > 1 for n in mesh.shape.values()) > 1:
-        raise ValueError(
-            f"zs.gather / zs.layer in a jax.jit on a mesh of axes {mesh.axis_names}: name "
-            "the axis the pieces are cut over, e.g. zs.layer(fn, axis_name='data')."
-        )
     return tuple(mesh.axis_names)

@@ -86,8 +86,12 @@ class Sharded:
         of :meth:`other_axes`. Their gradients are
         reduce-scattered, and their weights all-gathered, over the batch axes only,
         within the device's block; the other leaves are gathered whole for the update.
-        (The layout module keeps a split only for a leaf it can cut block by block.)"""
+        (The layout module keeps a split only for a leaf it can cut block by block.)
+        On a mesh without the batch axes (the drop-in's default ``"data"`` on an
+        ``("fsdp", "tensor")`` mesh) there is no batch to cut a block over: none."""
         others, config = self.other_axes(mesh), self.config
+        if not set(config.batch_axes) & set(mesh.axis_names):
+            return {}
         specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
         named = [[(k, axes_of(e)) for k, e in enumerate(spec) if e is not None] for spec in specs]
         split = lambda n: Split(n[0][0], others, mesh_size(mesh, others), config.axes)
@@ -166,7 +170,7 @@ class Sharded:
         # (each leaf whole, or a split leaf's block; laid out so, or not placed)
         local = functools.partial(opt.init_local, plan=plan)
         if three:
-            params, leaves, local = init_pieces(opt, plan, params)
+            params, leaves, local = init_pieces(opt, plan, params, mesh)
         init = on_mesh(local, mesh, mesh.axis_names, ((leaves, P()), specs))
         state = init(each_laid_out(params, leaves, mesh), None)
         return annotated(state, specs, boxed)
