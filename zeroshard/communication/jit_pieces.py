@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import all_gathered, axes_of
@@ -70,6 +70,19 @@ def is_padded(slot: Slot) -> bool:
     return block.width * block.num_shards != block.size // block.layers
 
 
+def stays_whole(slot: Slot, mesh: Any) -> bool:
+    """Whether stage 3 in the user's ``jax.jit`` on ``mesh`` leaves the weight of
+    ``slot`` in its own layout: on Explicit axes, one of one dimension per layer (a
+    norm's scale, a bias), which model code reads as it is, with the activations
+    (there a weight cut over the batch axes beside activations split over them is a
+    sharding type error; on Auto axes the compiler gathers it where it is read).
+    They are ``D`` per layer against ``D**2`` for a matrix; DeepSpeed's stage 3 keeps
+    small parameters whole likewise (``stage3_param_persistence_threshold``). Their
+    state is still 1/N per device."""
+    explicit = AxisType.Explicit in getattr(mesh, "axis_types", ())
+    return explicit and len(slot.held_shape) - slot.stacked <= 1
+
+
 def weight_spec(slot: Slot, axis_name: str | tuple[str, ...]) -> P:
     """Where the weight of ``slot`` lies at stage 3: its block (its own split over the
     mesh's other axes, tensor parallelism's) cut over the batch axes (over
@@ -82,13 +95,14 @@ def weight_spec(slot: Slot, axis_name: str | tuple[str, ...]) -> P:
     return slot.cut_spec(axes_of(slot.cut_over(axis_name)))
 
 
-def _spec(s: Slot, x: object, axis: object, cut: bool) -> P:
+def _spec(s: Slot, x: object, axis: object, cut: bool, mesh: Any) -> P:
     """The layout of the weight (or gradient) ``x`` of ``s`` in the user's ``jax.jit``:
     a :class:`zeroshard.communication.stage3.Piece`'s pieces; ``cut`` (stage 3's), its block
     (:func:`weight_spec`) where it is not padded; else its own layout (whole)."""
     if is_shard(x):
         return s.piece_spec(axis)
-    return weight_spec(s, axis) if cut and not is_padded(s) else s.leaf_spec()
+    cut = cut and not is_padded(s) and not stays_whole(s, mesh)
+    return weight_spec(s, axis) if cut else s.leaf_spec()
 
 
 def shard_params(opt: object, params: PyTree) -> PyTree:
@@ -111,10 +125,10 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
 
     leaves = plan.layout.treedef.flatten_up_to(params)
     out = [
-        x if is_shard(x) else place(x, _spec(s, x, axis, three))
+        x if is_shard(x) else place(x, _spec(s, x, axis, three, mesh))
         for s, x in zip(slots, leaves, strict=True)
     ]
-    padded = lambda s, x: three and is_padded(s) and not is_shard(x)  # (made pieces)
+    padded = lambda s, x: three and is_padded(s) and not (is_shard(x) or stays_whole(s, mesh))
     return plan.layout.treedef.unflatten(pieces_of(out, slots, padded, mesh, axis))
 
 
@@ -145,7 +159,9 @@ def pieces_of(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object)
     return out
 
 
-def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P], Callable]:
+def init_pieces(
+    opt: object, plan: Plan, params: PyTree, mesh: Mesh
+) -> tuple[list, list[P], Callable]:
     """``tx.init`` at stage 3 in the user's ``jax.jit``: the weights as it reads them
     (a :class:`zeroshard.communication.stage3.Piece`'s pieces, a cut weight's blocks; an owned one
     not padded whole), their layouts, and its function on each device, whose block of
@@ -154,7 +170,7 @@ def init_pieces(opt: object, plan: Plan, params: PyTree) -> tuple[list, list[P],
     layout, axis = plan.layout, opt.config.axis_name
     leaves = layout.treedef.flatten_up_to(params)
     specs = [
-        s.leaf_spec() if s.owned and not is_shard(x) else _spec(s, x, axis, True)
+        s.leaf_spec() if s.owned and not is_shard(x) else _spec(s, x, axis, True, mesh)
         for s, x in zip(layout.slots, leaves, strict=True)
     ]
     cut = [spec != s.leaf_spec() for s, spec in zip(layout.slots, specs, strict=True)]
@@ -198,7 +214,7 @@ def apply_pieces(
         route = opt.route_of(3 if three else 2, mean=True)
         route = route if three else route.held
     leaves = treedef.flatten_up_to(params)
-    specs = [_spec(s, x, axis, three) for s, x in zip(slots, leaves, strict=True)]
+    specs = [_spec(s, x, axis, three, mesh) for s, x in zip(slots, leaves, strict=True)]
     kept = [spec != s.leaf_spec() for s, spec in zip(slots, specs, strict=True)]
     pieces = lambda xs, cut: [
         _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
@@ -210,7 +226,7 @@ def apply_pieces(
         arrive = lambda parts, params: (parts, weights(params))
     else:
         grads = treedef.flatten_up_to(grads)
-        cuts, grads, arrive = _arriving(plan, route, axis, grads, pieces, weights)
+        cuts, grads, arrive = _arriving(plan, route, (axis, mesh), grads, pieces, weights)
 
     def leave(new: PyTree, params: list) -> list:
         new = [getattr(x, "piece", x) for x in treedef.flatten_up_to(new)]
@@ -237,15 +253,15 @@ def apply_pieces(
 
 
 def _arriving(
-    plan: Plan, route: Any, axis: Any, grads: list, pieces: Callable, weights: Callable
+    plan: Plan, route: Any, on: tuple, grads: list, pieces: Callable, weights: Callable
 ) -> tuple:
-    """The mean gradient's leaves ``grads`` as the drop-in's update region takes them:
-    their layouts, the leaves, and ``arrive(grads, params)``, each device's parts and
-    the weights as ``weights(params)`` holds them."""
-    slots, treedef = plan.layout.slots, plan.layout.treedef
+    """The mean gradient's leaves ``grads`` as the drop-in's update region takes them
+    ``on`` ``(axis_name, mesh)``: their layouts, the leaves, and ``arrive(grads,
+    params)``, each device's parts and the weights as ``weights(params)`` holds them."""
+    (axis, mesh), slots, treedef = on, plan.layout.slots, plan.layout.treedef
     # The gradients arrive as stage 3's weights are kept, where they can be (at stage
     # 2 too: zs.layer's backward lays them out so).
-    cuts = [_spec(s, g, axis, True) for s, g in zip(slots, grads, strict=True)]
+    cuts = [_spec(s, g, axis, True, mesh) for s, g in zip(slots, grads, strict=True)]
     cut = [spec != s.leaf_spec() for s, spec in zip(slots, cuts, strict=True)]
     # The gradients cast to the inner optimizer's dtype once, and each device's block
     # of a cut one reshaped to its piece (a bitcast) behind a barrier, before the

@@ -571,9 +571,11 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     if not leaves:
         return tree
     whole = [x for x in leaves if not any(spec(x).partitions)]
-    # (each laid out over an Explicit axis, where one element cannot be cut: a sum of
-    # each; XLA's CPU pipeline drops optimization barriers before it combines collectives)
-    zero = 0 * jnp.ravel(whole[0])[0] if whole else sum(0 * jnp.sum(x) for x in leaves)
+    # (one element of a whole one; each laid out over an Explicit axis, where one
+    # element cannot be cut, summed: every leaf cut so must be made first. XLA's CPU
+    # pipeline drops optimization barriers before it combines collectives)
+    cut = [x for x in leaves if any(spec(x).partitions)]
+    zero = sum(0 * jnp.sum(x) for x in cut) + (0 * jnp.ravel(whole[0])[0] if whole else 0)
 
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
