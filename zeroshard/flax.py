@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -478,12 +479,19 @@ def nnx_layer(module: nnx.Module, axis_name: str | None = None) -> Callable[...,
 def nnx_gathered(*modules: nnx.Module, axis_name: str | None = None) -> None:
     """Marks NNX modules, in place, for stage 3 in your own ``nnx.jit`` step
     (``zs.sharded(inner, stage=3)``, the weights laid out by ``tx.shard_params``):
-    each call of a marked module gathers its weights right before it runs and again
-    in the backward pass (:func:`zeroshard.layer`). Its code and state stay as they
-    are (its class becomes a subclass whose ``__call__`` does this). Mark each block
-    of a list of blocks, and the modules used outside them (the embeddings, the
-    head): an unmarked one's weights are gathered by the compiler on Auto axes, and
-    refused by jax's Explicit ones.
+    each call of a marked module, and of each public method its model's classes
+    define (a tied embedding's ``encode`` and ``attend``; ``nnx.Embed.attend``),
+    gathers its weights right before it runs and again in the backward pass
+    (:func:`zeroshard.layer`). Its code and state stay as they are (its class becomes
+    a subclass that does this). Mark each block of a list of blocks, and the large
+    modules used outside them (the embeddings, the head); an unmarked one's weights
+    are gathered by the compiler where they are read.
+
+    Args:
+      *modules: the modules to mark.
+      axis_name: the axes the pieces are cut over; ``None`` (default): those of the
+        optimizer's state, every axis of the mesh (name the batch axes to keep a
+        tensor-parallel split within its blocks).
 
     Raises:
       ValueError: when a marked call changes the module's own state (a ``Dropout``'s
@@ -495,23 +503,38 @@ def nnx_gathered(*modules: nnx.Module, axis_name: str | None = None) -> None:
 
 @functools.cache
 def _gathering(cls: type, axis_name: str | None) -> type:
-    """``cls`` whose call gathers its weights (see :func:`nnx_gathered`)."""
+    """``cls`` whose calls gather its weights (see :func:`nnx_gathered`)."""
     base = next(c for c in cls.__mro__ if "_zeroshard_gathers" not in vars(c))
+    # (the call, nnx.Embed's attend, and the public methods of the model's own
+    # classes; not flax's others, such as attention's init_cache, which makes state)
+    mine = lambda c, n: not c.__module__.startswith("flax.") and not n.startswith("_")
+    names = {
+        n
+        for c in base.__mro__[: base.__mro__.index(nnx.Module)]
+        for n, f in vars(c).items()
+        if inspect.isfunction(f) and (n in ("__call__", "attend") or mine(c, n))
+    }
 
-    def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    def gathering(name: str) -> Callable[..., Any]:
+        def method(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+            graphdef, params, rest = nnx.split(self, nnx.Param, ...)
 
-        def run(params: PyTree, *args: Any) -> Any:
-            try:
-                return base.__call__(nnx.merge(graphdef, params, rest), *args, **kwargs)
-            except TraceContextError as error:  # (flax refuses the change)
-                raise ValueError(
-                    f"zf.nnx_gathered: {base.__name__}'s call changes its own state (a "
-                    "Dropout's random stream in training, BatchNorm's statistics), which "
-                    "a gathering call cannot keep. Mark its stateless parts instead, or "
-                    "call it in eval mode."
-                ) from error
+            def run(params: PyTree, *args: Any) -> Any:
+                try:
+                    module = nnx.merge(graphdef, params, rest)
+                    return getattr(base, name)(module, *args, **kwargs)
+                except TraceContextError as error:  # (flax refuses the change)
+                    call = "call" if name == "__call__" else name
+                    raise ValueError(
+                        f"zf.nnx_gathered: {base.__name__}'s {call} changes its own state "
+                        "(a Dropout's random stream in training, BatchNorm's statistics), "
+                        "which a gathering call cannot keep. Mark its stateless parts "
+                        "instead, or call it in eval mode."
+                    ) from error
 
-        return layer(run, axis_name)(params, *args)
+            return layer(run, axis_name)(params, *args)
 
-    return type(base.__name__, (base,), {"__call__": __call__, "_zeroshard_gathers": True})
+        return functools.wraps(getattr(base, name))(method)
+
+    methods = {n: gathering(n) for n in sorted(names)}
+    return type(base.__name__, (base,), {**methods, "_zeroshard_gathers": True})
