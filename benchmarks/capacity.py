@@ -10,7 +10,7 @@ weights, on N devices:
 - ``jit-sharded``: plain optax under ``jax.jit``, the master weights and moments laid
   out over ``"data"`` by ``NamedSharding`` (flax's ``optimizer_sharding``, MaxText);
 - ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step
-  (``-2``, ``-3``: at stages 2 and 3; ``dropin-vg``, ``-vg-2``: its gradient taken by
+  (``-2``, ``-3``: at stages 2 and 3; ``dropin-vg``, ``-vg-2``, ``-vg-3``: its gradient taken by
   ``tx.value_and_grad``, not ``jax.grad``);
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
@@ -60,6 +60,7 @@ VARIANTS = (
     "dropin-3",
     "dropin-vg",
     "dropin-vg-2",
+    "dropin-vg-3",
     "zeroshard-1",
     "zeroshard-2",
     "zeroshard-3",
@@ -81,6 +82,7 @@ def formula(variant: str, n: int) -> float | None:
         "dropin-3": 16 / n,
         "dropin-2": 2 + 14 / n,
         "dropin-vg-2": 2 + 14 / n,
+        "dropin-vg-3": 16 / n,
         "dropin": 4 + 12 / n,
         "dropin-vg": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
@@ -390,6 +392,7 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
         "dropin-2": 2,
         "dropin-vg-2": 2,
         "dropin-3": 3,
+        "dropin-vg-3": 3,
     }.get(name, stage or 1)
     if stage:  # zeroshard's planner: its step compiled on abstract values
         tx = zs.sharded(optax.adam(1e-4), stacked=stacked(args), state_bits=bits)

@@ -463,10 +463,10 @@ def test_prefetch_moves_what_zs_layer_moves_and_scattered_zero3s_bytes(axes):
     again = weights - embed - (head if axes == AxisType.Auto else 0)
     # (and the new bias, whole, all-gathered by tx.update from its pieces)
     assert whole["all-gather"]["ring_bytes"] == 7 / 8 * (weights + again + bias), whole
-    piece = WIDTH * 4 / 8  # (the smallest piece: a layer's bias)
-    # (all-reduced: the ties' scalars, and on Explicit axes the bias's gradient)
+    # (all-reduced: the ties' 4-byte scalars, fewer bytes than the smallest gradient, a
+    # layer's bias; and on Explicit axes the bias's gradient)
     reduced = sum(c.result_bytes for c in found["whole"] if c.kind == "all-reduce")
-    assert bias <= reduced < bias + piece, whole
+    assert bias <= reduced < bias + WIDTH * 4, whole
     assert total("whole") < 1.5, whole
 
 

@@ -571,11 +571,19 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     if not leaves:
         return tree
     whole = [x for x in leaves if not any(spec(x).partitions)]
-    # (one element of a whole one; each laid out over an Explicit axis, where one
-    # element cannot be cut, summed: every leaf cut so must be made first. XLA's CPU
-    # pipeline drops optimization barriers before it combines collectives)
     cut = [x for x in leaves if any(spec(x).partitions)]
-    zero = sum(0 * jnp.sum(x) for x in cut) + (0 * jnp.ravel(whole[0])[0] if whole else 0)
+    # (one element of each whole one, and each laid out over an Explicit axis, where
+    # one element cannot be cut, summed: every leaf must be made first. In your own
+    # jax.jit the compiler reduces each gradient leaf apart, and merged the reductions
+    # of several layers where one leaf alone was tied, every layer's gradient then
+    # alive at once; in zeroshard's step a layer's reductions are one collective per
+    # dtype, and one leaf ties them. XLA's CPU pipeline drops optimization barriers
+    # before it combines collectives.)
+    if not jit_gather.in_users_jit():
+        whole, cut = whole[:1], [] if whole else cut
+    firsts = [0 * jnp.ravel(x)[0] for x in whole]
+    sums = [0 * jnp.sum(x) for x in cut]
+    zero = sum(sums + firsts[1:], firsts[0]) if firsts else sum(sums)
 
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
