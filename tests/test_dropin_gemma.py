@@ -74,7 +74,8 @@ class Attention(nnx.Module):
     def __call__(self, x):
         q = jnp.einsum("btd,ndh->btnh", x, used(self.q_einsum, "tensor"))
         k, v = jnp.einsum("btd,cndh->cbtnh", x, used(self.kv_einsum, None, None))
-        k, v = (jnp.repeat(a, HEADS // KV_HEADS, axis=2) for a in (k, v))
+        as_q = P("fsdp", None, "tensor", None)  # (the one kv head, repeated, laid out as q)
+        k, v = (reshard(jnp.repeat(a, HEADS // KV_HEADS, axis=2), as_q) for a in (k, v))
         logits = jnp.einsum("btnh,bsnh->bnts", q, k) * HEAD**-0.5
         mask = jnp.tril(jnp.ones((LEN, LEN), bool))
         probs = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
