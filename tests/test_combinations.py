@@ -413,7 +413,7 @@ def test_each_refusal_the_table_lists_is_raised_and_no_other_is_listed(tmp_path)
             three.shard_params(params)
 
     cases = [
-        lambda: zs.sharded(optax.sgd(0.1), deterministic=16, replica_axis="replica"),
+        lambda: zs.sharded(optax.sgd(0.1), deterministic=16, quantize_grads="int8"),
         dropin,
         lambda: zs.make_train_step(lambda p, b: 0.0, exact, mesh, accum_steps=2),
         replica_first,

@@ -60,10 +60,16 @@ OPTIMIZERS = {
 }
 
 
-def train(n, name, stage=1, dtype=jnp.float32, steps=STEPS, extras=False, state=None):
-    """``steps`` steps on the first ``n`` devices; returns the state, its logical form
-    (params, optimizer state) and the metrics of every step."""
+def train(
+    n, name, stage=1, dtype=jnp.float32, steps=STEPS, extras=False, state=None, replicas=1
+):
+    """``steps`` steps on the first ``n`` devices (``replicas`` of them over a replica
+    axis); returns the state, its logical form (params, optimizer state) and the
+    metrics of every step."""
     mesh, tx = make_mesh(n), zs.sharded(OPTIMIZERS[name](), deterministic=PARTS)
+    if replicas > 1:
+        mesh = jax.make_mesh((replicas, n // replicas), ("replica", "data"))
+        tx = zs.sharded(OPTIMIZERS[name](), deterministic=PARTS, replica_axis="replica")
     rng = np.random.default_rng(0)
     params = model(rng)
     model_state = {"mean": jnp.zeros(136)} if extras else None
@@ -128,6 +134,18 @@ def test_dropout_model_state_and_aux_do_not_depend_on_the_device_count():
     assert aux.shape == (ROWS,) and np.all(aux > 0)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_replica_axis_sums_in_the_same_order(stage):
+    """2 replicas x 4 devices and 4 x 2 give the bits of 1 device: the replicas' rows
+    are summed in the same tree as every other device's."""
+    expected = train(1, "adamw+clip", stage, steps=4, extras=True)
+    for replicas in (2, 4):
+        actual = train(8, "adamw+clip", stage, steps=4, extras=True, replicas=replicas)
+        assert_equal(actual[1], expected[1], f"{replicas} replicas x {8 // replicas}")
+        assert_equal(actual[0].model_state, expected[0].model_state, "model state")
+        assert_equal(actual[2], expected[2], "metrics (loss, grad norm, per-example aux)")
+
+
 def test_save_on_8_restore_on_4_and_1_continues_bit_for_bit(tmp_path):
     uninterrupted = train(8, "adamw+clip", stage=1)[1]
     state, _, _ = train(8, "adamw+clip", stage=1, steps=10)
@@ -150,7 +168,9 @@ def test_the_device_order_of_the_sum_is_what_makes_the_bits_agree(monkeypatch):
     can fail."""
     expected = train(1, "adamw+clip", stage=2, steps=3)[1]
     summed_rows, other = canonical.summed_rows, {canonical.HIGH: canonical.LOW}
-    flipped = lambda blocks, axis, order=canonical.HIGH: summed_rows(blocks, axis, other[order])
+    flipped = lambda blocks, axis, order=canonical.HIGH, replicas=None: summed_rows(
+        blocks, axis, other[order], replicas
+    )
     monkeypatch.setattr(canonical, "summed_rows", flipped)
     for n in (4, 8):
         actual = train(n, "adamw+clip", stage=2, steps=3)[1]
@@ -162,8 +182,6 @@ def test_refused_where_the_bits_cannot_agree():
     params, mesh = model(np.random.default_rng(0)), make_mesh(8)
     with pytest.raises(ValueError, match="power of two"):
         zs.sharded(optax.sgd(0.1), deterministic=12)
-    with pytest.raises(ValueError, match="replica_axis"):
-        zs.sharded(optax.sgd(0.1), replica_axis="replica", deterministic=8)
     with pytest.raises(ValueError, match="quantize_grads"):
         zs.sharded(optax.sgd(0.1), quantize_grads="int8", deterministic=8)
     for parts in (4, 8):  # fewer than two micro-batches per device

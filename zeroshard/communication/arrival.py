@@ -96,6 +96,12 @@ class Arrival:
         with scope(REPLICA_MEAN):
             return jax.lax.pmean(parts, self.config.replica_axis)
 
+    def part_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Which of the mesh ``axes`` (the batch's, then any others of the state) the
+        parts' blocks are split over as they come (:func:`part_specs`): all of them,
+        each replica with its own copy until :meth:`across_replicas`."""
+        return axes
+
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
         """``device``'s units of owned leaf ``i`` from the owned part of its bucket
         (here: ``device``'s row of the bucket, as :meth:`zeroshard.core.layout.Layout.owned_row`
@@ -341,7 +347,14 @@ class Canonical:
     """The fixed-order sums of ``deterministic=`` (:mod:`zeroshard.communication.canonical`), mixed
     into an arrival: the device sums of a round of micro-batches in device order,
     returned as sums (the step divides the rounds' sum by the micro-batch count), and
-    the gradient norm from the leaves' canonical totals."""
+    the gradient norm from the leaves' canonical totals. The sums run over the
+    replica axis too, in the same tree, so they come summed over every replica."""
+
+    def across_replicas(self, parts: GradParts) -> GradParts:
+        return parts
+
+    def part_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(a for a in axes if a != self.config.replica_axis)
 
     def norm_and_finite(
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
@@ -391,7 +404,7 @@ class CanonicalReduceScatter(Canonical, ReduceScatter):
             index, n = jax.lax.axis_index(self.copies), jax.lax.axis_size(self.copies)
             blocks = [jnp.take(b.reshape(-1, n, b.shape[-1]), index, axis=1) for b in blocks]
             axes = tuple(a for a in axes if a not in self.copies)
-        return canonical.summed_rows(blocks, axes, self.order)
+        return canonical.summed_rows(blocks, axes, self.order, self.config.replica_axis)
 
     def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
         """Each unit of an owned leaf as this device's owned ``row`` holds it, where it

@@ -45,7 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from zeroshard.communication.collectives import all_gathered, all_gathered_parts, is_identity
+from zeroshard.communication.collectives import (
+    all_gathered,
+    all_gathered_parts,
+    is_identity,
+    vary,
+)
 from zeroshard.core.layout import PyTree, Slot, is_floating
 from zeroshard.core.rows import spans
 from zeroshard.core.sums import Psum
@@ -96,33 +101,51 @@ def in_order(
     return jax.tree.map(add, summed), jax.tree.map(join, joined)
 
 
-def summed_rows(blocks: Sequence[jax.Array], axis_name: str, order: str = HIGH) -> list[jax.Array]:
-    """This device's row of the sum over ``axis_name`` of each of ``blocks`` (each
-    ``(num_shards, width)``, row ``d`` for device ``d``), in float32 and in device
-    order: one ``all_to_all`` of them packed (row ``d`` to device ``d``), then each
-    device's rows summed in :func:`tree_sum`'s tree (``order``)."""
+def summed_rows(
+    blocks: Sequence[jax.Array], axis_name: str, order: str = HIGH, replicas: str | None = None
+) -> list[jax.Array]:
+    """This device's row of the sum over ``axis_name`` (and the replica axis
+    ``replicas``, if any) of each of ``blocks`` (each ``(num_shards, width)``, row
+    ``d`` for device ``d``), in float32 and in device order: one ``all_to_all`` of
+    them packed (row ``d`` to device ``d``), then each device's rows summed in
+    :func:`tree_sum`'s tree (``order``). The batch is split over the replicas major,
+    so in its device order they are the high bits: ``HIGH`` sums them first (every
+    replica's rows gathered, then summed as one tree), ``LOW`` last (each replica's
+    sum, then the replicas' sums): the tree over every device either way."""
     matrix = jnp.concatenate(blocks, 1)
     if not is_identity(matrix, axis_name):
         matrix = jax.lax.all_to_all(matrix, axis_name, 0, 0, tiled=True)
-    row = tree_sum(matrix.astype(jnp.float32), order=order)
+    matrix = matrix.astype(jnp.float32)
+    every = lambda x: all_gathered(x, replicas, to="invarying").reshape(-1, *x.shape[1:])
+    if replicas is not None and order == HIGH:
+        matrix = every(matrix)
+    row = tree_sum(matrix, order=order)
+    if replicas is not None and order == LOW:
+        row = tree_sum(every(row[None]), order=order)
     return [row[a:b] for a, b in spans([x.shape[1] for x in blocks])]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gathered(parts: list[jax.Array], axis_name: str, dtype: Any) -> list[jax.Array]:
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gathered(
+    parts: list[jax.Array], axis_name: str, dtype: Any, replicas: str | None = None
+) -> list[jax.Array]:
     """Stage 3's gather of 1-D ``parts`` (one ``(N, w)`` per part, row ``d`` from
     device ``d``) in ``dtype``; its transpose sums the gradients onto each part in
-    device order (:func:`summed_rows`), in the parts' own dtype (float32 in the step,
-    so no node of the sum is rounded to the parameters' dtype)."""
-    return all_gathered_parts([p.astype(dtype) for p in parts], axis_name)
+    device order (:func:`summed_rows`, over the replica axis ``replicas`` too), in the
+    parts' own dtype (float32 in the step, so no node of the sum is rounded to the
+    parameters' dtype). The gathered weights vary over ``replicas``: the same on
+    each, but so their gradients reach the transpose unsummed (an invariant input's
+    are summed over the axis by jax, in no fixed order)."""
+    wholes = all_gathered_parts([p.astype(dtype) for p in parts], axis_name)
+    return wholes if replicas is None else [vary(w, replicas) for w in wholes]
 
 
-def _gathered_forward(parts, axis_name, dtype):
-    return gathered(parts, axis_name, dtype), [jnp.zeros(0, p.dtype) for p in parts]
+def _gathered_forward(parts, axis_name, dtype, replicas):
+    return gathered(parts, axis_name, dtype, replicas), [jnp.zeros(0, p.dtype) for p in parts]
 
 
-def _gathered_backward(axis_name, _, like, cotangents):
-    sums = summed_rows(cotangents, axis_name)
+def _gathered_backward(axis_name, _, replicas, like, cotangents):
+    sums = summed_rows(cotangents, axis_name, HIGH, replicas)
     return ([s.astype(x.dtype) for s, x in zip(sums, like, strict=True)],)
 
 

@@ -127,7 +127,7 @@ class Route(NamedTuple):
         loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, stage > 1)
         if parts is not None:
             loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
-            gather = canonical.gathered
+            gather = functools.partial(canonical.gathered, replicas=config.replica_axis)
         elif grads or weights:
             gather = functools.partial(quantized_gather, weights, grads)
         # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)

@@ -87,8 +87,8 @@ class ShardConfig:
         ``loss_scale`` is given without ``skip_nonfinite`` or with bad constants, a
         quantized format or block is unknown, ``quantize_grads`` comes with a
         ``reduce_dtype``, or ``quantize_weights`` without a ``master_dtype``;
-        if ``deterministic`` is not a power of two or comes with a replica axis or
-        quantized collectives; if ``stage`` is not 1, 2 or 3.
+        if ``deterministic`` is not a power of two or comes with quantized
+        collectives; if ``stage`` is not 1, 2 or 3.
     """
 
     axis_name: str | tuple[str, ...] = "data"
@@ -273,7 +273,6 @@ def _check_deterministic(config: ShardConfig) -> None:
             f"batch is cut into, at least the largest device count to run on), got {parts!r}."
         )
     clashes = {  # (what each sums that is not made to run in the fixed order)
-        "replica_axis": (config.replica_axis, "the reduction over a replica axis"),
         "quantize_grads": (config.quantize_grads, "the reduction of quantized codes"),
         "quantize_weights": (config.quantize_weights, "the reduction of quantized codes"),
     }

@@ -93,7 +93,7 @@ class LossRegion:
             partial(self.local, plan=plan),
             mesh=self.mesh,
             in_specs=(specs, batch_specs, P(), P()),
-            out_specs=(part_specs(plan, axes), P(), P(), P()),  # (rest: auto there)
+            out_specs=(part_specs(plan, self.route.arrival.part_axes(axes)), P(), P(), P()),
             axis_names=set(axes),
             # On one device (of the state) nothing is reduced or gathered: without the types,
             # the gradients are not all-reduced for us and the collectives are left out.
@@ -155,10 +155,11 @@ class LossRegion:
     def _varying(self, params: PyTree) -> PyTree:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
         input would be all-reduced automatically (a local gradient is what the
-        reduce-scatter needs). Stage-3 pieces vary over the sharding axis already (only
-        over the replica axis, if any, not)."""
+        reduce-scatter needs). Stage-3 pieces vary over the sharding axis already, and
+        over the replica axis, if any, as the parts do (:meth:`zeroshard.communication.arrival.Arrival.part_axes`)."""
         axes = self.config.batch_axes  # (the replica axis, if any, then the sharding axis)
         if self.route.departure.pieces:
+            axes = self.route.arrival.part_axes(axes)
             axes = tuple(a for a in axes if a not in self.config.axes)
         return jax.lax.pcast(params, axes, to="varying") if axes else params
 
@@ -207,7 +208,7 @@ def value_and_grad(
             value, (aux, _) = out
             return ((value, aux) if has_aux else value), grads
         value = metrics["loss"]
-        axes = (*config.batch_axes, *region.rest)
+        axes = region.route.arrival.part_axes((*config.batch_axes, *region.rest))
         grads = Grads(parts, region.taken, axes, Grads.splits_of(plan))
         return ((value, metrics.get("aux")) if has_aux else value), grads
 

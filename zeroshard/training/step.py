@@ -267,7 +267,7 @@ class TrainStep:
         opt, route = built.tx.optimizer, self.loss_region.taken
         specs = built.specs(route.departure)  # (whole over the other axes, or a block)
         params = each_laid_out(state.params, specs.params, self.mesh)
-        parts_at = part_specs(built.plan, (*axes, *self.rest))
+        parts_at = part_specs(built.plan, route.arrival.part_axes((*axes, *self.rest)))
         specs = (parts_at, specs.opt_state, specs.params, specs.params)
         update = region(opt, built.plan, route, self.mesh, specs, check_vma=self.num_shards > 1)
         params, opt_state = update(parts, state.opt_state, params, extra)
