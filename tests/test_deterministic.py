@@ -60,9 +60,7 @@ OPTIMIZERS = {
 }
 
 
-def train(
-    n, name, stage=1, dtype=jnp.float32, steps=STEPS, extras=False, state=None, replicas=1
-):
+def train(n, name, stage=1, dtype=jnp.float32, steps=STEPS, extras=False, state=None, replicas=1):
     """``steps`` steps on the first ``n`` devices (``replicas`` of them over a replica
     axis); returns the state, its logical form (params, optimizer state) and the
     metrics of every step."""

@@ -156,7 +156,8 @@ class LossRegion:
         """``params`` cast to vary over the batch axes: the gradient of an invariant
         input would be all-reduced automatically (a local gradient is what the
         reduce-scatter needs). Stage-3 pieces vary over the sharding axis already, and
-        over the replica axis, if any, as the parts do (:meth:`zeroshard.communication.arrival.Arrival.part_axes`)."""
+        over the replica axis, if any, as the parts do
+        (:meth:`zeroshard.communication.arrival.Arrival.part_axes`)."""
         axes = self.config.batch_axes  # (the replica axis, if any, then the sharding axis)
         if self.route.departure.pieces:
             axes = self.route.arrival.part_axes(axes)
