@@ -199,9 +199,11 @@ def per_device_bytes(tree) -> dict:
     return held
 
 
-def stage3_bytes(tree, explicit: bool, stacked: tuple[str, ...] = ("blocks",)) -> float:
-    """Bytes per device of the weights ``tree`` at stage 3 in your own ``jax.jit`` on 8
-    devices: 1/8 of each leaf (a ``zs.Piece``'s pieces: of its padded size), but, on
+def stage3_bytes(
+    tree, explicit: bool, stacked: tuple[str, ...] = ("blocks",), devices: int = 8
+) -> float:
+    """Bytes per device of the weights ``tree`` at stage 3 in your own ``jax.jit`` on
+    ``devices`` devices: 1/N of each leaf (a ``zs.Piece``'s pieces: of its padded size), but, on
     Explicit axes, a leaf of one dimension per layer (a bias, a norm's scale; leaves
     under a key in ``stacked`` have one layer axis) whole: model code reads those
     with the activations, as they are."""
@@ -210,5 +212,5 @@ def stage3_bytes(tree, explicit: bool, stacked: tuple[str, ...] = ("blocks",)) -
         layers = any(getattr(k, "key", None) in stacked for k in path)
         piece = any(isinstance(k, jax.tree_util.FlattenedIndexKey) for k in path)
         whole = explicit and x.ndim - layers <= 1 and not piece
-        total += x.nbytes if whole else x.nbytes / 8
+        total += x.nbytes if whole else x.nbytes / devices
     return total

@@ -407,16 +407,16 @@ def test_each_refusal_the_table_lists_is_raised_and_no_other_is_listed(tmp_path)
         with jax.set_mesh(mesh):
             jax.eval_shape(exact.update, params, exact.init(params), params)
 
-    def replica_first():
-        three = zs.sharded(optax.sgd(0.1), stage=3, replica_axis="replica")
-        with jax.set_mesh(jax.make_mesh((2, 4), ("replica", "data"))):
+    def model_first():
+        three = zs.sharded(optax.sgd(0.1), stage=3)
+        with jax.set_mesh(jax.make_mesh((2, 4), ("model", "data"))):
             three.shard_params(params)
 
     cases = [
         lambda: zs.sharded(optax.sgd(0.1), deterministic=16, quantize_grads="int8"),
         dropin,
         lambda: zs.make_train_step(lambda p, b: 0.0, exact, mesh, accum_steps=2),
-        replica_first,
+        model_first,
     ]
     met = []
     for case in cases:

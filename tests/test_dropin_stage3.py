@@ -91,13 +91,22 @@ def reference(inner, params, data, state=None):
 
 
 def dropin(
-    tx, mesh, params, data, opt_state=None, shard=None, layer=zs.layer, outer=None, placed=True
+    tx,
+    mesh,
+    params,
+    data,
+    opt_state=None,
+    shard=None,
+    layer=zs.layer,
+    outer=None,
+    placed=True,
+    rows="data",
 ):
     """The user's own loop: jitted step, weights laid out once with tx.shard_params
     (``shard``'s: the zs.sharded of an optimizer that wraps it; not ``placed``: left
     on no mesh, as jax made them), from ``opt_state`` (default: ``tx.init``);
     ``layer`` marks the scan (``zs.layer``, ``zs.layers``), ``outer`` the embedding
-    and the head."""
+    and the head; the batch's rows split over the mesh axes ``rows``."""
     loss, shard = make_loss(layer, outer or (lambda f: f)), shard or tx
 
     @jax.jit
@@ -111,7 +120,7 @@ def dropin(
             params = shard.shard_params(params)
         opt_state, losses = tx.init(params) if opt_state is None else opt_state, []
         for batch in data:
-            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            batch = jax.device_put(batch, NamedSharding(mesh, P(rows)))
             params, opt_state, value = step(params, opt_state, batch)
             losses.append(float(value))
     return params, opt_state, losses
@@ -146,6 +155,33 @@ def test_stages_2_and_3_in_your_own_jit_give_plain_optax(inner, stage):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     assert zs.state_bytes_per_device(got) == total / (8 if stage == 3 else 1)
     assert zs.state_bytes_per_device(opt_state) <= 2 * total / 8 + 64
+
+
+@pytest.mark.parametrize(
+    "stage, inner, axes",
+    [
+        (2, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, optax.sgd(0.5, momentum=0.9), AxisType.Auto),
+        (3, CLIP_ADAMW, AxisType.Explicit),
+    ],
+    ids=["sgd-2-auto", "sgd-3-auto", "clip_adamw-3-explicit"],
+)
+def test_a_replica_axis_in_your_own_jit(stage, inner, axes):
+    """2 replicas x 4 devices with ``replica_axis=``, the batch split over both and
+    jax.grad in your own jit: plain optax's losses and weights; the state 1/4 per
+    device, and at stage 3 the weights too, copied over the replicas."""
+    params, data = make_params(4), batches(6)
+    expected, expected_losses = reference(inner, params, data)
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(axes,) * 2)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=stage, replica_axis="replica")
+    got, opt_state, losses = dropin(tx, mesh, params, data, rows=("replica", "data"))
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trees_close(got, expected, rtol=5e-5 if inner is CLIP_ADAMW else 1e-5)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    held = stage3_bytes(params, axes == AxisType.Explicit, devices=4) if stage == 3 else total
+    assert zs.state_bytes_per_device(got) == held
+    moments = 2 if inner is CLIP_ADAMW else 1
+    assert zs.state_bytes_per_device(opt_state) <= moments * total / 4 + 64
 
 
 @pytest.mark.parametrize(

@@ -165,16 +165,18 @@ def test_an_indivisible_batch_is_refused():
     assert jnp.ndim(p["scale"]) == 0  # (the weights are untouched)
 
 
-@pytest.mark.parametrize("inner", list(INNERS))
-@pytest.mark.parametrize("accum", [1, 2])
-def test_stage3_one_step_is_make_train_steps_bit_for_bit(inner, accum):
+@pytest.mark.parametrize(
+    "inner, option", [("sgd", "exact"), ("sgd", "accumulated")] + [("adam", o) for o in OPTIONS]
+)
+def test_stage3_one_step_is_make_train_steps_bit_for_bit(inner, option):
     """Stage 3: the drop-in's weights (tx.shard_params), read through zs.layer in the
-    loss, give make_train_step's loss and optimizer state bit for bit."""
-    params, mesh = layered_params(np.random.default_rng(8), width=64), mesh_for({})
-    rng = np.random.default_rng(9)
+    loss, give make_train_step's loss and optimizer state bit for bit, with every
+    option (a replica axis: the weights' pieces copied over it)."""
+    (options, accum), rng = OPTIONS[option], np.random.default_rng(9)
+    params, mesh = layered_params(np.random.default_rng(8), width=64), mesh_for(options)
     batch = {k: jnp.asarray(rng.normal(size=(32, 64)), jnp.float32) for k in ("x", "y")}
     loss = lambda p, b: layered_loss(p, b, stage=3)
-    tx = zs.sharded(INNERS[inner](), stage=3)
+    tx = zs.sharded(INNERS[inner](), stage=3, **options)
     own = zs.make_train_step(loss, tx, mesh, stage=3, accum_steps=accum)
     new_state, metrics = own(zs.init_train_state(params, tx, mesh, stage=3), batch)
 
@@ -278,20 +280,27 @@ def test_the_learning_rate_set_mid_run_with_optax_tree_set(inner, stage):
     assert_trees_close(got, plain, rtol=1e-5)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_loss_whose_sharding_calls_fail_per_device_runs_on_the_whole_mesh(rng, stage):
-    """The MLP of test_step_whole_mesh.py on a 4 x 2 Explicit mesh, its second matmul's
-    output laid out over "data" by the model itself, which jax refuses per device:
-    tx.value_and_grad differentiates it on the whole mesh instead (jax.grad's mean
-    gradient, which tx.update takes), as make_train_step does: plain optax's numbers."""
+def test_a_loss_whose_sharding_calls_fail_per_device_runs_on_the_whole_mesh(rng, stage, replicas):
+    """The MLP of test_step_whole_mesh.py on a 4 x 2 Explicit mesh (or 2 replicas x 2 x
+    2, ``replica_axis=``), its second matmul's output laid out over the batch axes by
+    the model itself, which jax refuses per device: tx.value_and_grad differentiates
+    it on the whole mesh instead (jax.grad's mean gradient, which tx.update takes), as
+    make_train_step does: plain optax's numbers."""
     from jax.sharding import AxisType
-    from test_step_whole_mesh import data_and_params, explicit_loss, gathering, plain_run
+    from test_step_whole_mesh import data_and_params, mlp_loss, plain_run
 
     params, data = data_and_params(rng)
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    shape, axes, options = (4, 2), ("data", "model"), {}
+    if replicas > 1:
+        shape, axes, options = (2, 2, 2), ("replica", *axes), {"replica_axis": "replica"}
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * len(axes))
     specs = {"w1": P(None, "model"), "w2": P("model", None)}
-    tx = zs.sharded(optax.adam(1e-2), axis_name="data", stage=stage)
-    loss_fn = gathering if stage == 3 else explicit_loss  # (stage 3 reads pieces so)
+    tx = zs.sharded(optax.adam(1e-2), axis_name="data", stage=stage, **options)
+    rows = P(axes[:-1], None)
+    read = zs.gather if stage == 3 else lambda p: p  # (stage 3 reads pieces so)
+    loss_fn = lambda p, b: mlp_loss(read(p), b, out_sharding=rows)
 
     @jax.jit
     def step(params, opt_state, batch):

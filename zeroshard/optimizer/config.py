@@ -140,7 +140,8 @@ class ShardConfig:
     def check_in_jit(self, mesh: Any, pieces: bool, grads: bool = True) -> None:
         """Refuses what stages 2 and 3 in the user's own ``jax.jit`` do not do, on
         ``mesh`` (:mod:`zeroshard.communication.jit_pieces`): the weights' pieces are
-        cut over the mesh's batch axes major first; and, for an update of ``grads``
+        cut over the sharding axes major first (after the replica axis, if any: copied
+        over it); and, for an update of ``grads``
         from ``jax.grad``, which reduced them, and the compiler's gathers of weights
         held as ``pieces`` (stage 3), zeroshard can neither fix the sums' order nor
         quantize them (``tx.value_and_grad``'s gradient it reduces itself).
@@ -149,18 +150,19 @@ class ShardConfig:
           ValueError: naming the options (or the mesh's axes) and what to do instead.
         """
         first = next((i for i, a in enumerate(mesh.axis_names) if a in self.axes), 0)
-        if any(mesh.shape[a] > 1 for a in mesh.axis_names[:first]):  # (the pieces: batch-major)
+        before = [a for a in mesh.axis_names[:first] if a != self.replica_axis]
+        if any(mesh.shape[a] > 1 for a in before):  # (the pieces: batch-major)
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit cuts the weights' "
-                f"pieces over the batch axes {self.axes!r} major first, and a mesh of axes "
-                f"{dict(mesh.shape)} has others before them: put the batch axes first, or "
+                f"pieces over the sharding axes {self.axes!r} major first, and a mesh of axes "
+                f"{dict(mesh.shape)} has others before them (but the replica axis): put the "
+                "sharding axes first, or "
                 f"train with zs.make_train_step(..., stage={self.stage})."
             )
         if not grads:
             return
         self.sum_order.check_drop_in()  # (deterministic=)
         options = {
-            "replica_axis": self.replica_axis,
             "quantize_grads": self.quantize_grads,
             "quantize_weights": self.quantize_weights if pieces else None,
         }

@@ -268,8 +268,8 @@ def check_whole_mesh(
 ) -> None:
     """Raises ``error`` (the loss's refusal per device) with a note naming what the
     whole mesh cannot run: ``accum_steps``; the options ``jax.grad``'s gradient cannot
-    take (``deterministic=``, ``quantize_grads``, at stage 3 ``quantize_weights``, a
-    replica axis); and, for a step's state laid out otherwise than the drop-in's
+    take (``deterministic=``, ``quantize_grads``, at stage 3 ``quantize_weights``); and,
+    for a step's state laid out otherwise than the drop-in's
     (``same_layout``), a replica axis or an ``axis_name`` not first among the mesh's."""
     config = opt.config
     three = kept_apart(config.stage)[2]
@@ -281,7 +281,7 @@ def check_whole_mesh(
     quantized = "quantize_grads or quantize_weights" if three else "quantize_grads"
     refused = {
         f"accum_steps={accum_steps}": accum_steps > 1,
-        f"deterministic, {quantized}, replica_axis": fixed,
+        f"deterministic, {quantized}": fixed,
         "replica_axis (or an axis_name not first among the mesh's axes)": not same_layout,
     }
     if any(refused.values()):
