@@ -45,7 +45,7 @@ from zeroshard.analysis.reads import is_marking, mark
 from zeroshard.communication import jit_gather
 from zeroshard.communication.collectives import all_gathered_parts, axes_of, from_bits, is_identity
 from zeroshard.core.layout import Layout, PyTree, Slot, Split, is_floating
-from zeroshard.core.mesh import axis_of_step, current_step, own_layout
+from zeroshard.core.mesh import axis_of_step, current_step, on_mesh, own_layout
 from zeroshard.core.rows import pack
 from zeroshard.measuring.scopes import GATHER, scope
 
@@ -582,8 +582,8 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     if not jit_gather.in_users_jit():
         whole, cut = whole[:1], [] if whole else cut
     firsts = [0 * jnp.ravel(x)[0] for x in whole]
-    sums = [0 * jnp.sum(x) for x in cut]
-    zero = sum(sums + firsts[1:], firsts[0]) if firsts else sum(sums)
+    zero = sum(firsts[1:], firsts[0]) if firsts else 0
+    zero = zero + _local_zero(cut, [spec(x) for x in cut]) if cut else zero
 
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
@@ -593,6 +593,17 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
         return x
 
     return jax.tree.map(tie, tree, is_leaf=is_held)
+
+
+def _local_zero(xs: list[jax.Array], specs: list[P]) -> jax.Array:
+    """An exact zero from the sum of this device's block of each of ``xs`` (laid out
+    as ``specs`` over Explicit axes): every device's is zero, so nothing moves (a
+    global sum was one all-reduce per leaf, which the compiler then spent seconds
+    combining). A sum, not one element: the compiler computes a slice of a product
+    alone, and the tie would then wait for one element's."""
+    mesh = jax.typeof(xs[0]).sharding.mesh
+    sums = lambda *blocks: sum(0 * jnp.sum(b) for b in blocks)
+    return on_mesh(sums, mesh, mesh.axis_names, (tuple(specs), P()), check_vma=False)(*xs)
 
 
 # Owned leaves in stage 3: their weights and gradients are pieces like the sliced

@@ -155,8 +155,8 @@ class ShardConfig:
             raise ValueError(
                 f"zs.sharded(..., stage={self.stage}) in your own jax.jit cuts the weights' "
                 f"pieces over the sharding axes {self.axes!r} major first, and a mesh of axes "
-                f"{dict(mesh.shape)} has others before them (but the replica axis): put the "
-                "sharding axes first, or "
+                f"{dict(mesh.shape)} has others before them (only the replica axis may come "
+                "first): put the sharding axes first, or "
                 f"train with zs.make_train_step(..., stage={self.stage})."
             )
         if not grads:
