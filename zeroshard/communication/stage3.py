@@ -581,9 +581,9 @@ def _after(tree: PyTree, anchor: PyTree) -> PyTree:
     # before it combines collectives.)
     if not jit_gather.in_users_jit():
         whole, cut = whole[:1], [] if whole else cut
-    firsts = [0 * jnp.ravel(x)[0] for x in whole]
-    zero = sum(firsts[1:], firsts[0]) if firsts else 0
-    zero = zero + _local_zero(cut, [spec(x) for x in cut]) if cut else zero
+    zeros = [0 * jnp.ravel(x)[0] for x in whole]
+    zeros += [_local_zero(cut, [spec(x) for x in cut])] if cut else []
+    zero = sum(zeros[1:], zeros[0])
 
     def tie(x: Any) -> Any:
         if is_held(x):  # (its whole weights come with no collective: nothing to order)
