@@ -55,7 +55,8 @@ from zeroshard.core.mesh import (
 from zeroshard.core.placement import Key, Plan
 from zeroshard.core.state_kinds import BlockedState, OwnedState, SlicedState
 from zeroshard.core.state_layout import StateLayout, layout_of_state, state_layout
-from zeroshard.core.update import kept_apart, master_pieces
+from zeroshard.core.update import master_pieces
+from zeroshard.optimizer.config import kept_apart
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import LayoutKey, ShardedState, TrainState, key_of

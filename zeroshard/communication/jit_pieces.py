@@ -55,7 +55,8 @@ from zeroshard.core.branches import owned_wholes
 from zeroshard.core.layout import PyTree, Slot
 from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh, sharding_of
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import Grads, kept_apart, region
+from zeroshard.core.update import Grads, region
+from zeroshard.optimizer.config import kept_apart
 
 
 def is_padded(slot: Slot) -> bool:

@@ -62,7 +62,6 @@ from zeroshard.core.blocks import to_pieces
 from zeroshard.core.layout import PyTree
 from zeroshard.core.placement import Plan
 from zeroshard.measuring.scopes import GRAD_NORM, UPDATE, scope
-from zeroshard.optimizer.checks import check_stage
 from zeroshard.optimizer.config import ShardConfig
 from zeroshard.optimizer.state import ShardedState
 from zeroshard.training.microbatches import Accumulated, InOrder, OneBatch
@@ -197,18 +196,6 @@ class Grads:
                 "tx.value_and_grad(loss_fn, layout=opt_state.layout)."
             )
         return part_specs(plan, self.axes)
-
-
-def kept_apart(stage: int) -> tuple[bool, bool, bool]:
-    """What ZeRO ``stage`` (0: plain data parallelism) keeps 1/N per device: the
-    optimizer state and master weights (stages 1 to 3), the gradients (2 and 3), the
-    weights (3).
-
-    Raises:
-      ValueError: for a stage other than 0 to 3.
-    """
-    check_stage(stage, lowest=0)
-    return stage >= 1, stage >= 2, stage >= 3
 
 
 def updated(

@@ -40,8 +40,7 @@ from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import own_layout, sharding_of
 from zeroshard.core.state_layout import state_devices_on, state_layout
-from zeroshard.core.update import kept_apart
-from zeroshard.optimizer.config import check_mesh_axes
+from zeroshard.optimizer.config import check_mesh_axes, kept_apart
 from zeroshard.optimizer.sharded import ShardedTransformation, sharded
 from zeroshard.training.step import init_train_state, make_train_step
 

@@ -12,15 +12,6 @@ import jax.numpy as jnp
 from zeroshard.core.layout import PyTree
 
 
-def check_stage(stage: int, lowest: int = 1) -> None:
-    """Refuses a ZeRO stage other than ``lowest`` (1; 0 for plain data parallelism)
-    to 3."""
-    if stage not in range(lowest, 4):
-        raise ValueError(
-            f"stage must be {', '.join(map(str, range(lowest, 3)))} or 3, got {stage!r}."
-        )
-
-
 def check_batch(
     batch: PyTree,
     num_shards: int,

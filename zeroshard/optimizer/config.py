@@ -34,12 +34,32 @@ from zeroshard.communication.quantized import Quantizer, quantizer
 from zeroshard.core.layout import Stacked
 from zeroshard.core.lowbit import LowBit, lowbit
 from zeroshard.core.sums import PSUM, Psum
-from zeroshard.optimizer.checks import check_stage
 from zeroshard.optimizer.loss_scale import DynamicLossScale
 
 Placement = Any
 """Forced placements: a tree like the parameters, or a function ``(path, leaf) -> str``,
 giving ``"sliced"``, ``"owned"`` or ``None`` (automatic) per leaf."""
+
+
+def check_stage(stage: int, lowest: int = 1) -> None:
+    """Refuses a ZeRO stage other than ``lowest`` (1; 0 for plain data parallelism)
+    to 3."""
+    if stage not in range(lowest, 4):
+        raise ValueError(
+            f"stage must be {', '.join(map(str, range(lowest, 3)))} or 3, got {stage!r}."
+        )
+
+
+def kept_apart(stage: int) -> tuple[bool, bool, bool]:
+    """What ZeRO ``stage`` (0: plain data parallelism) keeps 1/N per device: the
+    optimizer state and master weights (stages 1 to 3), the gradients (2 and 3), the
+    weights (3).
+
+    Raises:
+      ValueError: for a stage other than 0 to 3.
+    """
+    check_stage(stage, lowest=0)
+    return stage >= 1, stage >= 2, stage >= 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -177,6 +197,10 @@ class ShardConfig:
                 "instead of jax.grad (zeroshard then reduces it), or train with "
                 f"zs.make_train_step(..., stage={self.stage})."
             )
+
+    def at_stage(self, stage: int) -> ShardConfig:
+        """This config at ZeRO ``stage`` (itself, where it is its own)."""
+        return self if stage == self.stage else dataclasses.replace(self, stage=stage)
 
     def master_dtype_of(self, dtype: Any) -> np.dtype | None:
         """The dtype of the master weights kept for parameters of ``dtype``, or

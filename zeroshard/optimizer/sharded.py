@@ -37,9 +37,9 @@ from zeroshard.core.mesh import (
     with_layout,
 )
 from zeroshard.core.placement import Plan, make_plan
-from zeroshard.core.update import Grads, Route, kept_apart, region, updated
+from zeroshard.core.update import Grads, Route, region, updated
 from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
-from zeroshard.optimizer.config import ShardConfig
+from zeroshard.optimizer.config import ShardConfig, kept_apart
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.state import LayoutKey, ShardedState, key_of
 from zeroshard.training import gradient
@@ -407,9 +407,8 @@ def _over(opt: Sharded, axes: tuple[str, ...]) -> Sharded:
 
 @functools.lru_cache(maxsize=256)
 def _at_stage(opt: Sharded, stage: int) -> Sharded:
-    if stage == opt.config.stage:
-        return opt
-    return Sharded(opt.inner, dataclasses.replace(opt.config, stage=stage))
+    config = opt.config.at_stage(stage)
+    return opt if config is opt.config else Sharded(opt.inner, config)
 
 
 @functools.lru_cache(maxsize=256)

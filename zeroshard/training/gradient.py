@@ -37,7 +37,8 @@ from zeroshard.communication.jit_pieces import as_pieces
 from zeroshard.core.layout import PyTree
 from zeroshard.core.mesh import StepContext, find_mesh, in_step, keep_axes
 from zeroshard.core.placement import Plan
-from zeroshard.core.update import Grads, Route, handed, kept_apart
+from zeroshard.core.update import Grads, Route, handed
+from zeroshard.optimizer.config import kept_apart
 from zeroshard.training import held, step_io
 
 logger = logging.getLogger(__name__)

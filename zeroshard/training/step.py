@@ -36,7 +36,8 @@ from zeroshard.core.mesh import (
     run_on_mesh,
 )
 from zeroshard.core.state_layout import StateLayout, state_layout
-from zeroshard.core.update import kept_apart, region
+from zeroshard.core.update import region
+from zeroshard.optimizer.config import kept_apart
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training import step_io

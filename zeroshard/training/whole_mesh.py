@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from zeroshard.communication.jit_pieces import apply_pieces
 from zeroshard.core.layout import PyTree
 from zeroshard.core.state_layout import drop_in_is_step, state_layout
-from zeroshard.core.update import kept_apart
+from zeroshard.optimizer.config import kept_apart
 from zeroshard.optimizer.sharded import optimizer_of
 from zeroshard.optimizer.state import TrainState, key_of
 from zeroshard.training.gradient import REFUSED, Refusals, check_whole_mesh, on_whole_mesh
