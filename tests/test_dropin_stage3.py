@@ -101,17 +101,19 @@ def dropin(
     outer=None,
     placed=True,
     rows="data",
+    value_and_grad=jax.value_and_grad,
 ):
     """The user's own loop: jitted step, weights laid out once with tx.shard_params
     (``shard``'s: the zs.sharded of an optimizer that wraps it; not ``placed``: left
     on no mesh, as jax made them), from ``opt_state`` (default: ``tx.init``);
     ``layer`` marks the scan (``zs.layer``, ``zs.layers``), ``outer`` the embedding
-    and the head; the batch's rows split over the mesh axes ``rows``."""
+    and the head; the batch's rows split over the mesh axes ``rows``; the gradient
+    by ``value_and_grad`` (``jax.value_and_grad``, or ``tx.value_and_grad``)."""
     loss, shard = make_loss(layer, outer or (lambda f: f)), shard or tx
 
     @jax.jit
     def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
+        value, grads = value_and_grad(loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -288,6 +290,34 @@ def test_a_leaf_the_devices_cannot_cut_is_padded(mesh, inner):
     explicit = mesh.axis_types[0] == AxisType.Explicit  # (the blocks' bias: whole there)
     blocks = stage3_bytes({"blocks": got["blocks"]}, explicit)
     assert zs.state_bytes_per_device(got["blocks"]) == blocks
+
+
+@pytest.mark.parametrize("grad", ["tx.value_and_grad", "jax.value_and_grad"])
+@pytest.mark.parametrize("axes", [AxisType.Auto, AxisType.Explicit])
+def test_a_padded_leaf_over_a_replica_axis(axes, grad):
+    """The padded weights of the test above on 2 replicas x 4 devices, in your own
+    jit: plain optax's numbers, each padded weight 1/4 per device, with
+    tx.value_and_grad, and with jax.grad on Explicit axes, where the pieces' type says
+    which axis they are copied over. On Auto axes nothing says so, and jax.grad's
+    zs.gather is refused at trace time, naming the ways that work."""
+    odd = {"a": jnp.full((2, WIDTH), 0.5), "b": jnp.linspace(-1, 1, 21).reshape(3, 7)}
+    params, data, inner = make_params(2) | {"odd": odd}, batches(3), optax.sgd(0.5, 0.9)
+    expected, expected_losses = reference(inner, params, data)
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(axes,) * 2)
+    tx = zs.sharded(inner, stacked=["blocks"], stage=3, replica_axis="replica")
+    value_and_grad = tx.value_and_grad if grad == "tx.value_and_grad" else jax.value_and_grad
+    run = functools.partial(dropin, tx, mesh, params, rows=("replica", "data"), outer=gathered)
+    if value_and_grad is jax.value_and_grad and axes == AxisType.Auto:
+        with pytest.raises(ValueError, match="replica axis.*tx.value_and_grad"):
+            run(data[:1])
+        return
+    got, opt_state, losses = run(data, value_and_grad=value_and_grad)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    step = jax.device_put(0, NamedSharding(mesh, P()))
+    logical = zs.to_optax_state(zs.TrainState(step, got, opt_state, None), tx)[0]
+    assert_trees_close(logical, expected, rtol=1e-5)
+    assert all(isinstance(x, zs.Piece) for x in got["odd"].values())
+    assert zs.state_bytes_per_device(got["odd"]) == (32 + 6) * 4  # (ceil(size / 4) each)
 
 
 @pytest.mark.parametrize("placed", [True, False], ids=["placed", "on-no-mesh"])

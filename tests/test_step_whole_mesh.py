@@ -106,6 +106,31 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner, options
     assert all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_replica_axis_on_the_whole_mesh(rng, stage):
+    """2 replicas x 2 data x 2 model with ``replica_axis=``, the loss's own sharding call
+    naming both batch axes: the step runs it on the whole mesh, with plain optax's
+    numbers (at stage 3 its pieces, copied over the replicas, each device's own)."""
+    params, data = data_and_params(rng)
+    axes = ("replica", "data", "model")
+    mesh = jax.make_mesh((2, 2, 2), axes, axis_types=(AxisType.Explicit,) * 3)
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
+    read = zs.gather if stage == 3 else lambda p: p
+    loss = lambda p, b: mlp_loss(read(p), b, out_sharding=P(("replica", "data"), None))
+    with jax.set_mesh(mesh):
+        state = zs.init_train_state(laid, tx, mesh, stage=stage)
+        step = zs.make_train_step(loss, tx, mesh, stage=stage)
+        losses = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    plain_losses, plain = plain_run(optax.sgd(0.1), params, data)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_whole_mesh_step_lowers_abstract_values_as_it_runs(rng, stage):
     """zs.step_memory lowers the step on abstract values (jax.ShapeDtypeStruct): on the

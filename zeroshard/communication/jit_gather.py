@@ -25,6 +25,7 @@ its layer's input, so the compiler can neither hoist it out of the scan nor keep
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import all_gathered, axes_of
-from zeroshard.core.layout import PyTree, is_floating
+from zeroshard.core.layout import PyTree, Slot, is_floating
 from zeroshard.core.mesh import current_step, keep_axes
 from zeroshard.measuring.scopes import GATHER, scope
 
@@ -66,17 +67,44 @@ def _whole(x: Any) -> jax.Array:
     its shape (within its block over the mesh's other axes); the cotangent, reduced
     over the batch already, back to the device's piece."""
     mesh, s = mesh_of(x.piece), x.slot(x.leaf.num_shards, local=False)
-    axes = tuple(mesh.axis_names)
+    axes = _state_axes(mesh, s, x.piece)
     piece, whole = s.piece_spec(axes), s.leaf_spec()
     run = lambda f, i, o: jax.shard_map(
-        f, mesh=mesh, in_specs=(i,), out_specs=o, axis_names=set(axes), check_vma=False
+        f, mesh=mesh, in_specs=(i,), out_specs=o, axis_names=set(mesh.axis_names), check_vma=False
     )
     rows = lambda p: all_gathered(p.reshape(-1), s.cut_over(axes), to="invarying")
     gathered = run(lambda p: s.moved.uncut(rows(p)), piece, whole)
-    cut = run(lambda w: s.own(w, jax.lax.axis_index(axes)).reshape(s.piece_shape), whole, piece)
+    # (the device's index over the state's axes, the batch's first: not over a replica axis)
+    index = lambda: jax.lax.axis_index((*axes_of(s.cut_over(axes)), *s.split.axes))
+    cut = run(lambda w: s.own(w, index()).reshape(s.piece_shape), whole, piece)
     whole_x = jax.custom_vjp(gathered)
     whole_x.defvjp(lambda p: (gathered(p), None), lambda _, cotangent: (cut(cotangent),))
     return whole_x(x.piece)
+
+
+def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` the pieces of ``s`` (the global array ``piece``) are cut
+    over, with their blocks: every axis but a replica axis, which the step running the
+    loss on the whole mesh names, and on Explicit axes the pieces' type leaves out.
+
+    Raises:
+      ValueError: for pieces of one block copied over an axis nothing names (a replica
+        axis of Auto axes in the user's own ``jax.jit``).
+    """
+    step = current_step()
+    axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
+    if not step and _typed(mesh, axes):
+        named = {a for e in jax.typeof(piece).sharding.spec if e is not None for a in axes_of(e)}
+        axes = tuple(a for a in axes if a in named or mesh.shape[a] == 1)
+    if s.split.over or math.prod(mesh.shape[a] for a in axes) == s.num_shards:
+        return axes
+    raise ValueError(
+        f"zeroshard: a stage-3 weight of shape {s.shape} is held as padded pieces (its "
+        f"first dimension does not divide over the devices), copied over a replica axis of "
+        f"the mesh {dict(mesh.shape)}, whose Auto axes do not say which it is: zs.gather "
+        "cannot tell it in your own jax.jit. Use tx.value_and_grad(loss_fn) for the "
+        "gradient, zs.make_train_step, or Explicit axes (jax.make_mesh's default)."
+    )
 
 
 def _gathered(x: Any, axis_name: str | None) -> Any:

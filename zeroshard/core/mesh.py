@@ -136,11 +136,13 @@ class StepContext(NamedTuple):
         (:mod:`zeroshard.training.whole_mesh`): as in the user's own ``jax.jit``.
       rest: the state's axes besides the batch's (tensor parallelism's ``"model"``,
         say), over which the pieces are cut too (:func:`zeroshard.gather`).
+      replica_axis: the axis the state is copied over, if any.
     """
 
     axis_name: str
     gather: Callable[..., list] | None
     rest: tuple[str, ...] = ()
+    replica_axis: str | None = None
 
 
 _step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("step", default=None)

@@ -258,7 +258,7 @@ def on_whole_mesh(fun: Callable[..., Any], has_aux: bool, scale: Any, config: An
     value_and_grad = jax.value_and_grad(step_io.step_loss(fun, has_aux, scale), has_aux=True)
 
     def run(*args: Any) -> tuple:
-        with in_step(StepContext(config.batch_axes, None)):
+        with in_step(StepContext(config.batch_axes, None, replica_axis=config.replica_axis)):
             return value_and_grad(*args)
 
     return run
@@ -270,8 +270,8 @@ def check_whole_mesh(
     """Raises ``error`` (the loss's refusal per device) with a note naming what the
     whole mesh cannot run: ``accum_steps``; the options ``jax.grad``'s gradient cannot
     take (``deterministic=``, ``quantize_grads``, at stage 3 ``quantize_weights``); and,
-    for a step's state laid out otherwise than the drop-in's
-    (``same_layout``), a replica axis or an ``axis_name`` not first among the mesh's."""
+    for a step's state laid out otherwise than the drop-in's (``same_layout``), an
+    ``axis_name`` not first among the mesh's."""
     config = opt.config
     three = kept_apart(config.stage)[2]
     try:  # (jax.grad reduces the gradients there: in its order, not quantized)
@@ -283,7 +283,7 @@ def check_whole_mesh(
     refused = {
         f"accum_steps={accum_steps}": accum_steps > 1,
         f"deterministic, {quantized}": fixed,
-        "replica_axis (or an axis_name not first among the mesh's axes)": not same_layout,
+        "an axis_name not first among the mesh's axes": not same_layout,
     }
     if any(refused.values()):
         error.add_note(

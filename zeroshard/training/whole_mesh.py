@@ -116,12 +116,9 @@ def whole_mesh_step(
     Raises:
       ValueError: ``error``, with a note naming the option this step cannot run so
         (``accum_steps``, ``deterministic=``, ``quantize_grads``, at stage 3
-        ``quantize_weights``; a replica axis; an ``axis_name`` not first among the
-        mesh's, where the step's state is laid out otherwise than the drop-in's) and
-        what to do instead.
+        ``quantize_weights``; an ``axis_name`` not first among the mesh's, where the
+        step's state is laid out otherwise than the drop-in's) and what to do instead.
     """
-    # (a replica axis: the step's stage-3 pieces, copied over it, train to other numbers
-    # there; tx.value_and_grad's, laid out by tx.shard_params, do not)
-    same = drop_in_is_step(tx, mesh) and optimizer_of(tx).config.replica_axis is None
+    same = drop_in_is_step(tx, mesh)
     check_whole_mesh(optimizer_of(tx), mesh, options["accum_steps"], error, "The step", same)
     return WholeMeshStep(loss_fn, tx, mesh, options)
