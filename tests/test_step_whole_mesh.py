@@ -63,6 +63,19 @@ def plain_run(inner, params, data):
     return losses, params
 
 
+def train(loss, tx, mesh, laid, data, stage):
+    """make_train_step's run from the weights ``laid``: the last state and metrics, and
+    every step's loss."""
+    with jax.set_mesh(mesh):
+        state = zs.init_train_state(laid, tx, mesh, stage=stage)
+        step = zs.make_train_step(loss, tx, mesh, stage=stage)
+        losses = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return state, metrics, losses
+
+
 SCALED = {"loss_scale": zs.DynamicLossScale(2.0**10)}
 
 
@@ -82,13 +95,7 @@ def test_an_explicit_mesh_loss_trains_in_the_own_step(rng, stage, inner, options
     laid = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     tx = zs.sharded(inner, axis_name="data", **options)
     loss = gathering if stage == 3 else explicit_loss  # (stage 3 reads pieces so)
-    with jax.set_mesh(mesh):
-        state = zs.init_train_state(laid, tx, mesh, stage=stage)
-        step = zs.make_train_step(loss, tx, mesh, stage=stage)
-        losses = []
-        for batch in data:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    state, metrics, losses = train(loss, tx, mesh, laid, data, stage)
     plain_losses, plain = plain_run(inner, params, data)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     if options:
@@ -119,13 +126,7 @@ def test_a_replica_axis_on_the_whole_mesh(rng, stage):
     tx = zs.sharded(optax.sgd(0.1), axis_name="data", replica_axis="replica")
     read = zs.gather if stage == 3 else lambda p: p
     loss = lambda p, b: mlp_loss(read(p), b, out_sharding=P(("replica", "data"), None))
-    with jax.set_mesh(mesh):
-        state = zs.init_train_state(laid, tx, mesh, stage=stage)
-        step = zs.make_train_step(loss, tx, mesh, stage=stage)
-        losses = []
-        for batch in data:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    state, _, losses = train(loss, tx, mesh, laid, data, stage)
     plain_losses, plain = plain_run(optax.sgd(0.1), params, data)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     assert_trees_close(zs.to_optax_state(state, tx)[0], plain, 1e-5)
