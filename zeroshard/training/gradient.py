@@ -147,6 +147,13 @@ class LossRegion:
         key = step_io.device_key(key, self.batch_axes)
         return reads_only_gathered(loss, params, rows, key, model_state)
 
+    @property
+    def part_axes(self) -> tuple[str, ...]:
+        """The axes the parts of the route the last trace took vary over, for the
+        update: the batch axes and :attr:`rest`, less those its arrival sums over
+        (:meth:`zeroshard.communication.arrival.Arrival.part_axes`)."""
+        return self.taken.arrival.part_axes((*self.config.batch_axes, *self.rest))
+
     def _value_and_grad(self, loss_fn: Callable, scale: Any) -> Callable[..., Any]:
         """The loss (times the loss scale, if any) and its gradient, in the step's
         convention (:func:`zeroshard.training.step_io.step_loss`)."""
@@ -210,8 +217,7 @@ def value_and_grad(
             value, (aux, _) = out
             return ((value, aux) if has_aux else value), grads
         value = metrics["loss"]
-        axes = region.route.arrival.part_axes((*config.batch_axes, *region.rest))
-        grads = Grads(parts, region.taken, axes, Grads.splits_of(plan))
+        grads = Grads(parts, region.taken, region.part_axes, Grads.splits_of(plan))
         return ((value, metrics.get("aux")) if has_aux else value), grads
 
     return run

@@ -260,7 +260,6 @@ class TrainStep:
         specs = keep_axes(built.specs(self.route.departure), self.opt.config.batch_axes)
         if layout is not None:  # (a static tuple of specs, one per leaf)
             layout = jax.tree.structure(state.params).unflatten(layout)
-        axes = self.opt.config.batch_axes
         extras = (state.model_state, state.opt_state.loss_scale, {})
         parts, extra, metrics, model_state = self.loss_region(
             built.plan, specs.params, state.params, batch, key, extras
@@ -268,7 +267,7 @@ class TrainStep:
         opt, route = built.tx.optimizer, self.loss_region.taken
         specs = built.specs(route.departure)  # (whole over the other axes, or a block)
         params = each_laid_out(state.params, specs.params, self.mesh)
-        parts_at = part_specs(built.plan, route.arrival.part_axes((*axes, *self.rest)))
+        parts_at = part_specs(built.plan, self.loss_region.part_axes)
         specs = (parts_at, specs.opt_state, specs.params, specs.params)
         update = region(opt, built.plan, route, self.mesh, specs, check_vma=self.num_shards > 1)
         params, opt_state = update(parts, state.opt_state, params, extra)
