@@ -93,10 +93,11 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     """
     step = current_step()
     axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
-    if not step and _typed(mesh, axes):
+    fits = lambda axes: s.split.over or math.prod(mesh.shape[a] for a in axes) == s.num_shards
+    if not fits(axes) and not step and _typed(mesh, axes):
         named = {a for e in jax.typeof(piece).sharding.spec if e is not None for a in axes_of(e)}
-        axes = tuple(a for a in axes if a in named or mesh.shape[a] == 1)
-    if s.split.over or math.prod(mesh.shape[a] for a in axes) == s.num_shards:
+        axes = tuple(a for a in axes if a in named)
+    if fits(axes):
         return axes
     raise ValueError(
         f"zeroshard: a stage-3 weight of shape {s.shape} is held as padded pieces (its "
