@@ -95,7 +95,7 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
     fits = lambda axes: s.split.over or math.prod(mesh.shape[a] for a in axes) == s.num_shards
     if not fits(axes) and not step and _typed(mesh, axes):
-        named = {a for e in jax.typeof(piece).sharding.spec if e is not None for a in axes_of(e)}
+        named = _named(jax.typeof(piece).sharding.spec)
         axes = tuple(a for a in axes if a in named)
     if fits(axes):
         return axes
@@ -136,8 +136,13 @@ def is_cut(x: Any, batch: tuple[str, ...], mesh: Any) -> bool:
     (:func:`zeroshard.communication.jit_pieces.weight_spec` cuts it so)."""
     if _typed(mesh, batch):
         spec = jax.typeof(x).sharding.spec
-        return any(a in batch for e in spec.partitions if e is not None for a in axes_of(e))
+        return bool(_named(spec) & set(batch))
     return x.ndim > 0 and x.shape[0] % mesh.size == 0
+
+
+def _named(spec: P) -> set[str]:
+    """The mesh axes ``spec`` lays an array out over."""
+    return {a for e in spec.partitions if e is not None for a in axes_of(e)}
 
 
 def _typed(mesh: Any, batch: tuple[str, ...]) -> bool:
