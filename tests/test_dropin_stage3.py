@@ -312,20 +312,16 @@ def test_a_leaf_the_devices_cannot_cut_is_padded(mesh, inner):
 def test_a_padded_leaf_over_a_replica_axis(axes, grad):
     """The padded weights of the test above on 2 replicas x 4 devices, in your own
     jit: plain optax's numbers, each padded weight 1/4 per device, with
-    tx.value_and_grad, and with jax.grad on Explicit axes, where the pieces' type says
-    which axis they are copied over. On Auto axes nothing says so, and jax.grad's
-    zs.gather is refused at trace time, naming the ways that work."""
+    tx.value_and_grad and with jax.grad; there zs.gather reads which axis the pieces
+    are copied over from their type on Explicit axes, and on Auto ones from the sizes
+    (only the replica axis leaves 4 devices)."""
     inner = optax.sgd(0.5, momentum=0.9)
     mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(axes,) * 2)
     tx = zs.sharded(inner, stacked=["blocks"], stage=3, replica_axis="replica")
     options = {"rows": ("replica", "data"), "outer": gathered}
     if grad == "tx.value_and_grad":
-        check_padded(inner, tx, mesh, 4, value_and_grad=tx.value_and_grad, **options)
-    elif axes == AxisType.Explicit:
-        check_padded(inner, tx, mesh, 4, **options)
-    else:
-        with pytest.raises(ValueError, match="replica axis.*tx.value_and_grad"):
-            dropin(tx, mesh, padded_params(), batches(1), **options)
+        options["value_and_grad"] = tx.value_and_grad
+    check_padded(inner, tx, mesh, 4, **options)
 
 
 @pytest.mark.parametrize("placed", [True, False], ids=["placed", "on-no-mesh"])

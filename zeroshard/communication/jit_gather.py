@@ -85,11 +85,12 @@ def _whole(x: Any) -> jax.Array:
 def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     """The axes of ``mesh`` the pieces of ``s`` (the global array ``piece``) are cut
     over, with their blocks: every axis but a replica axis, which the step running the
-    loss on the whole mesh names, and on Explicit axes the pieces' type leaves out.
+    loss on the whole mesh names, on Explicit axes the pieces' type leaves out, and on
+    Auto ones the one axis whose size leaves the state's ``num_shards`` devices.
 
     Raises:
       ValueError: for pieces of one block copied over an axis nothing names (a replica
-        axis of Auto axes in the user's own ``jax.jit``).
+        axis of Auto axes in the user's own ``jax.jit``, as large as another axis).
     """
     step = current_step()
     axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
@@ -97,14 +98,17 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     if not fits(axes) and not step and _typed(mesh, axes):
         named = _named(jax.typeof(piece).sharding.spec)
         axes = tuple(a for a in axes if a in named)
+    elif not fits(axes) and not step:  # (the drop-in's state spans every axis but one)
+        fit = [b for b in (tuple(b for b in axes if b != a) for a in axes) if fits(b)]
+        axes = fit[0] if len(fit) == 1 else axes
     if fits(axes):
         return axes
     raise ValueError(
         f"zeroshard: a stage-3 weight of shape {s.shape} is held as padded pieces (its "
         f"first dimension does not divide over the devices), copied over a replica axis of "
-        f"the mesh {dict(mesh.shape)}, whose Auto axes do not say which it is: zs.gather "
-        "cannot tell it in your own jax.jit. Use tx.value_and_grad(loss_fn) for the "
-        "gradient, zs.make_train_step, or Explicit axes (jax.make_mesh's default)."
+        f"the mesh {dict(mesh.shape)}, whose Auto axes of equal sizes do not say which it "
+        "is: zs.gather cannot tell it in your own jax.jit. Use tx.value_and_grad(loss_fn) "
+        "for the gradient, zs.make_train_step, or Explicit axes (jax.make_mesh's default)."
     )
 
 
