@@ -48,17 +48,14 @@ def pytest_configure(config):
     """On jax 0.10, empties the checkout's compilation cache before the run's first
     compile (in pytest's first process, before any worker starts). Its CPU runtime can
     deadlock running an executable read back from the cache: the stage-2 Adafactor step
-    of tests/test_dropin_stage3.py, read back in a later process, hung in its collectives
-    in 4 runs of 6 (threads in an all-reduce inside a loop, others in an all-gather); compiled
-    afresh it ran 6 in 6, and on jax 0.12.1 read back 4 in 4. So a second run is as
-    cold as the first, and only programs compiled earlier in the same run are read back."""
+    of tests/test_dropin_stage3.py, read back in a later process, hung in its
+    collectives in 4 runs of 6 (threads in an all-reduce inside a loop, others in an
+    all-gather); compiled afresh it ran 6 in 6, and on jax 0.12.1 read back 4 in 4. So
+    a second run is as cold as the first, and only programs compiled earlier in the
+    same run are read back."""
     cache = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"
-    first = "PYTEST_XDIST_WORKER" not in os.environ
-    if (
-        first
-        and jax.__version_info__[:2] == (0, 10)
-        and os.environ["JAX_COMPILATION_CACHE_DIR"] == str(cache)
-    ):
+    ours = os.environ["JAX_COMPILATION_CACHE_DIR"] == str(cache)
+    if "PYTEST_XDIST_WORKER" not in os.environ and jax.__version_info__[:2] == (0, 10) and ours:
         shutil.rmtree(cache, ignore_errors=True)
 
 

@@ -95,11 +95,12 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     step = current_step()
     axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
     fits = lambda axes: s.split.over or math.prod(mesh.shape[a] for a in axes) == s.num_shards
-    if not fits(axes) and not step and _typed(mesh, axes):
-        named = _named(jax.typeof(piece).sharding.spec)
-        axes = tuple(a for a in axes if a in named)
-    elif not fits(axes) and not step:  # (the drop-in's state spans every axis but one)
-        fit = [b for b in (tuple(b for b in axes if b != a) for a in axes) if fits(b)]
+    if not fits(axes) and not step:
+        if _typed(mesh, axes):  # (the axes the pieces' type names)
+            named = _named(jax.typeof(piece).sharding.spec)
+            fit = [tuple(a for a in axes if a in named)]
+        else:  # (Auto: the drop-in's state spans every axis but one)
+            fit = [b for b in (tuple(b for b in axes if b != a) for a in axes) if fits(b)]
         axes = fit[0] if len(fit) == 1 else axes
     if fits(axes):
         return axes
