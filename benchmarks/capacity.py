@@ -23,12 +23,16 @@ temporaries - aliased`` (``compiled.memory_analysis()``: per device for an SPMD
 program), lowered on abstract values (``jax.ShapeDtypeStruct`` with their shardings:
 nothing is allocated), in bytes per parameter beside the ZeRO formulas (mixed
 precision, Adam, K = 12 bytes of fp32 state: replicated 16, stage 1 ``4 + 12/N``,
-stage 2 ``2 + 14/N``, stage 3 ``16/N``). ``--budgets`` finds, per variant, the most
-layers (at ``--width``) whose compiled peak fits each per-device budget (a binary
-search on compiled figures), and ``--real`` runs one real training step at that size
-per variant, each in its own process, reporting the process's peak RSS beside it.
+stage 2 ``2 + 14/N``, stage 3 ``16/N``). The drop-ins and ``jit-sharded`` run on
+Auto axes, the others on Explicit ones (jax's default); ``--explicit`` puts them on
+Explicit axes too (``gspmd-fsdp`` stays on Auto: :func:`make_mesh`). ``--budgets``
+finds, per variant, the most layers (at ``--width``) whose compiled peak fits each
+per-device budget (a binary search on compiled figures), and ``--real`` runs one real
+training step at that size per variant, each in its own process, reporting the
+process's peak RSS beside it.
 
     .venv/bin/python benchmarks/capacity.py --width 512 --layers 4 8 16 32
+    .venv/bin/python benchmarks/capacity.py --model unrolled --layers 16 --explicit
     .venv/bin/python benchmarks/capacity.py --width 512 --budgets 512 1024 --real
     .venv/bin/python benchmarks/capacity.py --plot docs/images/capacity.png \
         --runs n2.json n4.json n8.json budget512.json budget1024.json
@@ -113,6 +117,11 @@ def parse_args() -> argparse.Namespace:
         help="the blocks stacked and scanned over (stacked=), or a Python loop over L blocks",
     )
     parser.add_argument(
+        "--explicit",
+        action="store_true",
+        help="jit-sharded and the drop-ins on Explicit axes too (jax.make_mesh's default)",
+    )
+    parser.add_argument(
         "--state-bits",
         type=int,
         nargs="*",
@@ -154,7 +163,8 @@ def main() -> None:
     machine += f"{os.cpu_count()} CPUs), jax {jax.__version__}"
     print(
         f"{machine}; {args.model} model, width {args.width}, vocab {args.vocab}, "
-        f"batch {args.batch}x{args.seq}"
+        f"batch {args.batch}x{args.seq}, {'Explicit' if args.explicit else 'Auto'} axes "
+        "in your jax.jit"
     )
     runs = [(v, bits) for v in args.variants for bits in [None, *args.state_bits] if coded(v, bits)]
     rows = [peak(args, v, layers, bits) for layers in args.layers for v, bits in runs]
@@ -165,6 +175,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
         run = {"machine": machine, "devices": args.devices, "model": args.model}
+        run |= {"explicit": args.explicit}
         run |= {"peaks": rows, "largest": largest}
         json.dump(run, f, indent=1)
 
@@ -335,17 +346,18 @@ def mixed_precision_step(name: str, loss_fn: Any, inner: Any, structs: dict, mes
     ), state
 
 
-def make_mesh(name: str, devices: int) -> Any:
-    """The 1-D ``"data"`` mesh of ``name``: Auto axes for the variants that train in a
-    plain ``jax.jit`` (GSPMD FSDP: with its weights split over ``"data"`` the model as
-    written multiplies them with batch-split activations, which Explicit axes refuse
-    without a reshard at every use; on jax 0.12 Explicit axes also fail the loss's own
-    gradient in ``jit-sharded`` and ``dropin``: a ``ShardingTypeError`` in the
-    cross-entropy's scatter), else jax's default (Explicit)."""
+def make_mesh(name: str, devices: int, explicit: bool = False) -> Any:
+    """The 1-D ``"data"`` mesh of ``name``: by default Auto axes for the variants that
+    train in a plain ``jax.jit`` (``jit-sharded``, the drop-ins), else jax's default
+    (Explicit); with ``explicit`` (``--explicit``) every variant's on Explicit axes
+    but ``gspmd-fsdp``'s, which stays on Auto axes: with its weights split over
+    ``"data"`` the model as written multiplies them with batch-split activations, which
+    Explicit axes refuse without a reshard at every use."""
     import jax
     from jax.sharding import AxisType
 
-    auto = name in ("jit-sharded", "gspmd-fsdp") or name.startswith("dropin")
+    plain = name == "jit-sharded" or name.startswith("dropin")
+    auto = name == "gspmd-fsdp" or (plain and not explicit)
     return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
@@ -382,7 +394,7 @@ def peak(args: argparse.Namespace, name: str, layers: int, bits: int | None = No
 
     import zeroshard as zs
 
-    mesh = make_mesh(name, args.devices)
+    mesh = make_mesh(name, args.devices, args.explicit)
     structs, batch = shapes(args.width, layers, args.vocab, args.model), batch_structs(args, mesh)
     count = sum(x.size for x in jax.tree.leaves(structs))
     start, stage = time.perf_counter(), int(name[-1]) if name.startswith("zeroshard-") else 0
@@ -478,7 +490,7 @@ def real_step(args: argparse.Namespace, name: str, layers: int, bits: int | None
     import numpy as np
     from jax.sharding import NamedSharding
 
-    mesh = make_mesh(name, args.devices)
+    mesh = make_mesh(name, args.devices, args.explicit)
     structs = shapes(args.width, layers, args.vocab, args.model)
     run, abstract, _ = variant_step(args, name, structs, mesh, bits)
     start = time.perf_counter()
