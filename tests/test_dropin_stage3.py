@@ -596,8 +596,8 @@ def test_what_stage3_in_your_jit_refuses():
 # (the median's magnitude 7.1e-4), and plain jax's own gradient on 8 devices differs
 # there from one device's by 4e-3 of it (-7.512e-8, -7.544e-8: the batch summed in
 # another order); Adam's default eps turned that into 4.4e-6 of the weight after one
-# step, over 1e-5 of the leaf's scale (jax 0.12.1, flax 0.12.12). A larger eps keeps Adam's
-# per-element scaling everywhere else.
+# step, over 1e-5 of the leaf's scale (jax 0.12.1, flax 0.12.12). A larger eps keeps
+# Adam's per-element scaling everywhere else.
 FLAX_CASES = pytest.mark.parametrize(
     "inner, axes, marked",
     [
