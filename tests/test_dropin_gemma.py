@@ -130,9 +130,10 @@ def batches(steps=6, seed=1):
     return [{"tokens": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
-def run(tx, mesh, data, stage3=False):
+def run(tx, mesh, data, stage3=False, measure=True, train=True):
     """Losses, trained weights, the model and optimizer, and the step's compiled
-    memory (arguments, outputs, temporaries, aliased) on the model's own step."""
+    memory (arguments, outputs, temporaries, aliased) on the model's own step (with
+    ``measure``; trained on ``data`` with ``train``)."""
     with jax.set_mesh(mesh):
         model = Transformer(LAYERS, nnx.Rngs(0))
         if stage3:
@@ -153,14 +154,14 @@ def run(tx, mesh, data, stage3=False):
             loss = train_step(model, optimizer, batch)
             return nnx.state((model, optimizer)), loss
 
-        memory = (
+        memory = measure and (
             jax.jit(pure, donate_argnums=0)
             .lower(state, jax.device_put(data[0], rows))
             .compile()
             .memory_analysis()
         )
         step = nnx.jit(train_step, donate_argnums=(0, 1))
-        losses = [float(step(model, optimizer, jax.device_put(b, rows))) for b in data]
+        losses = [float(step(model, optimizer, jax.device_put(b, rows))) for b in data if train]
         weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if stage3:  # (the pieces: zs.Piece ones are the padded weights; gathered whole)
             weights = jax.jit(zs.gather)(weights), weights
@@ -175,9 +176,10 @@ def run(tx, mesh, data, stage3=False):
 def test_a_gemma_like_model_at_stage3_in_its_own_nnx_jit(inner, exact):
     data = batches()
     one = jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
-    expected_losses, expected, _, _ = run(inner, one, data)
+    expected_losses, expected, _, _ = run(inner, one, data, measure=False)
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
-    _, _, plain_opt, plain = run(inner, mesh, data)  # (plain optax, GSPMD FSDP x TP)
+    # (plain optax, GSPMD FSDP x TP: its state's bytes and its step's peak)
+    _, _, plain_opt, plain = run(inner, mesh, data, train=False)
     # (the kv projection, (2, 1, dim, head), and the table's 250 rows do not divide
     # over 8 devices: padded, zs.Piece, no stacked= needed)
     tx = zs.sharded(inner, stage=3)
