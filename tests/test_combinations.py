@@ -10,7 +10,7 @@ batch, with the state spread over the devices, or be refused by zeroshard itself
 ``ValueError`` or ``TypeError`` raised from zeroshard's code while it traces (before
 anything compiles), whose message is one of the refusals ``docs/combinations.md``
 lists. An error from inside jax, optax or flax, a wrong number, or fat state fails.
-The default tier runs the first 12 draws, the slow tier the other 188 (conftest.py).
+The default tier runs the first 8 draws, the slow tier the other 192 (conftest.py).
 """
 
 from __future__ import annotations
@@ -388,7 +388,8 @@ VG_ENTRIES.append("stage3_vg_accum2")
 def test_every_combination_through_value_and_grad(seed, tmp_path):
     """The sampler's draws with the entry ``tx.value_and_grad`` in the user's own
     ``jax.jit`` (stages 1-3, with and without accumulation; no checkpoint): plain
-    optax's numbers, or a refusal the docs list."""
+    optax's numbers, or a refusal the docs list. The default tier runs the first 8, the
+    slow tier the other 4."""
     d = draw(1000 + seed)
     rng = np.random.default_rng([55, seed])
     extra = "none" if d.extra == "restore" else d.extra

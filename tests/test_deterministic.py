@@ -92,7 +92,7 @@ def assert_equal(actual, expected, what: str) -> None:
         assert np.array_equal(a, e), f"{what}: {jax.tree_util.keystr(path)} differs"
 
 
-# Every optimizer, stage and dtype; the default tier runs these 8 (each optimizer, each
+# Every optimizer, stage and dtype; the default tier runs 4 of them (each optimizer, each
 # stage, each dtype), the slow tier the others (tests/conftest.py).
 CASES = [
     (name, stage, dtype)
