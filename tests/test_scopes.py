@@ -20,6 +20,19 @@ from zeroshard.measuring.scopes import SCOPES, scopes_of
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+@pytest.fixture(autouse=True)
+def metadata_in_the_cache_key():
+    """A compilation-cache hit here is the same program down to its op names: these
+    tests compile steps with the scopes and without them (the same HLO but for its
+    metadata), and read the names. Elsewhere the suite keys programs as jax does by
+    default, without their metadata (tests/conftest.py)."""
+    option = "jax_compilation_cache_include_metadata_in_key"
+    before = getattr(jax.config, option)
+    jax.config.update(option, True)
+    yield
+    jax.config.update(option, before)
+
+
 def op_scopes(hlo_text: str) -> set[str]:
     """Every zeroshard scope some instruction of a compiled program is named in."""
     return {s for name in _OP_NAME.findall(hlo_text) for s in scopes_of(name)}
