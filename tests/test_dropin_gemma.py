@@ -161,7 +161,8 @@ def run(tx, mesh, data, stage3=False, measure=True, train=True):
             .memory_analysis()
         )
         step = nnx.jit(train_step, donate_argnums=(0, 1))
-        losses = [float(step(model, optimizer, jax.device_put(b, rows))) for b in data if train]
+        trained_on = data if train else []
+        losses = [float(step(model, optimizer, jax.device_put(b, rows))) for b in trained_on]
         weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if stage3:  # (the pieces: zs.Piece ones are the padded weights; gathered whole)
             weights = jax.jit(zs.gather)(weights), weights
