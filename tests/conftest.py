@@ -143,8 +143,10 @@ SLOW = [
     r"\[shape2\]",
     # Adam where SGD runs the same case (SGD's numbers see a gradient-scale bug; Adam's
     # update is elementwise, as SGD's, and moves the same bytes): the drop-in's bytes on
-    # the wire, a stage-3 loss at stages 1-2 on a tensor-parallel mesh, prefetched
-    # stage 3; in your own jit at stages 2-3 optax.chain(clip, adamw)'s cases stay.
+    # the wire, a stage-3 loss at stages 1-2 on a tensor-parallel mesh, prefetched stage
+    # 3, a padded leaf, the Linen scan, the learning rate set mid-run, tx.value_and_grad's
+    # stage-3 exact and accumulated steps, two data axes, stage 2 through gathers; in your
+    # own jit at stages 2-3 optax.chain(clip, adamw)'s cases stay.
     r"test_every_axis.py::test_the_dropins_bytes_on_the_wire\[adam-",
     r"test_every_axis.py::test_a_stage_3_loss_at_stages_1_and_2_on_a_tensor_parallel_mesh"
     r"\[\d-\d-adam-",
