@@ -154,12 +154,10 @@ def run(tx, mesh, data, stage3=False, measure=True, train=True):
             loss = train_step(model, optimizer, batch)
             return nnx.state((model, optimizer)), loss
 
-        memory = measure and (
-            jax.jit(pure, donate_argnums=0)
-            .lower(state, jax.device_put(data[0], rows))
-            .compile()
-            .memory_analysis()
-        )
+        memory = None
+        if measure:
+            lowered = jax.jit(pure, donate_argnums=0).lower(state, jax.device_put(data[0], rows))
+            memory = lowered.compile().memory_analysis()
         step = nnx.jit(train_step, donate_argnums=(0, 1))
         trained_on = data if train else []
         losses = [float(step(model, optimizer, jax.device_put(b, rows))) for b in trained_on]
