@@ -2,8 +2,10 @@
 
 import os
 import pathlib
+import platform
 import re
 import shutil
+from importlib.metadata import version
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile a program another test compiled already (the same step on the same
@@ -21,13 +23,22 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # zeroshard's named scopes are the same in both. tests/test_scopes.py, which compiles
 # steps with and without the scopes, keys its own programs with the metadata.
 # Compiling is most of the suite's time: the CPU backend's LLVM code generation at
-# optimization level 0 takes ~25% less of it. The HLO passes (fusion, scheduling, the
-# collectives and buffer sizes the tests read) are the same; programs run slower, which
-# the suite's small steps do not feel. ZEROSHARD_TEST_XLA_OPT=default keeps XLA's level.
+# optimization level 0 takes ~25% less of it. On jaxlib 0.10 (x86) its older fusion
+# code generation (LLVM IR emitters, where jaxlib 0.12 has only its MLIR fusion
+# emitters) takes ~35% less again; that one fuses multiplies and adds wherever the
+# instruction set has them (a sum's bits then depend on the program around it, and
+# deterministic= runs on 1-8 devices part), so it compiles for AVX, which has none. The
+# HLO passes (fusion, scheduling, the collectives and buffer sizes the tests read) are
+# the same; programs run slower, which the suite's small steps do not feel.
+# ZEROSHARD_TEST_XLA_OPT=default keeps XLA's own.
 if os.environ.get("ZEROSHARD_TEST_XLA_OPT") != "default":
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    chosen = {"xla_backend_optimization_level": "0"}
+    if version("jaxlib").startswith("0.10.") and platform.machine() in ("x86_64", "AMD64"):
+        chosen |= {"xla_cpu_use_fusion_emitters": "false", "xla_cpu_max_isa": "AVX"}
+    for flag, value in chosen.items():
+        flags = os.environ.get("XLA_FLAGS", "")
+        if flag not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --{flag}={value}".strip()
 # Eight simulated devices are eight threads on the machine's cores: on a loaded 2-core
 # machine one collective's threads can take longer than the CPU backend's 40 s to meet,
 # and it then aborts the process (a "Termination timeout" of its rendezvous). Waiting
