@@ -298,9 +298,7 @@ def wholes(
             raw = [within(p, slots[k], rest) for p, k in zip(raw, group, strict=True)]
             every = every_piece(raw, axis_name, dtype, gathered)
             moved = [slots[k].moved for k in group]  # (a split leaf's block)
-            every = [
-                s.uncut(x.reshape(s.num_shards, -1)) for x, s in zip(every, moved, strict=True)
-            ]
+            every = [s.uncut(x) for x, s in zip(every, moved, strict=True)]
         for k, x in zip(group, every, strict=True):
             out[k] = x
     return out

@@ -292,10 +292,12 @@ class Slot:
         moved, index = self.moved, self.piece_index(index)
         if moved.num_shards == 1 and moved.piece_size == moved.size:
             return jnp.ravel(held)
+        one = moved.layers == 1  # (one layer: cut from it raveled, 1-D as it comes)
+        rows = moved._padded(held, flat=one)
         cols = jax.lax.dynamic_slice_in_dim(
-            moved._padded(held), index * moved.width, moved.width, 1, allow_negative_indices=False
+            rows, index * moved.width, moved.width, rows.ndim - 1, allow_negative_indices=False
         )
-        return cols.reshape(-1)
+        return cols if one else cols.reshape(-1)
 
     @property
     def chunk(self) -> int:
@@ -361,11 +363,12 @@ class Slot:
         entries[k] = (*entries[k], *over)
         return _spec(entries)
 
-    def _padded(self, leaf: jax.Array) -> jax.Array:
-        """``(layers, num_shards * width)``: each layer raveled and zero-padded."""
-        rows = jnp.reshape(leaf, (self.layers, -1))
-        pad = self.num_shards * self.width - rows.shape[1]
-        return jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows
+    def _padded(self, leaf: jax.Array, flat: bool = False) -> jax.Array:
+        """``(layers, num_shards * width)``: each layer raveled and zero-padded (with
+        ``flat``, of one layer, that row alone)."""
+        rows = jnp.reshape(leaf, (-1,) if flat else (self.layers, -1))
+        pad = self.num_shards * self.width - rows.shape[-1]
+        return jnp.pad(rows, (*((0, 0),) * (rows.ndim - 1), (0, pad))) if pad else rows
 
     def padding_mask(self, index: jax.Array | int) -> jax.Array:
         """Which elements of device ``index``'s 1-D piece are the leaf's (not padding)."""
@@ -386,11 +389,15 @@ class Slot:
         device ``d`` (what a reduce-scatter scatters): of each block ``(pieces of a
         block, piece)``, the blocks minor."""
         rows = [self.moved._rows(self.split.block(leaf, b)) for b in range(self.split.blocks)]
-        return jnp.stack(rows, 1).reshape(self.num_shards, -1)
+        return rows[0] if len(rows) == 1 else jnp.stack(rows, 1).reshape(self.num_shards, -1)
 
     def _rows(self, leaf: jax.Array) -> jax.Array:
-        """:meth:`blocks` of a leaf of one block."""
-        n, padded = self.num_shards, self._padded(leaf)
+        """:meth:`blocks` of a leaf of one block (a reshape where that is all it is, as
+        in :meth:`_joined`)."""
+        n = self.num_shards
+        if n * self.width == self.size // self.layers and 1 in (n, self.layers):
+            return leaf.reshape(n, -1)
+        padded = self._padded(leaf)
         if self.layers == 1:
             return padded.reshape(n, self.width)
         return padded.reshape(self.layers, n, self.width).swapaxes(0, 1).reshape(n, -1)
@@ -399,18 +406,22 @@ class Slot:
         """The full leaf from every device's piece (``(num_shards, ...)``, row ``d`` from
         device ``d``, as an all-gather returns them): the inverse of :meth:`blocks`."""
         moved, m = self.moved, self.split.blocks
+        if m == 1:
+            return moved._joined(pieces)
         rows = pieces.reshape(self.num_shards // m, m, -1)
         blocks = [moved._joined(rows[:, b]) for b in range(m)]
-        return jnp.concatenate(blocks, self.split.dim) if m > 1 else blocks[0]
+        return jnp.concatenate(blocks, self.split.dim)
 
     def _joined(self, pieces: jax.Array) -> jax.Array:
-        """:meth:`uncut` of a leaf of one block."""
-        if self.num_shards == 1 and self.piece_size == self.size:  # its piece: the leaf
-            return pieces.reshape(self.shape)
+        """:meth:`uncut` of a leaf of one block. (Each operation traced here is traced
+        again per layer in stage 3's backward pass: a reshape where that is all it is.)"""
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
+        if n * self.width == layer and 1 in (n, self.layers):  # (the pieces in order)
+            return pieces.reshape(self.shape)
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
-        return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
+        rows = rows.reshape(self.layers, -1)
+        return (rows[:, :layer] if layer < rows.shape[1] else rows).reshape(self.shape)
 
 
 def _codes(slot: Slot, block: int) -> bool:
