@@ -27,9 +27,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # code generation (LLVM IR emitters, where jaxlib 0.12 has only its MLIR fusion
 # emitters) takes ~35% less again; that one fuses multiplies and adds wherever the
 # instruction set has them (a sum's bits then depend on the program around it, and
-# deterministic= runs on 1-8 devices part), so it compiles for AVX, which has none. The
-# HLO passes (fusion, scheduling, the collectives and buffer sizes the tests read) are
-# the same; programs run slower, which the suite's small steps do not feel.
+# deterministic='s runs on 1-8 devices came apart), so it compiles for AVX, which has
+# none. The collectives and buffer sizes the tests read are the same (the fusions
+# differ: the MLIR emitters wrap single operations as fusions of their own); programs
+# run slower, which the suite's small steps do not feel.
 # ZEROSHARD_TEST_XLA_OPT=default keeps XLA's own.
 if os.environ.get("ZEROSHARD_TEST_XLA_OPT") != "default":
     chosen = {"xla_backend_optimization_level": "0"}

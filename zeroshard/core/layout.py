@@ -391,11 +391,18 @@ class Slot:
         rows = [self.moved._rows(self.split.block(leaf, b)) for b in range(self.split.blocks)]
         return rows[0] if len(rows) == 1 else jnp.stack(rows, 1).reshape(self.num_shards, -1)
 
+    @property
+    def _in_order(self) -> bool:
+        """Whether every device's piece, in device order, is the leaf raveled: unpadded,
+        of one layer (or on one device)."""
+        layer = math.prod(self.shape[self.stacked :])
+        return self.num_shards * self.width == layer and 1 in (self.num_shards, self.layers)
+
     def _rows(self, leaf: jax.Array) -> jax.Array:
         """:meth:`blocks` of a leaf of one block (a reshape where that is all it is, as
         in :meth:`_joined`)."""
         n = self.num_shards
-        if n * self.width == self.size // self.layers and 1 in (n, self.layers):
+        if self._in_order:
             return leaf.reshape(n, -1)
         padded = self._padded(leaf)
         if self.layers == 1:
@@ -415,9 +422,9 @@ class Slot:
     def _joined(self, pieces: jax.Array) -> jax.Array:
         """:meth:`uncut` of a leaf of one block. (Each operation traced here is traced
         again per layer in stage 3's backward pass: a reshape where that is all it is.)"""
-        n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
-        if n * self.width == layer and 1 in (n, self.layers):  # (the pieces in order)
+        if self._in_order:
             return pieces.reshape(self.shape)
+        n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
         rows = rows.reshape(self.layers, -1)
