@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zeroshard.communication.stage3 import piece_blocks, piece_from_owners
-from zeroshard.core.layout import WHOLE, Layout, Split
+from zeroshard.core.layout import WHOLE, Layout, Slot, Split
 
 
 def tree(rng):
@@ -197,3 +197,21 @@ def test_only_leaves_cut_evenly_by_blocks_are_split():
     assert [s.split for s in layout.slots] == [WHOLE, WHOLE, split]
     stacked = Layout.from_tree({"w": jnp.zeros((4, 4, 4))}, 8, ["w"], splits={0: split})
     assert stacked.slots[0].split == WHOLE
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (1, 16), (7, 3), (3, 5, 3)])
+def test_pieces_in_order_are_cut_and_joined_by_one_reshape(shape):
+    """An unpadded leaf of one layer: every device's piece in device order is the leaf
+    raveled, so cutting it into its pieces (``blocks``) and joining them (``uncut``)
+    each trace at most one reshape (stage 3 traces the join again per layer in the backward
+    pass); a padded or stacked leaf keeps its padding and transposes. Both round-trip."""
+    stacked = int(len(shape) == 3)
+    slot = Slot.of(shape, np.float32, 8, stacked)
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    rows = slot.blocks(x)
+    # (at most one reshape: none where the leaf is shaped as its rows already)
+    one = lambda f, a: [e.primitive.name for e in jax.make_jaxpr(f)(a).eqns] in ([], ["reshape"])
+    in_order = shape[-1] * shape[-2] % 8 == 0 and not stacked
+    assert one(slot.blocks, x) == in_order
+    assert one(slot.uncut, rows) == in_order
+    np.testing.assert_array_equal(slot.uncut(rows), x)
