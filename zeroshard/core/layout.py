@@ -427,8 +427,7 @@ class Slot:
         n, layer = self.num_shards, math.prod(self.shape[self.stacked :])
         rows = pieces.reshape(n, self.layers, self.width)
         rows = rows.reshape(n * self.width) if self.layers == 1 else rows.swapaxes(0, 1)
-        rows = rows.reshape(self.layers, -1)
-        return (rows[:, :layer] if layer < rows.shape[1] else rows).reshape(self.shape)
+        return rows.reshape(self.layers, -1)[:, :layer].reshape(self.shape)
 
 
 def _codes(slot: Slot, block: int) -> bool:
