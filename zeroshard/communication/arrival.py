@@ -1,31 +1,31 @@
-"""Arrival: how this device's part of the mean gradient arrives, one class per kind.
+"""Arrival: how this device's part of the mean gradient arrives: a source given a codec.
 
 An arrival turns what the backward pass produced into :data:`GradParts`, this
 device's part of the mean gradient over the sharding axis: a 1-D piece of every sliced
-leaf and, per bucket, what it gets of the owned leaves it updates. Each kind owns its
-collectives, their named scopes (:mod:`zeroshard.measuring.scopes`) and their bytes
-(``nbytes``). It is chosen once, where a step or ``tx.update`` is built:
+leaf and, per bucket, what it gets of the owned leaves it updates. Its class says
+where the gradient comes from; its codec (:mod:`zeroshard.communication.codecs`) how
+the devices' gradients are summed on the way (exactly, as quantized codes, or in a
+fixed order). Each owns its collectives, their named scopes
+(:mod:`zeroshard.measuring.scopes`) and their bytes (``nbytes``). Both are chosen
+once, where a step or ``tx.update`` is built (:meth:`zeroshard.core.update.Route.of`):
 
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
-  ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``);
+  ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``),
+  reduce-scattered by the codec;
 - :class:`Pieces`: stage 3 (and stage 2 through a loss that gathers,
   :mod:`zeroshard.training.held`), the gradient of each :class:`zeroshard.Piece` piece,
-  summed over the devices by the transpose of its gather; the owned leaves' pieces go
-  to their owners;
+  summed over the devices by the transpose of its gather (the codec's); the owned
+  leaves' pieces go to their owners;
+- :class:`MeanPieces`: stages 2 and 3 in the user's ``jax.jit``, the pieces of the mean
+  gradient ``jax.grad`` reduced;
 - :class:`CutMean`: the mean gradient itself (``tx.update`` in a user's ``jax.jit``,
   where ``jax.grad`` reduced it); each device cuts its part out;
 - :class:`PartialSums`: there, its partial sums (weights typed ``reduced`` over the
-  batch axes), reduce-scattered;
-- :class:`QuantizedReduceScatter` and :class:`QuantizedPieces`: the first two with
-  the gradients reduced as blockwise integer codes (``quantize_grads``;
-  :mod:`zeroshard.communication.quantized`);
-- :class:`CanonicalReduceScatter` and :class:`CanonicalPieces`: the first two with
-  every sum in a fixed order (``deterministic=``; :mod:`zeroshard.communication.canonical`): the
-  same bits on any device count.
+  batch axes), reduce-scattered.
 
-A new kind of arrival is one more subclass of :class:`Arrival` defining ``bring``
-and ``nbytes`` (and :meth:`Arrival.owned` if its owned part is not one row per
-bucket, :meth:`Arrival.norm_and_finite` if its sums differ);
+A new source is one more subclass of :class:`Arrival` defining ``bring`` and
+``nbytes`` (and :meth:`Arrival.owned` and :meth:`Arrival.units` if its owned part is
+not one row per bucket); a new way of summing, one more codec.
 :func:`zeroshard.core.update.updated` takes any of them unchanged.
 """
 
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication import canonical, quantized
-from zeroshard.communication.collectives import axes_of, is_identity, summed_parts, vary
+from zeroshard.communication.codecs import EXACT, Exact
+from zeroshard.communication.collectives import axes_of, is_identity, vary
 from zeroshard.communication.stage3 import full_structs, shard_specs, to_owners
 from zeroshard.core.layout import Layout, PyTree
 from zeroshard.core.mesh import each_laid_out, keep_axes
@@ -55,11 +55,11 @@ owned leaves), and per bucket its part of the owned leaves (``None`` if it has n
 
 @dataclasses.dataclass(frozen=True)
 class Arrival:
-    """How gradients arrive: the base of every kind (see the module's description).
-    Each kind defines:
+    """How gradients arrive: the base of every source (see the module's description).
+    Each defines:
 
     - ``bring(plan, grads)``: this device's part of the mean gradient over the
-      sharding axis (:data:`GradParts`), from ``grads`` as this kind receives them
+      sharding axis (:data:`GradParts`), from ``grads`` as this source gives them
       (inside ``shard_map``);
     - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
       (what :func:`zeroshard.compiled_collectives` reports as ``result_bytes`` in the compiled
@@ -68,15 +68,18 @@ class Arrival:
     Attributes:
       config: the sharded optimizer's options (axis, ``reduce_dtype``,
         ``pack_bytes``, replica axis).
+      codec: how the devices' gradients are summed
+        (:mod:`zeroshard.communication.codecs`).
     """
 
     config: ShardConfig
+    codec: Exact = EXACT
 
     def nested(self, rest: tuple[str, ...]) -> Arrival:
         """This arrival run manual over the state's other axes ``rest`` too, in a step
-        manual over the batch axes (:class:`Nested`): itself, where summing the
-        gradients' copies over ``rest`` and dividing by every device gives the mean."""
-        return self
+        manual over the batch axes (:class:`Nested`): its codec's
+        (:meth:`zeroshard.communication.codecs.Exact.nested`)."""
+        return dataclasses.replace(self, codec=self.codec.nested(rest))
 
     def part(self, plan: Plan, grads: PyTree) -> Any:
         """What one micro-batch's ``grads`` add to a 1/N accumulator (stages 2 and 3):
@@ -90,17 +93,13 @@ class Arrival:
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
-        accumulation)."""
-        if self.config.replica_axis is None:
-            return parts
-        with scope(REPLICA_MEAN):
-            return jax.lax.pmean(parts, self.config.replica_axis)
+        accumulation), as the codec sums."""
+        return self.codec.across_replicas(self.config, parts)
 
     def part_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         """Which of the mesh ``axes`` (the batch's, then any others of the state) the
-        parts' blocks are split over as they come (:func:`part_specs`): all of them,
-        each replica with its own copy until :meth:`across_replicas`."""
-        return axes
+        parts' blocks are split over as they come (:func:`part_specs`; the codec's)."""
+        return self.codec.part_axes(self.config, axes)
 
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
         """``device``'s units of owned leaf ``i`` from the owned part of its bucket
@@ -108,37 +107,32 @@ class Arrival:
         packs it)."""
         return layout.owned_local(part, i, device)
 
+    def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
+        """Each unit of an owned leaf as this device's owned ``row`` holds it, where it
+        is the unit's owner."""
+        return [row[a:b] for _, a, b in slot.unit_spans()]
+
     def dtype(self, bucket: Any) -> Any:
-        """The dtype a bucket's (or an array's) gradients travel in."""
-        return self.config.reduce_dtype or bucket.dtype
+        """The dtype a bucket's (or an array's) gradients travel in (the codec's)."""
+        return self.codec.dtype(self.config, bucket)
 
     def norm_and_finite(
         self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
-        """The global L2 norm of the mean gradient from this device's part (its
-        ``pieces`` of the sliced leaves, by leaf, grouped as
-        :attr:`zeroshard.core.placement.Plan.on_view` holds them, and its owned ``rows``),
-        and whether it is finite: one scalar all-reduce, so every device takes the
-        same decision. A ``nan`` or ``inf`` anywhere makes the summed squares
-        non-finite, so they carry the verdict with no reduction of their own (as does
-        a norm past float32's range, about 1.8e19, where every update would overflow
-        anyway). Each leaf's squares are summed alone, then the leaves' sums in leaf
-        order (the same bits with groups as without)."""
-        axis, square = self.config.axis_name, lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
-        sums = [*plan.on_view.each(square, pieces), *(square(r) for r in rows if r is not None)]
-        squares = sum((x for x in sums if x is not None), jnp.float32(0))
-        if not is_identity(squares, axis):
-            squares = jax.lax.psum(squares, axis)
-        return jnp.sqrt(squares), jnp.isfinite(squares)
+        """The global L2 norm of the mean gradient from this device's ``pieces`` and
+        owned ``rows``, and whether it is finite
+        (:meth:`zeroshard.communication.codecs.Exact.norm_and_finite`)."""
+        return self.codec.norm_and_finite(self.config, plan, pieces, rows, self.units)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatter(Arrival):
-    """Local full gradients, reduce-scattered: one ``psum_scatter`` per leaf of at
-    least ``pack_bytes`` (no copy into a packed buffer, and it can start as soon as
+    """Local full gradients, reduce-scattered: one collective per leaf of at least
+    ``pack_bytes`` (no copy into a packed buffer, and it can start as soon as
     backward has produced the leaf), one per packed group of smaller leaves of one
     dtype, and one per bucket with owned leaves (an ``(N, owned_width)`` matrix whose
-    row ``d`` holds the leaves device ``d`` owns). Scope ``zeroshard/reduce_scatter``."""
+    row ``d`` holds the leaves device ``d`` owns), each summed by the codec. Scope
+    ``zeroshard/reduce_scatter``."""
 
     def bring(self, plan: Plan, grads: PyTree) -> GradParts:
         layout, axis = plan.layout, self.config.axis_name
@@ -167,16 +161,17 @@ class ReduceScatter(Arrival):
     def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
         """This device's row of the mean over the axis (or ``axes``) of each of
         ``blocks`` (each ``(devices, width)``, row ``d`` for device ``d``): one
-        reduce-scatter of them packed."""
-        return summed_parts(blocks, axes or self.config.axis_name, over=len(blocks[0]))
+        reduce-scatter of them packed, by the codec (its sums, where it gives sums)."""
+        return self.codec.rows(self.config, blocks, axes or self.config.axis_name, len(blocks[0]))
 
     def nbytes(self, plan: Plan) -> int:
         if plan.layout.num_shards == 1:
             return 0
-        return sum(
+        exact = sum(
             (b.row_size + b.owned_width) * jnp.dtype(self.dtype(b)).itemsize
             for b in plan.layout.buckets
         )
+        return self.codec.nbytes(self.config, plan, exact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +186,7 @@ class PartialSums(ReduceScatter):
     def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
         axes = axes or self.config.axis_name
         partial = math.prod(jax.lax.axis_size(a) for a in axes_of(axes) if a in self.summed)
-        return summed_parts(blocks, axes, over=len(blocks[0]) // partial)
+        return self.codec.rows(self.config, blocks, axes, len(blocks[0]) // partial)
 
     def across_replicas(self, parts: GradParts) -> GradParts:
         if self.config.replica_axis not in self.summed:
@@ -201,38 +196,14 @@ class PartialSums(ReduceScatter):
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizedReduceScatter(ReduceScatter):
-    """Local full gradients, reduced as blockwise int8 or int4 codes
-    (:func:`zeroshard.communication.quantized.reduce_scatter`: one ``all_to_all`` of codes
-    and one of
-    scales per collective of :class:`ReduceScatter`, decoded and summed in float32),
-    and averaged over the replica axis in two levels
-    (:func:`zeroshard.communication.quantized.all_reduce`). Scopes ``zeroshard/reduce_scatter`` and
-    ``zeroshard/replica_mean``."""
-
-    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
-        q, n, axes = self.config.grad_quantizer, len(blocks[0]), axes or self.config.axis_name
-        return [x / n for x in quantized.reduce_scatter(q, blocks, axes)]
-
-    def across_replicas(self, parts: GradParts) -> GradParts:
-        return quantized_replica_mean(self.config, parts)
-
-    def nbytes(self, plan: Plan) -> int:
-        layout = plan.layout
-        if layout.num_shards == 1:
-            return 0
-        widths = layout.collective_widths(self.config.pack_bytes, plan.leaf_order)
-        return sum(n * self.config.grad_quantizer.nbytes(w) for n, w in widths)
-
-
-@dataclasses.dataclass(frozen=True)
 class Pieces(Arrival):
     """Stage 3: the gradient of each :class:`zeroshard.Piece` piece arrives summed over
-    the devices (the transpose of its gather, in the loss function) and is divided
-    by their number (scope ``zeroshard/reduce_scatter``); the owned leaves' pieces
-    then go to their owners, one ``all_to_all`` per bucket with owned leaves (scope
-    ``zeroshard/to_owners``). The owned part of a bucket is what every device holds
-    of the units this device owns: ``(num_shards, owned_chunk)``.
+    the devices (the transpose of its gather, the codec's: scope
+    ``zeroshard/reduce_scatter``) and, unless the codec gives sums, is divided by
+    their number; the owned leaves' pieces then go to their owners, one
+    ``all_to_all`` per bucket with owned leaves (scope ``zeroshard/to_owners``). The
+    owned part of a bucket is what every device holds of the units this device owns:
+    ``(num_shards, owned_chunk)``.
 
     Attributes:
       summed_over: ``()``, or the axes the gather's transpose sums the gradients over
@@ -251,15 +222,19 @@ class Pieces(Arrival):
         return self.parts(plan, self.part(plan, grads))
 
     def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        """This device's 1-D piece of every leaf's mean gradient, from the gradients of
-        the ``Piece`` pieces (what a step accumulates over micro-batches)."""
+        """This device's 1-D piece of every leaf's mean gradient (its sum, where the
+        codec gives sums), from the gradients of the ``Piece`` pieces (what a step
+        accumulates over micro-batches)."""
         layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
+        grads = layout.treedef.flatten_up_to(grads)
+        if self.codec.sums:
+            return [g.piece.reshape(-1) for g in grads]
         summed = layout.num_shards
         if self.summed_over:
             summed = math.prod(jax.lax.axis_size(a) for a in self.summed_over)
         with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
-            return [g.piece.reshape(-1) / summed for g in layout.treedef.flatten_up_to(grads)]
+            return [g.piece.reshape(-1) / summed for g in grads]
 
     def parts(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
@@ -273,6 +248,18 @@ class Pieces(Arrival):
     def owned(self, layout: Layout, part: jax.Array, i: int, device: int) -> jax.Array:
         return layout.owned_local(part, i, device, pieces=True)
 
+    def units(self, layout: Layout, part: jax.Array, slot: Any) -> list[jax.Array]:
+        """Each unit of an owned leaf from every device's pieces of it, as its owner
+        receives them."""
+        return [slot.unit_geometry().uncut(part[:, a:b]) for _, a, b in slot.unit_spans(True)]
+
+    def dtype(self, bucket: Any) -> Any:
+        """Float32 where the codec gives sums: the owned leaves' pieces go to their
+        owners as the float32 mean gradient (rounded to the parameters' dtype, Muon's
+        bf16 matrices moved apart from plain optax's by more than a bf16 rounding of
+        the weights); else the codec's."""
+        return jnp.float32 if self.codec.sums else super().dtype(bucket)
+
     def nbytes(self, plan: Plan) -> int:
         layout = plan.layout
         if layout.num_shards == 1:
@@ -281,29 +268,6 @@ class Pieces(Arrival):
             layout.num_shards * b.owned_chunk * jnp.dtype(self.dtype(b)).itemsize
             for b in layout.buckets
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizedPieces(Pieces):
-    """Stage 3 with quantized gradients: each layer's gradients are reduced as codes by
-    the transpose of its gather (:func:`zeroshard.communication.quantized.gathered`, which the
-    step's :func:`zeroshard.gather` uses), then averaged over the replica axis in two
-    levels, as :class:`QuantizedReduceScatter` does. The owned leaves' pieces go to
-    their owners exactly (moving pieces sums nothing)."""
-
-    def across_replicas(self, parts: GradParts) -> GradParts:
-        return quantized_replica_mean(self.config, parts)
-
-
-def quantized_replica_mean(config: ShardConfig, parts: GradParts) -> GradParts:
-    """``parts`` averaged over the replica axis, if any, as quantized codes
-    (:func:`zeroshard.communication.quantized.all_reduce`; scope ``zeroshard/replica_mean``)."""
-    if config.replica_axis is None:
-        return parts
-    arrays, tree = jax.tree.flatten(parts)
-    with scope(REPLICA_MEAN):
-        means = quantized.all_reduce(config.grad_quantizer, arrays, config.replica_axis)
-    return jax.tree.unflatten(tree, [m.astype(x.dtype) for m, x in zip(means, arrays, strict=True)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,102 +305,6 @@ class CutMean(Arrival):
 
     def nbytes(self, plan: Plan) -> int:
         return 0
-
-
-class Canonical:
-    """The fixed-order sums of ``deterministic=`` (:mod:`zeroshard.communication.canonical`), mixed
-    into an arrival: the device sums of a round of micro-batches in device order,
-    returned as sums (the step divides the rounds' sum by the micro-batch count), and
-    the gradient norm from the leaves' canonical totals. The sums run over the
-    replica axis too, in the same tree, so they come summed over every replica."""
-
-    def across_replicas(self, parts: GradParts) -> GradParts:
-        return parts
-
-    def part_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(a for a in axes if a != self.config.replica_axis)
-
-    def norm_and_finite(
-        self, plan: Plan, pieces: list[jax.Array | None], rows: tuple[jax.Array | None, ...]
-    ) -> tuple[jax.Array, jax.Array]:
-        layout, parts, pieces = plan.layout, [], plan.on_view.ungrouped(pieces)
-        square = lambda x: jnp.square(x.astype(jnp.float32))
-        for i, s in enumerate(layout.slots):
-            if not s.owned:
-                parts.append(canonical.leaf_part(square(pieces[i]), s))
-                continue
-            units = self.units(layout, rows[s.bucket], s)
-            parts.append(canonical.unit_part([square(u) for u in units], s.owners))
-        return canonical.norm_and_finite(canonical.totals(parts, self.config.axis_name))
-
-
-@dataclasses.dataclass(frozen=True)
-class CanonicalReduceScatter(Canonical, ReduceScatter):
-    """Local full gradients, summed in device order: one ``all_to_all`` per collective
-    of :class:`ReduceScatter` (the same bytes on the wire), each device's rows summed
-    in float32 in a fixed tree (:func:`zeroshard.communication.canonical.summed_rows`). Scope
-    ``zeroshard/reduce_scatter``.
-
-    Attributes:
-      order: the tree's (:data:`zeroshard.communication.canonical.LOW` for a stage-1 step, whose
-        devices bring the sums of their own micro-batches).
-      copies: ``()``, or the state's axes over which the gradients are copies (the
-        mesh's other axes, in a step nested over them): each device sums the rows of
-        its own index there, one copy of each batch device's, so the sum is the
-        fixed-order one over the batch axes alone.
-    """
-
-    order: str = canonical.HIGH
-    copies: tuple[str, ...] = ()
-
-    def nested(self, rest: tuple[str, ...]) -> Arrival:
-        return dataclasses.replace(self, copies=rest)
-
-    def dtype(self, bucket: Any) -> Any:
-        """Float32 for a stage-1 step (``LOW``): what travels are the devices' sums of
-        their rounds, which rounded to the parameters' dtype would round apart on
-        another device count; else :meth:`Arrival.dtype`."""
-        return jnp.float32 if self.order == canonical.LOW else super().dtype(bucket)
-
-    def means(self, blocks: list[jax.Array], axes: tuple[str, ...] | None = None) -> list:
-        axes = axes_of(axes or self.config.axis_name)
-        if self.copies and set(self.copies) <= set(axes):  # (rows of devices, copies minor)
-            index, n = jax.lax.axis_index(self.copies), jax.lax.axis_size(self.copies)
-            blocks = [jnp.take(b.reshape(-1, n, b.shape[-1]), index, axis=1) for b in blocks]
-            axes = tuple(a for a in axes if a not in self.copies)
-        return canonical.summed_rows(blocks, axes, self.order, self.config.replica_axis)
-
-    def units(self, layout: Layout, row: jax.Array, slot: Any) -> list[jax.Array]:
-        """Each unit of an owned leaf as this device's owned ``row`` holds it, where it
-        is the unit's owner."""
-        return [row[a:b] for _, a, b in slot.unit_spans()]
-
-    def nbytes(self, plan: Plan) -> int:
-        return plan.layout.num_shards * super().nbytes(plan)
-
-
-@dataclasses.dataclass(frozen=True)
-class CanonicalPieces(Canonical, Pieces):
-    """Stage 3: the gradient of each :class:`zeroshard.Piece` piece (in float32),
-    summed in device order by the transpose of its gather
-    (:func:`zeroshard.communication.canonical.gathered`, which the step's :func:`zeroshard.gather`
-    uses); the owned leaves' pieces then go to their owners."""
-
-    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        layout = plan.layout
-        layout.check_matches(full_structs(grads), "gradients", full=True)
-        return [g.piece.reshape(-1) for g in layout.treedef.flatten_up_to(grads)]
-
-    def dtype(self, bucket: Any) -> Any:
-        """Float32: the owned leaves' pieces go to their owners as the float32 mean
-        gradient (rounded to the parameters' dtype, Muon's bf16 matrices moved apart
-        from plain optax's by more than a bf16 rounding of the weights)."""
-        return jnp.float32
-
-    def units(self, layout: Layout, part: jax.Array, slot: Any) -> list[jax.Array]:
-        """Each unit of an owned leaf from every device's pieces of it, as its owner
-        receives them."""
-        return [slot.unit_geometry().uncut(part[:, a:b]) for _, a, b in slot.unit_spans(True)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,11 +90,9 @@ def state_layout(
     ``ShapeDtypeStruct`` or stage-3 pieces, in the compute dtypes), their own layout
     over the mesh's axes besides the batch's being ``weights`` (a ``PartitionSpec``
     per leaf; default: read from ``params``, :func:`zeroshard.communication.stage3.layout_of`)."""
-    opt = optimizer_of(tx)
-    rest = opt.other_axes(mesh)
+    state_tx, rest = step_axes(tx, mesh)
     weights = layout_of(params, rest) if weights is None else keep_axes(weights, rest)
-    state_tx = tx.for_step(mesh)
-    splits = opt.splits(mesh, weights)
+    splits = optimizer_of(tx).splits(mesh, weights)
     return _built(state_tx, mesh_size(mesh, state_tx.axis_name), params, weights, splits)
 
 
@@ -105,9 +103,17 @@ def drop_in_is_step(tx: ShardedTransformation, mesh: Any) -> bool:
     return opt.spanning(mesh).config.axes == opt.for_step(mesh).config.axes
 
 
+def step_axes(
+    tx: ShardedTransformation, mesh: Any
+) -> tuple[ShardedTransformation, tuple[str, ...]]:
+    """``tx`` as zeroshard's step on ``mesh`` lays its state out (over the batch axes
+    and the mesh's others but the replica axis), and those others."""
+    return tx.for_step(mesh), optimizer_of(tx).other_axes(mesh)
+
+
 def state_devices_on(tx: ShardedTransformation, mesh: Any) -> int:
     """The devices of ``mesh`` zeroshard's step splits ``tx``'s state over."""
-    return mesh_size(mesh, tx.for_step(mesh).axis_name)
+    return mesh_size(mesh, step_axes(tx, mesh)[0].axis_name)
 
 
 def layout_of_state(tx: ShardedTransformation, state: TrainState) -> StateLayout:

@@ -28,7 +28,6 @@ the compiled program's op names tell them apart.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,21 +41,16 @@ from zeroshard.analysis import check_extra_args
 from zeroshard.communication import canonical
 from zeroshard.communication.arrival import (
     Arrival,
-    CanonicalPieces,
-    CanonicalReduceScatter,
     CutMean,
     GradParts,
     MeanPieces,
     PartialSums,
     Pieces,
-    QuantizedPieces,
-    QuantizedReduceScatter,
     ReduceScatter,
     part_specs,
 )
+from zeroshard.communication.codecs import Canonical, Exact, Quantized
 from zeroshard.communication.departure import Departure, departure_of
-from zeroshard.communication.quantized import quantized_gather
-from zeroshard.communication.stage3 import exact_gather
 from zeroshard.core import branches, piecewise
 from zeroshard.core.blocks import to_pieces
 from zeroshard.core.layout import PyTree
@@ -118,21 +112,21 @@ class Route(NamedTuple):
           ValueError: if ``accum_steps`` comes with ``deterministic=``, which cuts the
             batch itself.
         """
-        grads, weights, parts = config.grad_quantizer, config.weight_quantizer, config.deterministic
-        axes, gather = batch_axes or config.batch_axes, exact_gather
+        grads, parts = config.grad_quantizer, config.deterministic
+        axes = batch_axes or config.batch_axes
         stage = config.stage if stage is None else stage
         axes = axes if len(axes) > 1 else axes[0]
         # (from stage 2, each micro-batch's gradient arrives on its own)
         loop = OneBatch(axes) if accum_steps == 1 else Accumulated(axes, accum_steps, stage > 1)
-        if parts is not None:
+        if parts is not None:  # stage 1 sums each device's micro-batches first (LOW)
             loop = InOrder(axes, each=stage > 1, parts=parts, accum_steps=accum_steps)
-            gather = functools.partial(canonical.gathered, replicas=config.replica_axis)
-        elif grads or weights:
-            gather = functools.partial(quantized_gather, weights, grads)
+            codec = Canonical(canonical.LOW if stage == 1 else canonical.HIGH)
+        else:
+            codec = Quantized() if grads else Exact()
+        gather = codec.gather(config)  # (stage 3's weights are quantized in its gathers)
         # (with mean, tx.update at stages 2-3 in a jax.jit: the mean gradient's pieces)
-        pieces = CanonicalPieces if parts else QuantizedPieces if grads else Pieces
-        pieces = (MeanPieces if mean else pieces)(config)
-        if stage == 3:  # (stage 3's weights are quantized in its gathers)
+        pieces = MeanPieces(config) if mean else Pieces(config, codec)
+        if stage == 3:
             return cls(pieces, departure_of(config, pieces=True), loop, gather)
         all_gathered = departure_of(config, pieces=False)
         held = stage == 2 and config.sum_order.any_order
@@ -145,13 +139,9 @@ class Route(NamedTuple):
                 config.quantize_grads,
             )
         if mean:
-            arrival = PartialSums(config, summed) if summed else CutMean(config)
-        elif parts:  # stage 1 sums each device's micro-batches first (canonical.LOW)
-            arrival = CanonicalReduceScatter(
-                config, canonical.LOW if stage == 1 else canonical.HIGH
-            )
+            arrival = PartialSums(config, summed=summed) if summed else CutMean(config)
         else:
-            arrival = (QuantizedReduceScatter if grads else ReduceScatter)(config)
+            arrival = ReduceScatter(config, codec)
         return cls(arrival, all_gathered, loop, gather, held)
 
 

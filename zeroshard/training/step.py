@@ -35,7 +35,7 @@ from zeroshard.core.mesh import (
     own_layout,
     run_on_mesh,
 )
-from zeroshard.core.state_layout import StateLayout, state_layout
+from zeroshard.core.state_layout import StateLayout, state_layout, step_axes
 from zeroshard.core.update import region
 from zeroshard.optimizer.config import kept_apart
 from zeroshard.optimizer.sharded import ShardedTransformation, optimizer_of
@@ -210,9 +210,8 @@ class TrainStep:
         self.opt, axes = self.tx.optimizer, self.tx.config.batch_axes
         # The state's axes: the batch's, and the mesh's others (e.g. a tensor-parallel
         # "model" axis), over which the update runs manual too (rest).
-        self.state_tx = self.tx.for_step(self.mesh)
+        self.state_tx, self.rest = step_axes(self.tx, self.mesh)
         self.num_shards = mesh_size(self.mesh, self.state_tx.axis_name)  # (the state's)
-        self.rest = self.opt.other_axes(self.mesh)
         # The micro-batches run over the batch axes; with other axes, the gradients
         # arrive manual over those axes too (nested), and the update region runs manual
         # over every axis.
