@@ -20,19 +20,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeroshard as zs
+from zeroshard.core.placement import RUNTIME_OFFSETS
 
 LAYERS, WIDTH, N = 6, 16, 8
 
 
-def layers_params(rng: np.random.Generator) -> dict:
+def layers_params(rng: np.random.Generator, layers: int = LAYERS) -> dict:
     f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
-    return {f"l{k}": {"w": f(WIDTH, WIDTH), "b": f(WIDTH)} for k in range(LAYERS)}
+    return {f"l{k}": {"w": f(WIDTH, WIDTH), "b": f(WIDTH)} for k in range(layers)}
 
 
 def layers_loss(params: dict, batch: dict, stage: int = 1) -> jax.Array:
     p = zs.gather(params) if stage == 3 else params
     h = batch["x"]
-    for k in range(LAYERS):
+    for k in range(len(params)):
         h = jnp.tanh(h @ p[f"l{k}"]["w"] + p[f"l{k}"]["b"])
     return jnp.mean((h - batch["y"]) ** 2)
 
@@ -177,3 +178,35 @@ def test_a_group_goes_into_the_all_gather_as_one_buffer(rng):
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     jaxpr = step.jitted.trace(state, batch, None).jaxpr
     assert packed_gather_operands(jaxpr.jaxpr) == [2]  # the weights' group, the biases'
+
+
+@pytest.mark.skipif(not RUNTIME_OFFSETS, reason="jax 0.10 builds each slice's offset in")
+def test_a_group_is_cut_into_its_leaves_by_one_kernel(rng, tmp_path):
+    # XLA's CPU backend compiles a slice at each static offset as a kernel of its own:
+    # cut so, a stage-3 step's kernels grew with its alike leaves (47 at 6 layers, 57
+    # at 12; 550 at 512 leaves). Cut at offsets given at run time, they do not.
+    dense = zs.layer(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]))
+
+    def loss(params, batch):
+        h = batch["x"]
+        for k in range(len(params)):
+            h = dense(params[f"l{k}"], h)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    kernels, mesh = {}, make_mesh(N)
+    for layers in (LAYERS, 2 * LAYERS):
+        params, batch = layers_params(rng, layers), layers_batches(rng, 1)[0]
+        tx = zs.sharded(optax.adam(1e-2), axis_name="data")
+        state = zs.init_train_state(params, tx, mesh, stage=3)
+        lowered = zs.make_train_step(loss, tx, mesh, stage=3).lower(state, batch)
+        dump = tmp_path / str(layers)  # (XLA writes each kernel it compiles there)
+        # (compiled, not read back from the persistent compilation cache: never put there)
+        key = "jax_persistent_cache_min_compile_time_secs"
+        was = getattr(jax.config, key)
+        jax.config.update(key, 1e9)
+        try:
+            lowered.compile(compiler_options={"xla_dump_to": str(dump)})
+        finally:
+            jax.config.update(key, was)
+        kernels[layers] = sum(".obj-file." in f.name for f in dump.iterdir())
+    assert 0 < kernels[2 * LAYERS] <= kernels[LAYERS], kernels
