@@ -142,10 +142,12 @@ def pieces_of(xs: list, slots: tuple, which: Callable, mesh: Mesh, axis: object)
     given, on = [xs[i] for i in some], [slots[i] for i in some]
     ins = [s.leaf_spec() if is_padded(s) else weight_spec(s, axis) for s in on]
     outs = [s.piece_spec(axis) for s in on]
-    local = lambda xs: [
-        _piece(x, s, spec != s.leaf_spec(), jax.lax.axis_index(axis)).piece
-        for x, s, spec in zip(xs, on, ins, strict=True)
-    ]
+
+    def local(xs: list) -> list:
+        index = jax.lax.axis_index(axis)
+        cuts = [spec != s.leaf_spec() for s, spec in zip(on, ins, strict=True)]
+        return [_piece(*a, index).piece for a in zip(xs, on, cuts, strict=True)]
+
     run = on_mesh(local, mesh, mesh.axis_names, ((ins,), outs), check_vma=mesh.size > 1)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in given):  # (abstract: given the sharding)
         placed = lambda x, spec: jax.ShapeDtypeStruct(
@@ -217,9 +219,11 @@ def apply_pieces(
     leaves = treedef.flatten_up_to(params)
     specs = [_spec(s, x, axis, three, mesh) for s, x in zip(slots, leaves, strict=True)]
     kept = [spec != s.leaf_spec() for s, spec in zip(slots, specs, strict=True)]
-    pieces = lambda xs, cut: [
-        _piece(*a, jax.lax.axis_index(axis)).piece for a in zip(xs, slots, cut, strict=True)
-    ]
+
+    def pieces(xs: list, cut: list) -> list:  # (the device's index traced once)
+        index = jax.lax.axis_index(axis)
+        return [_piece(*a, index).piece for a in zip(xs, slots, cut, strict=True)]
+
     held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
     weights = lambda params: held(pieces(params, kept)) if three else treedef.unflatten(params)
     if given:  # (as they came)
