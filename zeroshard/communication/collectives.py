@@ -81,7 +81,9 @@ def all_gathered_parts(parts: Sequence[jax.Array], axis_name: str, **kwargs: Any
     """Every device's 1-D ``parts``, packed into one :func:`all_gathered` (with
     ``kwargs``): one ``(num_shards, width)`` per part, row ``d`` from device ``d``."""
     full = all_gathered(jnp.concatenate(parts), axis_name, **kwargs)
-    return [full[:, a:b] for a, b in spans([p.shape[0] for p in parts])]
+    # (split, not sliced: its transpose concatenates the gradients, where each slice's
+    # transpose pads its part to the whole and the pads are summed)
+    return jnp.split(full, [b for _, b in spans([p.shape[0] for p in parts])][:-1], axis=1)
 
 
 def summed_parts(blocks: Sequence[jax.Array], axis_name: str, over: int = 1) -> list:
