@@ -15,9 +15,9 @@ once with it (:meth:`zeroshard.core.update.Route.of`), from the options:
   returned as sums (the step divides the rounds' sum by the micro-batch count).
 
 At stage 3 the sum runs in the transpose of each layer's gather, so a codec gives the
-step its gather too (:meth:`Exact.gather`). Every method takes the sharded
-optimizer's options (``config``: its axis, replica axis, ``reduce_dtype``,
-quantizers).
+step its gather too (:meth:`Exact.gather`). Its methods take the sharded optimizer's
+options (``config``: its axis, replica axis, ``reduce_dtype``, quantizers), which
+hold what a codec sums over and with.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Exact:
         return functools.partial(quantized.quantized_gather, config.weight_quantizer, None)
 
     def norm_and_finite(
-        self, config: ShardConfig, plan: Plan, pieces: list, rows: tuple, units: Callable
+        self, config: ShardConfig, plan: Plan, pieces: list, rows: tuple, units_of: Callable
     ) -> tuple[jax.Array, jax.Array]:
         """The global L2 norm of the mean gradient from this device's part (its
         ``pieces`` of the sliced leaves, by leaf, grouped as
@@ -103,7 +103,7 @@ class Exact:
         non-finite, so they carry the verdict with no reduction of their own (as does
         a norm past float32's range, about 1.8e19, where every update would overflow
         anyway). Each leaf's squares are summed alone, then the leaves' sums in leaf
-        order (the same bits with groups as without). ``units(layout, row, slot)``
+        order (the same bits with groups as without). ``units_of(layout, row, slot)``
         gives an owned leaf's units from its bucket's row, where a codec needs them."""
         axis, square = config.axis_name, lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
         sums = [*plan.on_view.each(square, pieces), *(square(r) for r in rows if r is not None)]
@@ -198,7 +198,7 @@ class Canonical(Exact):
         return functools.partial(canonical.gathered, replicas=config.replica_axis)
 
     def norm_and_finite(
-        self, config: ShardConfig, plan: Plan, pieces: list, rows: tuple, units: Callable
+        self, config: ShardConfig, plan: Plan, pieces: list, rows: tuple, units_of: Callable
     ) -> tuple[jax.Array, jax.Array]:
         layout, parts, pieces = plan.layout, [], plan.on_view.ungrouped(pieces)
         square = lambda x: jnp.square(x.astype(jnp.float32))
@@ -206,6 +206,6 @@ class Canonical(Exact):
             if not s.owned:
                 parts.append(canonical.leaf_part(square(pieces[i]), s))
                 continue
-            unit_list = units(layout, rows[s.bucket], s)
-            parts.append(canonical.unit_part([square(u) for u in unit_list], s.owners))
+            units = units_of(layout, rows[s.bucket], s)
+            parts.append(canonical.unit_part([square(u) for u in units], s.owners))
         return canonical.norm_and_finite(canonical.totals(parts, config.axis_name))

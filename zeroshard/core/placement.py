@@ -417,9 +417,9 @@ class Grouping:
         backend compiles each slice of a group's buffer as a kernel of its own, its
         offset built in (a stage-3 step of 512 leaves: 550 kernels). From jax 0.12 the
         offsets are given at run time, behind an ``optimization_barrier``, so a
-        group's slices are one kernel (40 kernels, and that step's compile 3-5 s
-        shorter on jax 0.12.1); jax 0.10 removes the barrier and folds the offsets
-        back in, so there the slices stay static. The same values either way."""
+        group's slices are one kernel (that step: 40 kernels on jax 0.12.1); jax 0.10
+        removes the barrier and folds the offsets back in, so there the slices stay
+        static. The same values either way."""
         out = list(leaves)
         for g in self.groups:
             flat, width = jnp.ravel(leaves[g[0]]), leaves[g[0]].size // len(g)
