@@ -112,6 +112,21 @@ def test_stage3_collectives_grow_with_layers_not_leaves(rng):
     assert counts[4] - counts[2] == 2 * 2
 
 
+def test_a_layers_gradients_leave_its_gather_concatenated_not_padded(rng):
+    # A layer's leaves come out of one packed all-gather; sliced out of it, each
+    # slice's transpose padded its gradient to the whole gathered buffer and the pads
+    # were summed (a pad and an add per leaf, every layer). Split, the transpose is
+    # one concatenate: more layers, no more pads (the one left pads the scalar).
+    mesh, tx = make_mesh(8), zs.sharded(optax.sgd(0.1), axis_name="data")
+    pads = {}
+    for layers in (2, 4):
+        params = make_params(rng, layers)
+        state = zs.init_train_state(params, tx, mesh, stage=3)
+        step = zs.make_train_step(stage3_loss, tx, mesh, stage=3)
+        pads[layers] = step.lower(state, data(rng, 1)[0]).as_text().count("stablehlo.pad ")
+    assert pads[4] == pads[2] <= 1, pads
+
+
 @pytest.mark.parametrize("save_stage, load_stage", [(1, 3), (3, 1), (3, 3)])
 def test_checkpoints_move_between_stages_and_device_counts(save_stage, load_stage, rng, tmp_path):
     params, batches = make_params(rng), data(rng, 4)
