@@ -426,7 +426,7 @@ class Grouping:
             if RUNTIME_OFFSETS:
                 starts = tuple(jnp.int32(k * width) for k in range(len(g)))
                 starts = jax.lax.optimization_barrier(starts)
-                pieces = [jax.lax.dynamic_slice_in_dim(flat, k, width) for k in starts]
+                pieces = [jax.lax.dynamic_slice_in_dim(flat, s, width) for s in starts]
             else:
                 pieces = jnp.split(flat, len(g))
             for i, piece in zip(g, pieces, strict=True):
