@@ -99,14 +99,18 @@ def test_stage3_bytes_and_collectives(rng):
     assert ring[3] / ring[1] == pytest.approx(1.5, rel=0.01), ring
 
 
-def test_stage3_collectives_grow_with_layers_not_leaves(rng):
+def lowered_step(rng, layers: int) -> str:
+    """The stage-3 step (SGD, 8 devices) of ``layers`` layers, lowered, as text."""
     mesh, tx = make_mesh(8), zs.sharded(optax.sgd(0.1), axis_name="data")
+    state = zs.init_train_state(make_params(rng, layers), tx, mesh, stage=3)
+    step = zs.make_train_step(stage3_loss, tx, mesh, stage=3)
+    return step.lower(state, data(rng, 1)[0]).as_text()
+
+
+def test_stage3_collectives_grow_with_layers_not_leaves(rng):
     counts = {}
     for layers in (2, 4):
-        params = make_params(rng, layers)
-        state = zs.init_train_state(params, tx, mesh, stage=3)
-        step = zs.make_train_step(stage3_loss, tx, mesh, stage=3)
-        lowered = step.lower(state, data(rng, 1)[0]).as_text()
+        lowered = lowered_step(rng, layers)
         counts[layers] = [k for k, _ in zs.collective_dtypes(lowered)].count("all-gather")
     # Two leaves (w, b) per layer, but one gather per layer and pass.
     assert counts[4] - counts[2] == 2 * 2
@@ -117,13 +121,7 @@ def test_a_layers_gradients_leave_its_gather_concatenated_not_padded(rng):
     # slice's transpose padded its gradient to the whole gathered buffer and the pads
     # were summed (a pad and an add per leaf, every layer). Split, the transpose is
     # one concatenate: more layers, no more pads (the one left pads the scalar).
-    mesh, tx = make_mesh(8), zs.sharded(optax.sgd(0.1), axis_name="data")
-    pads = {}
-    for layers in (2, 4):
-        params = make_params(rng, layers)
-        state = zs.init_train_state(params, tx, mesh, stage=3)
-        step = zs.make_train_step(stage3_loss, tx, mesh, stage=3)
-        pads[layers] = step.lower(state, data(rng, 1)[0]).as_text().count("stablehlo.pad ")
+    pads = {layers: lowered_step(rng, layers).count("stablehlo.pad ") for layers in (2, 4)}
     assert pads[4] == pads[2] <= 1, pads
 
 
