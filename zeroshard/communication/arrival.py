@@ -1,13 +1,14 @@
 """Arrival: how this device's part of the mean gradient arrives: a source given a codec.
 
-An arrival turns what the backward pass produced into :data:`GradParts`, this
-device's part of the mean gradient over the sharding axis: a 1-D piece of every sliced
-leaf and, per bucket, what it gets of the owned leaves it updates. Its class says
-where the gradient comes from; its codec (:mod:`zeroshard.communication.codecs`) how
-the devices' gradients are summed on the way (exactly, as quantized codes, or in a
-fixed order). Each owns its collectives, their named scopes
-(:mod:`zeroshard.measuring.scopes`) and their bytes (``nbytes``). Both are chosen
-once, where a step or ``tx.update`` is built (:meth:`zeroshard.core.update.Route.of`):
+An arrival turns what the backward pass produced into
+:data:`zeroshard.communication.codecs.GradParts`, this device's part of the mean
+gradient over the sharding axis: a 1-D piece of every sliced leaf and, per bucket, what
+it gets of the owned leaves it updates. Its class says where the gradient comes from;
+its codec (:mod:`zeroshard.communication.codecs`) how the devices' gradients are summed
+on the way (exactly, as quantized codes, or in a fixed order). Each owns its
+collectives, their named scopes (:mod:`zeroshard.measuring.scopes`) and their bytes
+(``nbytes``). Both are chosen once, where a step or ``tx.update`` is built
+(:meth:`zeroshard.core.update.Route.of`):
 
 - :class:`ReduceScatter`: each device's local, unreduced full gradients, inside
   ``shard_map`` (stages 1 and 2, ``tx.update`` in a user's ``shard_map``),
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.codecs import EXACT, Exact
+from zeroshard.communication.codecs import EXACT, Exact, GradParts
 from zeroshard.communication.collectives import axes_of, is_identity, vary
 from zeroshard.communication.stage3 import full_structs, shard_specs, to_owners
 from zeroshard.core.layout import Layout, PyTree
@@ -48,10 +49,6 @@ from zeroshard.core.placement import Plan
 from zeroshard.measuring.scopes import CUT, REDUCE_SCATTER, REPLICA_MEAN, TO_OWNERS, scope
 from zeroshard.optimizer.config import ShardConfig
 
-GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
-"""This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
-owned leaves), and per bucket its part of the owned leaves (``None`` if it has none)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Arrival:
@@ -59,8 +56,8 @@ class Arrival:
     Each defines:
 
     - ``bring(plan, grads)``: this device's part of the mean gradient over the
-      sharding axis (:data:`GradParts`), from ``grads`` as this source gives them
-      (inside ``shard_map``);
+      sharding axis (:data:`zeroshard.communication.codecs.GradParts`), from ``grads``
+      as this source gives them (inside ``shard_map``);
     - ``nbytes(plan)``: bytes per device the arrival's collectives return, summed
       (what :func:`zeroshard.compiled_collectives` reports as ``result_bytes`` in the compiled
       program, where the backend keeps the dtype).
@@ -227,14 +224,20 @@ class Pieces(Arrival):
         accumulates over micro-batches)."""
         layout = plan.layout
         layout.check_matches(full_structs(grads), "gradients", full=True)
-        grads = layout.treedef.flatten_up_to(grads)
-        if self.codec.sums:
+        grads, summed = layout.treedef.flatten_up_to(grads), self.summed(layout)
+        if summed is None:
             return [g.piece.reshape(-1) for g in grads]
-        summed = layout.num_shards
-        if self.summed_over:
-            summed = math.prod(jax.lax.axis_size(a) for a in self.summed_over)
         with scope(REDUCE_SCATTER):  # the mean of the pieces the gather's transpose summed
             return [g.piece.reshape(-1) / summed for g in grads]
+
+    def summed(self, layout: Layout) -> int | None:
+        """How many devices' gradients each piece's arrives summed over, to divide by
+        (``None``: none to divide, where the codec gives sums)."""
+        if self.codec.sums:
+            return None
+        if self.summed_over:
+            return math.prod(jax.lax.axis_size(a) for a in self.summed_over)
+        return layout.num_shards
 
     def parts(self, plan: Plan, pieces: list[jax.Array]) -> GradParts:
         """Every leaf's piece -> this device's part: the sliced leaves' pieces, and what
@@ -276,8 +279,8 @@ class MeanPieces(Pieces):
     piece of the mean gradient (``jax.grad`` of the mean loss reduced it), not as the
     sum zeroshard's own gather's transpose gives: nothing to divide."""
 
-    def part(self, plan: Plan, grads: PyTree) -> list[jax.Array]:
-        return [g.piece.reshape(-1) for g in plan.layout.treedef.flatten_up_to(grads)]
+    def summed(self, layout: Layout) -> None:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,9 +372,10 @@ class Nested:
 
 
 def part_specs(plan: Plan, axes: tuple[str, ...]) -> tuple[list, tuple]:
-    """``PartitionSpec``s of :data:`GradParts` whose 1-D parts are split over ``axes``
-    (a device's parts one block of each: the form they leave a step's loss region in,
-    and enter its update region, :func:`zeroshard.core.update.region`)."""
+    """``PartitionSpec``s of :data:`zeroshard.communication.codecs.GradParts` whose 1-D parts
+    are split over ``axes`` (a device's parts one block of each: the form they leave a
+    step's loss region in, and enter its update region,
+    :func:`zeroshard.core.update.region`)."""
     piece, layout = P(axes), plan.layout
     return [None if s.owned else piece for s in layout.slots], layout.per_owned_bucket(
         lambda b, bucket: piece

@@ -37,8 +37,9 @@ from zeroshard.core.placement import Plan
 from zeroshard.measuring.scopes import REPLICA_MEAN, scope
 from zeroshard.optimizer.config import ShardConfig
 
-Parts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
-"""A device's part of the gradient (:data:`zeroshard.communication.arrival.GradParts`)."""
+GradParts = tuple[list[jax.Array | None], tuple[jax.Array | None, ...]]
+"""This device's part of the mean gradient: a 1-D piece per sliced leaf (``None`` for
+owned leaves), and per bucket its part of the owned leaves (``None`` if it has none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Exact:
         reduce-scatter of them packed."""
         return summed_parts(blocks, axes, over=over)
 
-    def across_replicas(self, config: ShardConfig, parts: Parts) -> Parts:
+    def across_replicas(self, config: ShardConfig, parts: GradParts) -> GradParts:
         """``parts`` averaged over the replica axis, if any (once per step, after any
         accumulation)."""
         if config.replica_axis is None:
@@ -128,7 +129,7 @@ class Quantized(Exact):
     def rows(self, config: ShardConfig, blocks: list, axes: Any, over: int) -> list:
         return [x / over for x in quantized.reduce_scatter(config.grad_quantizer, blocks, axes)]
 
-    def across_replicas(self, config: ShardConfig, parts: Parts) -> Parts:
+    def across_replicas(self, config: ShardConfig, parts: GradParts) -> GradParts:
         if config.replica_axis is None:
             return parts
         arrays, tree = jax.tree.flatten(parts)
@@ -176,7 +177,7 @@ class Canonical(Exact):
             axes = tuple(a for a in axes if a not in self.copies)
         return canonical.summed_rows(blocks, axes, self.order, config.replica_axis)
 
-    def across_replicas(self, config: ShardConfig, parts: Parts) -> Parts:
+    def across_replicas(self, config: ShardConfig, parts: GradParts) -> GradParts:
         return parts
 
     def part_axes(self, config: ShardConfig, axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -150,7 +150,7 @@ class Route(NamedTuple):
 class Grads:
     """The mean gradient as ``tx.value_and_grad`` returns it
     (:mod:`zeroshard.training.gradient`): each device's parts of it
-    (:data:`zeroshard.communication.arrival.GradParts`), global arrays whose blocks are
+    (:data:`zeroshard.communication.codecs.GradParts`), global arrays whose blocks are
     the devices' parts, and how they came. ``tx.update(grads, opt_state, params)``
     takes them with no further gradient collective.
 
