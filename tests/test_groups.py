@@ -180,11 +180,21 @@ def test_a_group_goes_into_the_all_gather_as_one_buffer(rng):
     assert packed_gather_operands(jaxpr.jaxpr) == [2]  # the weights' group, the biases'
 
 
-@pytest.mark.skipif(not RUNTIME_OFFSETS, reason="jax 0.10 builds each slice's offset in")
-def test_a_group_is_cut_into_its_leaves_by_one_kernel(rng, tmp_path):
-    # XLA's CPU backend compiles a slice at each static offset as a kernel of its own:
-    # cut so, a stage-3 step's kernels grew with its alike leaves (47 at 6 layers, 57
-    # at 12; 550 at 512 leaves). Cut at offsets given at run time, they do not.
+def compiled_files(lowered, dump, **options) -> list[str]:
+    """The names of the files XLA writes to ``dump`` as it compiles ``lowered`` (not
+    read back from the persistent compilation cache: never put there)."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    was = getattr(jax.config, key)
+    jax.config.update(key, 1e9)
+    try:
+        lowered.compile(compiler_options={"xla_dump_to": str(dump), **options})
+    finally:
+        jax.config.update(key, was)
+    return [f.name for f in dump.iterdir()]
+
+
+def stage3_step(rng, layers: int):
+    """zeroshard's stage-3 step of ``layers`` dense layers, lowered."""
     dense = zs.layer(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]))
 
     def loss(params, batch):
@@ -193,20 +203,33 @@ def test_a_group_is_cut_into_its_leaves_by_one_kernel(rng, tmp_path):
             h = dense(params[f"l{k}"], h)
         return jnp.mean((h - batch["y"]) ** 2)
 
-    kernels, mesh = {}, make_mesh(N)
+    params, batch = layers_params(rng, layers), layers_batches(rng, 1)[0]
+    tx, mesh = zs.sharded(optax.adam(1e-2), axis_name="data"), make_mesh(N)
+    state = zs.init_train_state(params, tx, mesh, stage=3)
+    return zs.make_train_step(loss, tx, mesh, stage=3).lower(state, batch)
+
+
+@pytest.mark.skipif(not RUNTIME_OFFSETS, reason="jax 0.10 builds each slice's offset in")
+def test_a_group_is_cut_into_its_leaves_by_one_kernel(rng, tmp_path):
+    # XLA's CPU backend compiles a slice at each static offset as a kernel of its own:
+    # cut so, a stage-3 step's kernels grew with its alike leaves (47 at 6 layers, 57
+    # at 12; 550 at 512 leaves). Cut at offsets given at run time, they do not.
+    kernels = {}
     for layers in (LAYERS, 2 * LAYERS):
-        params, batch = layers_params(rng, layers), layers_batches(rng, 1)[0]
-        tx = zs.sharded(optax.adam(1e-2), axis_name="data")
-        state = zs.init_train_state(params, tx, mesh, stage=3)
-        lowered = zs.make_train_step(loss, tx, mesh, stage=3).lower(state, batch)
-        dump = tmp_path / str(layers)  # (XLA writes each kernel it compiles there)
-        # (compiled, not read back from the persistent compilation cache: never put there)
-        key = "jax_persistent_cache_min_compile_time_secs"
-        was = getattr(jax.config, key)
-        jax.config.update(key, 1e9)
-        try:
-            lowered.compile(compiler_options={"xla_dump_to": str(dump)})
-        finally:
-            jax.config.update(key, was)
-        kernels[layers] = sum(".obj-file." in f.name for f in dump.iterdir())
+        files = compiled_files(stage3_step(rng, layers), tmp_path / str(layers))
+        kernels[layers] = sum(".obj-file." in f for f in files)
     assert 0 < kernels[2 * LAYERS] <= kernels[LAYERS], kernels
+
+
+def test_the_compiler_simplifies_the_step_in_rounds_that_do_not_grow_with_the_leaves(rng, tmp_path):
+    # XLA repeats its simplification passes until none changes the program, 25 rounds
+    # at most. Each leaf's squares summed as scalars, each a reshape of its group's
+    # row, its reshape mover moved one reshape down the chain per round (each round
+    # one more at 512 leaves: 25 rounds, 10.9 s of XLA's passes, not 4.9). XLA writes the
+    # program after each round where that pass changed it.
+    rounds = {}
+    for layers in (LAYERS, 2 * LAYERS):
+        dump = tmp_path / str(layers)
+        files = compiled_files(stage3_step(rng, layers), dump, xla_dump_hlo_pass_re="reshape-mover")
+        rounds[layers] = sum(".simplification.after_reshape-mover." in f for f in files)
+    assert rounds[2 * LAYERS] <= rounds[LAYERS] < LAYERS, rounds

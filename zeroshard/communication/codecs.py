@@ -104,11 +104,13 @@ class Exact:
         non-finite, so they carry the verdict with no reduction of their own (as does
         a norm past float32's range, about 1.8e19, where every update would overflow
         anyway). Each leaf's squares are summed alone, then the leaves' sums in leaf
-        order (the same bits with groups as without). ``units_of(layout, row, slot)``
+        order (the same bits with groups as without), as vectors of one element (see
+        :meth:`zeroshard.core.placement.Grouping.each`). ``units_of(layout, row, slot)``
         gives an owned leaf's units from its bucket's row, where a codec needs them."""
         axis, square = config.axis_name, lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
-        sums = [*plan.on_view.each(square, pieces), *(square(r) for r in rows if r is not None)]
-        squares = sum((x for x in sums if x is not None), jnp.float32(0))
+        owned = (square(r)[None] for r in rows if r is not None)
+        sums = [*plan.on_view.each(square, pieces), *owned]
+        squares = sum((x for x in sums if x is not None), jnp.zeros(1, jnp.float32))[0]
         if not is_identity(squares, axis):
             squares = jax.lax.psum(squares, axis)
         return jnp.sqrt(squares), jnp.isfinite(squares)
