@@ -193,8 +193,8 @@ def compiled_files(lowered, dump, **options) -> list[str]:
     return [f.name for f in dump.iterdir()]
 
 
-def stage3_step(rng, layers: int):
-    """zeroshard's stage-3 step of ``layers`` dense layers, lowered."""
+def lowered_step(rng, layers: int, inner=None, stage: int = 3):
+    """zeroshard's step of ``layers`` dense layers (Adam at stage 3 by default), lowered."""
     dense = zs.layer(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]))
 
     def loss(params, batch):
@@ -204,9 +204,9 @@ def stage3_step(rng, layers: int):
         return jnp.mean((h - batch["y"]) ** 2)
 
     params, batch = layers_params(rng, layers), layers_batches(rng, 1)[0]
-    tx, mesh = zs.sharded(optax.adam(1e-2), axis_name="data"), make_mesh(N)
-    state = zs.init_train_state(params, tx, mesh, stage=3)
-    return zs.make_train_step(loss, tx, mesh, stage=3).lower(state, batch)
+    tx, mesh = zs.sharded(inner or optax.adam(1e-2), axis_name="data"), make_mesh(N)
+    state = zs.init_train_state(params, tx, mesh, stage=stage)
+    return zs.make_train_step(loss, tx, mesh, stage=stage).lower(state, batch)
 
 
 @pytest.mark.skipif(not RUNTIME_OFFSETS, reason="jax 0.10 builds each slice's offset in")
@@ -216,20 +216,25 @@ def test_a_group_is_cut_into_its_leaves_by_one_kernel(rng, tmp_path):
     # at 12; 550 at 512 leaves). Cut at offsets given at run time, they do not.
     kernels = {}
     for layers in (LAYERS, 2 * LAYERS):
-        files = compiled_files(stage3_step(rng, layers), tmp_path / str(layers))
+        files = compiled_files(lowered_step(rng, layers), tmp_path / str(layers))
         kernels[layers] = sum(".obj-file." in f for f in files)
     assert 0 < kernels[2 * LAYERS] <= kernels[LAYERS], kernels
 
 
-def test_the_compiler_simplifies_the_step_in_rounds_that_do_not_grow_with_the_leaves(rng, tmp_path):
+@pytest.mark.parametrize("inner, stage", [("adam", 3), ("lamb", 1)])
+def test_the_compiler_simplifies_the_step_in_rounds_that_do_not_grow_with_the_leaves(
+    inner, stage, rng, tmp_path
+):
     # XLA repeats its simplification passes until none changes the program, 25 rounds
-    # at most. Each leaf's squares summed as scalars, each a reshape of its group's
-    # row, its reshape mover moved one reshape down the chain per round (each round
-    # one more at 512 leaves: 25 rounds, 10.9 s of XLA's passes, not 4.9). XLA writes the
-    # program after each round where that pass changed it.
+    # at most. The global norm adds the leaves' sums of squares in leaf order; with
+    # each sum made one shape by a reshape (Adam's grouped leaves' scalars, LAMB's
+    # ungrouped ones vectors of one element), its reshape mover moved one reshape
+    # down the chain per round (at 512 leaves: 25 rounds, 10.9 s of XLA's passes, not
+    # 4.9). XLA writes the program after each round where that pass changed it.
     rounds = {}
     for layers in (LAYERS, 2 * LAYERS):
-        dump = tmp_path / str(layers)
-        files = compiled_files(stage3_step(rng, layers), dump, xla_dump_hlo_pass_re="reshape-mover")
+        lowered = lowered_step(rng, layers, getattr(optax, inner)(1e-2), stage)
+        options = {"xla_dump_hlo_pass_re": "reshape-mover"}
+        files = compiled_files(lowered, tmp_path / str(layers), **options)
         rounds[layers] = sum(".simplification.after_reshape-mover." in f for f in files)
     assert rounds[2 * LAYERS] <= rounds[LAYERS] < LAYERS, rounds

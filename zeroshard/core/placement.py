@@ -400,16 +400,13 @@ class Grouping:
         return [(tuple(run), value(run)) for run in runs]
 
     def each(self, fn: Any, leaves: list) -> list:
-        """``fn`` of each leaf's value with a leading axis of one (``None`` where it has
-        none), from values held as :meth:`grouped` holds them: a group's leaves by one
-        ``jax.lax.map`` over its buffer's rows (each row computed as its leaf alone: the
-        same bits), not by a slice and a kernel of its own per leaf. (Each a slice of
-        its group's rows, not a reshape of one: a chain of operations on reshapes has
-        XLA's reshape mover move one reshape down it per round of its simplification
-        passes, which then run to their limit of 25 rounds: at 512 leaves on jax 0.12.1
-        XLA's passes over a stage-3 step took 10.9 s, not 4.9.)"""
+        """``fn`` of each leaf's value (``None`` where it has none), from values held as
+        :meth:`grouped` holds them: a group's leaves by one ``jax.lax.map`` over its
+        buffer's rows (each row computed as its leaf alone: the same bits), not by a
+        slice and a kernel of its own per leaf. A grouped leaf's comes with a leading
+        axis of one: a slice of its group's rows, not a reshape of one."""
         firsts = {g[0] for g in self.groups}
-        out = [None if x is None or i in firsts else fn(x)[None] for i, x in enumerate(leaves)]
+        out = [None if x is None or i in firsts else fn(x) for i, x in enumerate(leaves)]
         for g in self.groups:
             rows = jax.lax.map(fn, jnp.ravel(leaves[g[0]]).reshape(len(g), -1))
             for k, i in enumerate(g):
