@@ -126,7 +126,7 @@ def in_order(sums: list[jax.Array]) -> jax.Array:
     as a sum from zero: no sum of squares is ``-0.0``."""
     total = sums[0] if sums else jnp.float32(0)
     for x in sums[1:]:
-        total = total.reshape(x.shape) + x
+        total = (total if total.shape == x.shape else total.reshape(x.shape)) + x
     return total.reshape(())
 
 
