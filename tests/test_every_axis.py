@@ -86,13 +86,12 @@ def tp_placed(params, mesh):
 
 
 def tp_loss(params, x, y):
-    h, b = jax.nn.relu(x @ params["up"]), params["b"]
+    h = jax.nn.relu(x @ params["up"])
     if jax.sharding.get_abstract_mesh().are_all_axes_explicit:  # as written for Explicit
-        # (b's reshard: where the weights are typed reduced over "data", their use)
-        out, b = jnp.dot(h, params["down"], out_sharding=P("data", None)), reshard(b, P())
+        out = jnp.dot(h, params["down"], out_sharding=P("data", None))
     else:
         out = h @ params["down"]
-    return jnp.mean((out + b - y) ** 2)
+    return jnp.mean((out + params["b"] - y) ** 2)
 
 
 def jit_loop(tx, params, data, steps=6):
@@ -222,25 +221,29 @@ def test_dropin_with_a_replica_axis_splits_over_the_others_only(rng):
             np.testing.assert_array_equal(by_device[mesh.devices[coords]], by_device[twin])
 
 
+@pytest.mark.parametrize("bias", ["whole", "reduced"])
 @pytest.mark.parametrize("read", ["as-written", "zs.layer"])
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
-def test_dropin_sums_partial_sums_over_the_replicas_too(inner, read, rng):
-    """Weights typed reduced over "replica" and "data" (Explicit 2 x 2 x 2, kernels
-    tensor-parallel over "model"): the gradients arrive as partial sums over both, are
-    reduce-scattered over "data" and summed over the replicas: plain optax's weights
-    on one device (a mean over the replicas would halve the gradient). Read through
-    ``zs.layer`` at stage 1, the reduced weights are whole already: the same."""
+def test_dropin_sums_partial_sums_over_the_replicas_too(inner, read, bias, rng):
+    """Kernels typed reduced over "replica" and "data" (Explicit 2 x 2 x 2,
+    tensor-parallel over "model"): their gradients arrive as partial sums over both,
+    are reduce-scattered over "data" and summed over the replicas: plain optax's
+    weights on one device (a mean over the replicas would halve the gradient). The
+    bias typed whole and read as written (its gradient the mean already, taken as one
+    device's partial sum), or typed reduced too and read through ``reshard`` (jax
+    refuses it beside batch-split rows): the same. Read through ``zs.layer`` at stage
+    1, the reduced weights are whole already: the same."""
     params = tp_params(rng)
     x, y = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for _ in range(2))
     expected, _ = jit_loop(inner, params, (x, y), steps=3)
     names, batch = ("replica", "data", "model"), P(("replica", "data"))
     mesh = jax.make_mesh((2, 2, 2), names, axis_types=(AxisType.Explicit,) * 3)
-    typed = {
-        k: NamedSharding(mesh, s.update(reduced={"replica", "data"})) for k, s in TP_SPECS.items()
-    }
+    kind = lambda k: {"reduced": {"replica", "data"}} if k != "b" or bias == "reduced" else {}
+    typed = {k: NamedSharding(mesh, s.update(**kind(k))) for k, s in TP_SPECS.items()}
 
     def loss(params, x, y):
-        h, b = jax.nn.relu(x @ params["up"]), reshard(params["b"], P())
+        h, b = jax.nn.relu(x @ params["up"]), params["b"]
+        b = reshard(b, P()) if bias == "reduced" else b
         return jnp.mean((jnp.dot(h, params["down"], out_sharding=batch) + b - y) ** 2)
 
     tx = zs.sharded(inner, replica_axis="replica")
@@ -252,12 +255,14 @@ def test_dropin_sums_partial_sums_over_the_replicas_too(inner, read, rng):
         return optax.apply_updates(params, updates), opt_state
 
     with jax.set_mesh(mesh):
-        got = jax.device_put(params, typed)
+        got = tx.shard_params(jax.device_put(params, typed))  # (kept typed so)
         data = jax.device_put((x, y), NamedSharding(mesh, batch))
         opt_state = tx.init(got)
         for _ in range(3):
             got, opt_state = step(got, opt_state, *data)
-    assert jax.typeof(got["up"]).sharding.spec == typed["up"].spec  # (as they went in)
+    for k, x in got.items():  # (as they went in)
+        assert x.sharding.is_equivalent_to(typed[k], x.ndim), k
+        assert jax.typeof(x).sharding.spec.reduced == typed[k].spec.reduced, k
     assert_trees_close(got, expected, 1e-5)
 
 
@@ -933,10 +938,13 @@ def test_the_dropins_bytes_on_the_wire(case, inner, stage, reduced, rng):
     gradient is cut within its block on Auto axes too (the state's layout says
     which), never gathered over "model". With the weights typed ``reduced`` over
     "data" (Explicit axes), jax.grad leaves the gradient's partial sums to the update,
-    which reduce-scatters them: at most 1.05x plain optax's bytes."""
+    which reduce-scatters them: at most 1.05x plain optax's bytes (the kernels typed
+    so; the bias left whole, read as written, its gradient all-reduced as plain
+    optax's)."""
     shape, names, axis_type, specs = DROPIN_MESHES[case]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
     plain = dropin_ring_bytes(inner, mesh, specs, rng)
-    typed = {k: s.update(reduced={"data"}) for k, s in specs.items()} if reduced else specs
+    kernels = lambda k, s: s.update(reduced={"data"}) if reduced and k != "b" else s
+    typed = {k: kernels(k, s) for k, s in specs.items()}
     ours = dropin_ring_bytes(zs.sharded(inner, stage=stage), mesh, typed, rng)
     assert ours <= (1.05 if reduced else 1.5) * plain, (ours, plain)

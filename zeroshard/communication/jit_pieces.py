@@ -124,11 +124,13 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         on = on if isinstance(on, Mesh) else mesh  # (a device mesh, else the context's)
         return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
+    def spec(s: Slot, x: object) -> P:  # (at stages 1-2, a weight typed reduced kept so)
+        spec = _spec(s, x, axis, three, mesh)
+        typed = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+        return spec if three else spec.update(reduced=getattr(typed, "spec", P()).reduced)
+
     leaves = plan.layout.treedef.flatten_up_to(params)
-    out = [
-        x if is_shard(x) else place(x, _spec(s, x, axis, three, mesh))
-        for s, x in zip(slots, leaves, strict=True)
-    ]
+    out = [x if is_shard(x) else place(x, spec(s, x)) for s, x in zip(slots, leaves, strict=True)]
     padded = lambda s, x: three and is_padded(s) and not (is_shard(x) or stays_whole(s, mesh))
     return plan.layout.treedef.unflatten(pieces_of(out, slots, padded, mesh, axis))
 

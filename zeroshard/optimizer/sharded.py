@@ -23,6 +23,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
+from zeroshard.communication.arrival import one_copy
 from zeroshard.communication.collectives import axes_of, mesh_size
 from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
 from zeroshard.communication.stage3 import full_structs, is_shard
@@ -314,13 +315,19 @@ class Sharded:
         opt.check_state(plan, state)
         specs = opt.specs_of(plan)
         check_layout(state, specs)
-        typed = lambda **kind: jax.tree.map(lambda x: x.update(**kind), plan.layout.leaf_specs())
-        grads_at, leaves = typed(unreduced=summed), typed(reduced=summed)
+        # (each leaf typed as its gradient comes: partial sums over summed, or the mean)
+        means = [not unreduced(g) for g in plan.layout.treedef.flatten_up_to(grads)]
+        typed = lambda kind: plan.layout.treedef.unflatten(
+            s.leaf_spec() if mean else s.leaf_spec().update(**{kind: summed})
+            for s, mean in zip(plan.layout.slots, means, strict=True)
+        )
+        grads_at, leaves = typed("unreduced"), typed("reduced")
         # Manual over every mesh axis: the update sees whole leaves (gathered over the
         # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
         # new weights return to the parameters' own layout afterwards.
         route = opt.route_of(3 if key_of(state).pieces else 1, mean=True, summed=summed)
-        arrive = lambda grads, params: (route.arrival.bring(plan, grads), params)
+        sums = lambda grads: one_copy(plan.layout, grads, means, summed) if summed else grads
+        arrive = lambda grads, params: (route.arrival.bring(plan, sums(grads)), params)
         specs = (grads_at, specs, leaves, leaves)
         # (jax types no sum of partial sums)
         step = region(
@@ -382,11 +389,16 @@ class Sharded:
 
 
 def partial_sums(grads: PyTree) -> frozenset[str]:
-    """The mesh axes every leaf of ``grads`` holds partial sums over (jax's
-    ``unreduced`` type), where all agree; else none."""
-    unreduced = lambda g: getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
-    kinds = {unreduced(g) for g in jax.tree.leaves(grads)}
+    """The mesh axes the leaves of ``grads`` that hold partial sums (jax's
+    ``unreduced`` type) hold them over, where they all agree; else none. The other
+    leaves are the mean already (a weight typed whole: its gradient is reduced)."""
+    kinds = {unreduced(g) for g in jax.tree.leaves(grads)} - {frozenset()}
     return kinds.pop() if len(kinds) == 1 else frozenset()
+
+
+def unreduced(g: Any) -> frozenset[str]:
+    """The mesh axes ``g`` holds partial sums over (jax's ``unreduced`` type)."""
+    return getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
 
 
 NO_MESH = (
@@ -610,7 +622,8 @@ def sharded(inner: optax.GradientTransformation, **options: Any) -> ShardedTrans
     ``jax.grad`` returns there, and each device cuts its part out: the one-line
     drop-in for ``inner`` (see ``mesh``). Where the weights are typed ``reduced`` over
     the batch axes (Explicit axes: ``P(None, "model", reduced={"data"})``), ``jax.grad``
-    returns the gradient's partial sums (``unreduced``), and it reduce-scatters them.
+    returns the gradient's partial sums (``unreduced``), and it reduce-scatters them
+    (weights typed whole beside them, a bias, say: their gradients as they come).
 
     Each leaf is placed where ``inner`` computes on it exactly. Where its update is
     elementwise (sgd, adam, lion, ...) or mixes elements only through sums (the
