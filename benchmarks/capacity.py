@@ -11,7 +11,9 @@ weights, on N devices:
   out over ``"data"`` by ``NamedSharding`` (flax's ``optimizer_sharding``, MaxText);
 - ``dropin``: ``zs.sharded(optax.adam(...), mesh=mesh)`` in the same ``jax.jit`` step
   (``-2``, ``-3``: at stages 2 and 3; ``dropin-vg``, ``-vg-2``, ``-vg-3``: its gradient taken by
-  ``tx.value_and_grad``, not ``jax.grad``);
+  ``tx.value_and_grad``, not ``jax.grad``; ``dropin-reduced``: its matrices typed
+  ``reduced`` over ``"data"``, the norms whole, always on Explicit axes, so that
+  ``jax.grad`` leaves their gradients' partial sums to ``tx.update``);
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
   reduce-scatters each layer's gradient in the backward pass, ``zeroshard.training.held``),
@@ -60,6 +62,7 @@ VARIANTS = (
     "jit-sharded",
     "gspmd-fsdp",
     "dropin",
+    "dropin-reduced",
     "dropin-2",
     "dropin-3",
     "dropin-vg",
@@ -89,6 +92,7 @@ def formula(variant: str, n: int) -> float | None:
         "dropin-vg-3": 16 / n,
         "dropin": 4 + 12 / n,
         "dropin-vg": 4 + 12 / n,
+        "dropin-reduced": 4 + 12 / n,
         "jit-sharded": 4 + 12 / n,
     }.get(variant)
 
@@ -262,7 +266,7 @@ def variant_step(
         stage = int(name[-1]) if name[-1].isdigit() else 1
         tx = zs.sharded(inner, mesh=mesh, stacked=stacked(args), state_bits=bits, stage=stage)
         params = placed(bf16, jax.tree.map(lambda _: whole, bf16))
-        params = tx.shard_params(params)
+        params = tx.shard_params(typed_reduced(params, mesh) if "reduced" in name else params)
 
         def dropin(p, s, b):
             if "-vg" in name:  # (zeroshard's gradient: tx.value_and_grad)
@@ -357,7 +361,7 @@ def make_mesh(name: str, devices: int, explicit: bool = False) -> Any:
     from jax.sharding import AxisType
 
     plain = name == "jit-sharded" or name.startswith("dropin")
-    auto = name == "gspmd-fsdp" or (plain and not explicit)
+    auto = name == "gspmd-fsdp" or (plain and not explicit and name != "dropin-reduced")
     return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,) if auto else None)
 
 
@@ -535,7 +539,7 @@ def materialize(
             optax.adam(1e-4), mesh=mesh, stacked=layers_of, state_bits=bits, stage=stage
         )
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh)
-        bf16 = tx.shard_params(bf16)
+        bf16 = tx.shard_params(typed_reduced(bf16, mesh) if "reduced" in name else bf16)
         return bf16, tx.init(bf16)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     start = lambda p: (
@@ -544,6 +548,25 @@ def materialize(
         optax.adam(1e-4).init(p),
     )
     return jax.jit(start, out_shardings=shardings)(fresh)
+
+
+def typed_reduced(params: Any, mesh: Any) -> Any:
+    """``params`` (arrays or abstract values) with their matrices (the norms' scales
+    left whole) typed ``reduced`` over ``"data"``: ``jax.grad`` then leaves their
+    gradients as the devices' partial sums."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def typed(path: Any, x: Any) -> Any:
+        if "ln" in jax.tree_util.keystr(path):
+            return x
+        sharding = NamedSharding(mesh, P(*(None,) * x.ndim, reduced={"data"}))
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(typed, params)
 
 
 def _whole(mesh: Any) -> Any:
