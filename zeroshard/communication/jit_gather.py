@@ -124,9 +124,14 @@ def _gathered(x: Any, axis_name: str | None) -> Any:
         piece = jax.typeof(x).sharding.spec
         rest = [a for a in mesh.axis_names if a not in batch]
         whole, lay = keep_axes(piece, rest, leading=True), jax.sharding.reshard
+        before = lambda x: x
     else:  # (Auto axes: cut over every axis, and gathered whole)
         piece, whole, lay = P(tuple(mesh.axis_names)), P(), jax.lax.with_sharding_constraint
-    gathered = lambda x: lay(x, NamedSharding(mesh, whole))
+        # (behind a barrier: else the compiler gathers the weight itself, before its
+        # layer's tie, once for the forward and the backward pass, and keeps it whole
+        # between them; a weight whole already, at stage 2, moves nothing either way)
+        before = jax.lax.optimization_barrier
+    gathered = lambda x: lay(before(x), NamedSharding(mesh, whole))
     # (the cotangent is reduced over the batch already: the device keeps its piece)
     keep = lambda _, cotangent: (lay(cotangent, NamedSharding(mesh, piece)),)
     whole_x = jax.custom_vjp(gathered)
