@@ -125,9 +125,9 @@ def shard_params(opt: object, params: PyTree) -> PyTree:
         return jax.device_put(x, NamedSharding(on, spec) if isinstance(on, Mesh) else spec)
 
     def spec(s: Slot, x: object) -> P:  # (at stages 1-2, a weight typed reduced kept so)
-        spec = _spec(s, x, axis, three, mesh)
+        laid = _spec(s, x, axis, three, mesh)
         typed = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
-        return spec if three else spec.update(reduced=getattr(typed, "spec", P()).reduced)
+        return laid if three else laid.update(reduced=getattr(typed, "spec", P()).reduced)
 
     leaves = plan.layout.treedef.flatten_up_to(params)
     out = [x if is_shard(x) else place(x, spec(s, x)) for s, x in zip(slots, leaves, strict=True)]
