@@ -194,6 +194,52 @@ def test_stage3_one_step_is_make_train_steps_bit_for_bit(inner, option):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("inner", list(INNERS))
+def test_apply_gradients_gives_make_train_steps_weights_bit_for_bit(inner, stage):
+    """tx.apply_gradients, tx.update and optax.apply_updates in one, returns the new
+    weights themselves: after tx.value_and_grad, make_train_step's weights and
+    optimizer state bit for bit (stage 3: the weights from tx.shard_params, read
+    through zs.layer). After jax.grad (the one line; stage 3 with the marks), the state
+    tx.update makes, bit for bit, and three steps give plain optax's weights."""
+    rng = np.random.default_rng(10)
+    params, mesh = layered_params(np.random.default_rng(11), width=64), mesh_for({})
+    data = [{k: jnp.asarray(rng.normal(size=(32, 64)), jnp.float32) for k in "xy"} for _ in "abc"]
+    loss = lambda p, b: layered_loss(p, b, stage=stage)
+    tx = zs.sharded(INNERS[inner](), stage=stage)
+    own = zs.make_train_step(loss, tx, mesh, stage=stage)
+    new_state, _ = own(zs.init_train_state(params, tx, mesh, stage=stage), data[0])
+
+    @functools.partial(jax.jit, static_argnames="grad")
+    def step(params, opt_state, batch, grad):
+        grads = tx.value_and_grad(loss)(params, batch)[1] if grad == "tx" else grad(params, batch)
+        return tx.apply_gradients(grads, opt_state, params)
+
+    @jax.jit
+    def updated(params, opt_state, batch):
+        return tx.update(jax.grad(loss)(params, batch), opt_state, params)[1]
+
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+        placed = tx.shard_params(placed) if stage == 3 else placed
+        one = step(placed, tx.init(placed), data[0], "tx")
+        p, opt_state, grad = placed, tx.init(placed), jax.grad(loss)
+        for i, batch in enumerate(data):
+            p, opt_state = step(p, opt_state, batch, grad)
+            if i == 0:
+                expected = updated(placed, tx.init(placed), batch)
+                for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(opt_state), strict=True):
+                    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        final = zs.to_optax_state(zs.TrainState(new_state.step, p, opt_state, None), tx)[0]
+    own_params = zs.to_optax_state(new_state, tx)[0]
+    user = zs.to_optax_state(zs.TrainState(new_state.step, one[0], one[1], None), tx)[0]
+    for a, b in zip(jax.tree.leaves(own_params), jax.tree.leaves(user), strict=True):
+        np.testing.assert_array_equal(b, np.asarray(a))
+    for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(one[1]), strict=True):
+        np.testing.assert_array_equal(b, np.asarray(a))
+    assert_trees_close(final, reference_run(layered_loss, INNERS[inner](), params, data), 1e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_on_a_tensor_parallel_mesh(stage):
     """4 data x 2 model (Auto axes), column/row-parallel weights: plain optax's

@@ -245,6 +245,24 @@ class Sharded:
             without ``params``.
           TypeError: for a state this transformation's ``init`` did not make.
         """
+        new, state, (params, like) = self._stepped(updates, state, params, extra_args)
+        return like(jax.tree.map(lambda n, p: n - p, new, params)), state
+
+    def apply_gradients(
+        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
+    ) -> tuple[PyTree, ShardedState]:
+        """``tx.apply_gradients``: :meth:`update` and ``optax.apply_updates`` in one,
+        the new weights themselves and the new state. Where ``tx.update`` returns
+        ``new - params`` and ``optax.apply_updates`` adds ``params`` back, the old
+        weights are read at the end of the step, so they stay alive through its
+        backward pass; here they are not read after their last use. Takes what
+        :meth:`update` takes, wherever it does."""
+        new, state, (_, like) = self._stepped(grads, state, params, extra_args)
+        return like(new), state
+
+    def _stepped(self, updates: PyTree, state: Any, params: PyTree, extra_args: dict) -> tuple:
+        """The new weights, the new state (in the boxes it came in) and the weights
+        unboxed with the function that boxes a tree like them (see :meth:`update`)."""
         check_extra_args(extra_args)
         given = isinstance(updates, Grads)  # (tx.value_and_grad's: reduced by zeroshard)
         if not given:
@@ -259,7 +277,7 @@ class Sharded:
             new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
             new, state = self.apply_mean(grads, state, params, extra_args)
-        return like(jax.tree.map(lambda n, p: n - p, new, params)), reboxed(state)
+        return new, reboxed(state), (params, like)
 
     def apply(
         self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
@@ -488,6 +506,16 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
     def _as(self, opt: Sharded) -> ShardedTransformation:
         return self if opt is self.optimizer else ShardedTransformation(opt.init, opt.update)
+
+    def apply_gradients(
+        self, grads: PyTree, opt_state: ShardedState, params: PyTree, **extra_args: Any
+    ) -> tuple[PyTree, ShardedState]:
+        """``params, opt_state = tx.apply_gradients(grads, opt_state, params)``: the
+        new weights and state, as ``tx.update`` then ``optax.apply_updates`` give them
+        (up to the rounding of ``params + (new - params)``), without reading the old
+        weights at the end of the step: they are not kept alive through the backward
+        pass for it (see :meth:`Sharded.apply_gradients`)."""
+        return self.optimizer.apply_gradients(grads, opt_state, params, **extra_args)
 
     def value_and_grad(
         self,
