@@ -13,7 +13,8 @@ weights, on N devices:
   (``-2``, ``-3``: at stages 2 and 3; ``dropin-vg``, ``-vg-2``, ``-vg-3``: its gradient taken by
   ``tx.value_and_grad``, not ``jax.grad``; ``dropin-reduced``: its matrices typed
   ``reduced`` over ``"data"``, the norms whole, always on Explicit axes, so that
-  ``jax.grad`` leaves their gradients' partial sums to ``tx.update``);
+  ``jax.grad`` leaves their gradients' partial sums to ``tx.update``; with
+  ``--apply-gradients`` each steps with ``tx.apply_gradients``);
 - ``zeroshard-1``, ``-2``, ``-3``: zeroshard's own step, stages 1-3; stages 2 and 3
   with the loss that gathers each block (``zs.layer`` in the scan: stage 2 then
   reduce-scatters each layer's gradient in the backward pass, ``zeroshard.training.held``),
@@ -124,6 +125,11 @@ def parse_args() -> argparse.Namespace:
         "--explicit",
         action="store_true",
         help="jit-sharded and the drop-ins on Explicit axes too (jax.make_mesh's default)",
+    )
+    parser.add_argument(
+        "--apply-gradients",
+        action="store_true",
+        help="the drop-ins step with tx.apply_gradients, not tx.update + optax.apply_updates",
     )
     parser.add_argument(
         "--state-bits",
@@ -273,6 +279,8 @@ def variant_step(
                 grads = tx.value_and_grad(loss(stage))(p, b)[1]
             else:
                 grads = jax.grad(loss(stage))(p, b)
+            if args.apply_gradients:  # (the new weights themselves)
+                return tx.apply_gradients(grads, s, p)
             updates, s = tx.update(grads, s, p)
             return optax.apply_updates(p, updates), s
 
