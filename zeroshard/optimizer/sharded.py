@@ -245,24 +245,13 @@ class Sharded:
             without ``params``.
           TypeError: for a state this transformation's ``init`` did not make.
         """
-        new, state, (params, like) = self._stepped(updates, state, params, extra_args)
+        new, state, (params, like) = self.stepped(updates, state, params, extra_args)
         return like(jax.tree.map(lambda n, p: n - p, new, params)), state
 
-    def apply_gradients(
-        self, grads: PyTree, state: ShardedState, params: PyTree, **extra_args: Any
-    ) -> tuple[PyTree, ShardedState]:
-        """``tx.apply_gradients``: :meth:`update` and ``optax.apply_updates`` in one,
-        the new weights themselves and the new state. Where ``tx.update`` returns
-        ``new - params`` and ``optax.apply_updates`` adds ``params`` back, the old
-        weights are read at the end of the step, so they stay alive through its
-        backward pass; here they are not read after their last use. Takes what
-        :meth:`update` takes, wherever it does."""
-        new, state, (_, like) = self._stepped(grads, state, params, extra_args)
-        return like(new), state
-
-    def _stepped(self, updates: PyTree, state: Any, params: PyTree, extra_args: dict) -> tuple:
-        """The new weights, the new state (in the boxes it came in) and the weights
-        unboxed with the function that boxes a tree like them (see :meth:`update`)."""
+    def stepped(self, updates: PyTree, state: Any, params: PyTree, extra_args: dict) -> tuple:
+        """The new weights (:meth:`update` returns them less ``params``,
+        ``tx.apply_gradients`` as they are), the new state (in the boxes it came in),
+        and the weights unboxed with the function that boxes a tree like them."""
         check_extra_args(extra_args)
         given = isinstance(updates, Grads)  # (tx.value_and_grad's: reduced by zeroshard)
         if not given:
@@ -510,12 +499,14 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     def apply_gradients(
         self, grads: PyTree, opt_state: ShardedState, params: PyTree, **extra_args: Any
     ) -> tuple[PyTree, ShardedState]:
-        """``params, opt_state = tx.apply_gradients(grads, opt_state, params)``: the
-        new weights and state, as ``tx.update`` then ``optax.apply_updates`` give them
-        (up to the rounding of ``params + (new - params)``), without reading the old
-        weights at the end of the step: they are not kept alive through the backward
-        pass for it (see :meth:`Sharded.apply_gradients`)."""
-        return self.optimizer.apply_gradients(grads, opt_state, params, **extra_args)
+        """``params, opt_state = tx.apply_gradients(grads, opt_state, params)``:
+        ``tx.update`` and ``optax.apply_updates`` in one, the new weights themselves
+        (those two give them up to the rounding of ``params + (new - params)``) and
+        the new state. ``optax.apply_updates`` reads the old weights at the end of
+        the step, so they stay alive through its backward pass; here they are not
+        read after their last use. Takes what ``tx.update`` takes, wherever it does."""
+        new, opt_state, (_, like) = self.optimizer.stepped(grads, opt_state, params, extra_args)
+        return like(new), opt_state
 
     def value_and_grad(
         self,
