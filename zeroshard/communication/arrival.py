@@ -371,17 +371,6 @@ class Nested:
         return part_specs(plan, self.rest)
 
 
-def one_copy(layout: Layout, grads: PyTree, means: list[bool], axes: frozenset[str]) -> PyTree:
-    """``grads`` as partial sums over ``axes``, each leaf ``means`` marks (the mean
-    itself, where the others arrive as partial sums: a weight typed whole beside ones
-    typed ``reduced``) kept on the first device of ``axes`` and zero on the others:
-    its sum over them is that mean, exactly."""
-    first = jax.lax.axis_index(tuple(axes)) == 0
-    one = lambda g, mean: jnp.where(first, g, jnp.zeros_like(g)) if mean else g
-    leaves = layout.treedef.flatten_up_to(grads)
-    return layout.treedef.unflatten(map(one, leaves, means))
-
-
 def part_specs(plan: Plan, axes: tuple[str, ...]) -> tuple[list, tuple]:
     """``PartitionSpec``s of :data:`zeroshard.communication.codecs.GradParts` whose 1-D parts
     are split over ``axes`` (a device's parts one block of each: the form they leave a

@@ -1,4 +1,9 @@
-"""Stages 2 and 3 of the one-line drop-in: the gradients, and the weights, as 1/N pieces.
+"""The one-line drop-in's update in the user's own ``jax.jit``, and its stages 2 and 3.
+
+Every ``tx.update`` outside ``shard_map`` runs :func:`apply_in_jit`: one region
+manual over the mesh, whatever the stage and wherever the gradient comes from (the
+mean gradient, its partial sums, or ``tx.value_and_grad``'s parts). At stages 2 and 3
+the gradients, and at stage 3 the weights, are 1/N pieces:
 
 ``zs.sharded(inner, stage=3)`` in the user's own ``jax.jit`` step keeps every
 parameter 1/N per device, as the pieces the optimizer state keeps (lay them out once
@@ -42,21 +47,24 @@ refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.communication.collectives import all_gathered, axes_of
 from zeroshard.communication.stage3 import Piece, is_shard
 from zeroshard.core.branches import owned_wholes
-from zeroshard.core.layout import PyTree, Slot
-from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh, sharding_of
+from zeroshard.core.layout import PyTree, Slot, Split
+from zeroshard.core.mesh import each_laid_out, find_mesh, on_mesh, sharding_of, with_layout
 from zeroshard.core.placement import Plan
 from zeroshard.core.update import Grads, region
+from zeroshard.optimizer.annotations import check_layout
 from zeroshard.optimizer.config import kept_apart
+from zeroshard.optimizer.state import key_of
 
 
 def is_padded(slot: Slot) -> bool:
@@ -195,30 +203,102 @@ def init_pieces(
     return [getattr(x, "piece", x) for x in leaves], specs, local
 
 
-def apply_pieces(
-    opt: object, grads: PyTree, state: object, params: PyTree, extra_args: dict
+def apply_in_jit(
+    opt: object,
+    grads: PyTree,
+    state: object,
+    params: PyTree,
+    extra_args: dict,
+    splits: Mapping[int, Split] | None = None,
 ) -> tuple[PyTree, object]:
-    """``tx.update``'s new weights and state at stages 2 and 3 in the user's
-    ``jax.jit``: one ``shard_map`` manual over the mesh, each device updating its
-    pieces of ``grads`` (the mean gradient, laid out as the weights,
-    :func:`_spec`) and of ``params`` with its state. At stage 3 the new weights
-    stay pieces, a padded one's :class:`zeroshard.communication.stage3.Piece` (a weight given whole,
-    not laid out by :func:`shard_params`, is all-gathered within its block); at stage
-    2 they are all-gathered whole. ``tx.value_and_grad``'s ``grads``
-    (:class:`zeroshard.core.update.Grads`, at any stage) enter as the parts they are."""
+    """``tx.update``'s new weights and state outside ``shard_map`` (in the user's
+    ``jax.jit``, the whole-mesh step's, or eagerly), at every stage: one region
+    (:func:`zeroshard.core.update.region`) manual over the mesh, each device updating
+    its part of every leaf with its state (split over every device, the drop-in's
+    :meth:`zeroshard.optimizer.sharded.Sharded.spanning`). Given ``splits``, the state is
+    zeroshard's step's at stage 1 or 2 (its whole-mesh step's): its leaves of ``splits``
+    kept block by block, the weights whole, the gradient the mean (default: the
+    drop-in's, :meth:`zeroshard.optimizer.sharded.Sharded.typed_splits`). The gradients
+    enter as:
+
+    - ``tx.value_and_grad``'s parts (:class:`zeroshard.core.update.Grads`, at any
+      stage): as they are;
+    - at stage 1, or as partial sums (weights typed ``reduced``: jax's ``unreduced``
+      gradients): the mean gradient, reduced by the program that computed it, each
+      device cutting its part out of it
+      (:class:`zeroshard.communication.arrival.CutMean`), or its partial sums
+      reduce-scattered (:class:`zeroshard.communication.arrival.PartialSums`); the new
+      weights all-gathered in their own layout;
+    - at stages 2 and 3: the mean gradient laid out as stage 3's weights are
+      (:func:`_spec`), each device's block its piece; at stage 3 the new weights stay
+      pieces, a padded one's :class:`zeroshard.communication.stage3.Piece` (a weight
+      given whole, not laid out by :func:`shard_params`, is all-gathered within its
+      block), at stage 2 they are all-gathered whole.
+    """
     given = isinstance(grads, Grads)  # (tx.value_and_grad's parts, at any stage)
-    if given:  # (zeroshard reduced them: what the drop-in refuses, it takes)
-        mesh = find_mesh(opt.config, state, any_axes=True)
-        opt, plan = opt.spanned(mesh, params, state.layout)
-    else:
+    summed = frozenset() if given else partial_sums(grads)
+    cut = not given and splits is None and kept_apart(opt.config.stage)[1] and not summed
+    if cut:  # (what the drop-in refuses of jax.grad's gradient, zeroshard reduced it)
         opt, plan, mesh = opt.in_jit(state, params)
+    else:
+        mesh = find_mesh(opt.config, state, any_axes=True)
+        opt, plan = opt.spanned(mesh, params, state.layout, splits)
     opt.check_state(plan, state)
+    state_specs = opt.specs_of(plan)
+    check_layout(state, state_specs)
+    treedef, leaves = plan.layout.treedef, plan.layout.treedef.flatten_up_to(params)
+    if given or cut:
+        route, cuts, grads, specs, arrive, leave = _pieces(opt, plan, mesh, grads, leaves)
+    else:
+        route, cuts, grads, specs, arrive = _mean(opt, plan, state, grads, summed)
+        leave = lambda new, params: treedef.flatten_up_to(new)
+    step = region(
+        opt,
+        plan,
+        route,
+        mesh,
+        (cuts, state_specs, specs, specs),
+        arrive,
+        leave,
+        check_vma=plan.layout.num_shards > 1 and not summed,  # (jax types no sum of sums)
+    )
+    laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
+    array = lambda x: getattr(x, "piece", x)
+    new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
+    new = [Piece(n, x.leaf) if is_shard(x) else n for n, x in zip(new, leaves, strict=True)]
+    new = treedef.unflatten(new)  # (the mean's new weights in the parameters' own layout)
+    return (new if given or cut else with_layout(new, params)), state
+
+
+def _mean(opt: object, plan: Plan, state: object, grads: PyTree, summed: frozenset) -> tuple:
+    """The route, the gradients' layouts and leaves, the weights' layouts and
+    ``arrive(grads, params)`` of :func:`apply_in_jit` for the mean gradient, or its
+    partial sums over ``summed``: each leaf typed as its gradient comes (a weight typed
+    whole beside ones typed ``reduced``: its mean joins their partial sums as one
+    device's, :func:`_one_copy`), the weights whole (a split leaf's block)."""
+    slots, treedef = plan.layout.slots, plan.layout.treedef
+    grads = treedef.flatten_up_to(grads)
+    means = [not unreduced(g) for g in grads]
+    typed = lambda kind: [
+        s.leaf_spec() if mean else s.leaf_spec().update(**{kind: summed})
+        for s, mean in zip(slots, means, strict=True)
+    ]
+    route = opt.route_of(3 if key_of(state).pieces else 1, mean=True, summed=summed)
+
+    def arrive(grads: list, params: list) -> tuple:
+        grads = _one_copy(grads, means, summed) if summed else grads
+        return route.arrival.bring(plan, treedef.unflatten(grads)), treedef.unflatten(params)
+
+    return route, typed("unreduced"), grads, typed("reduced"), arrive
+
+
+def _pieces(opt: object, plan: Plan, mesh: Mesh, grads: Any, leaves: list) -> tuple:
+    """The route, the gradients' layouts and leaves, the weights' layouts,
+    ``arrive(grads, params)`` and ``leave(new, params)`` of :func:`apply_in_jit` for
+    ``tx.value_and_grad``'s parts (any stage) or the mean gradient cut as the pieces
+    (stages 2 and 3)."""
     axis, slots, treedef = opt.config.axis_name, plan.layout.slots, plan.layout.treedef
     three = kept_apart(opt.config.stage)[2]  # (the weights as pieces)
-    if not given:  # (stage 2: the pieces in, the weights whole out)
-        route = opt.route_of(3 if three else 2, mean=True)
-        route = route if three else route.held
-    leaves = treedef.flatten_up_to(params)
     specs = [_spec(s, x, axis, three, mesh) for s, x in zip(slots, leaves, strict=True)]
     kept = [spec != s.leaf_spec() for s, spec in zip(slots, specs, strict=True)]
 
@@ -228,10 +308,12 @@ def apply_pieces(
 
     held = lambda xs: treedef.unflatten(map(Piece, xs, slots))
     weights = lambda params: held(pieces(params, kept)) if three else treedef.unflatten(params)
-    if given:  # (as they came)
+    if isinstance(grads, Grads):  # (as they came)
         route, cuts, grads = grads.route, grads.specs(plan), grads.parts
         arrive = lambda parts, params: (parts, weights(params))
-    else:
+    else:  # (stage 2: the pieces in, the weights whole out)
+        route = opt.route_of(3 if three else 2, mean=True)
+        route = route if three else route.held
         grads = treedef.flatten_up_to(grads)
         cuts, grads, arrive = _arriving(plan, route, (axis, mesh), grads, pieces, weights)
 
@@ -241,22 +323,7 @@ def apply_pieces(
             new = [_block(*x, axis) for x in zip(new, slots, kept, params, strict=True)]
         return new
 
-    state_specs = opt.specs_of(plan)
-    step = region(
-        opt,
-        plan,
-        route,
-        mesh,
-        (cuts, state_specs, specs, specs),
-        arrive,
-        leave,
-        check_vma=plan.layout.num_shards > 1,
-    )
-    laid = lambda xs, specs: each_laid_out(xs, specs, mesh)  # (Explicit axes: resharded)
-    array = lambda x: getattr(x, "piece", x)
-    new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
-    new = [Piece(n, x.leaf) if is_shard(x) else n for n, x in zip(new, leaves, strict=True)]
-    return treedef.unflatten(new), state
+    return route, cuts, grads, specs, arrive, leave
 
 
 def _arriving(
@@ -288,6 +355,29 @@ def _arriving(
         return parts, weights(params)
 
     return cuts, grads, arrive
+
+
+def partial_sums(grads: PyTree) -> frozenset[str]:
+    """The mesh axes the leaves of ``grads`` that hold partial sums (jax's
+    ``unreduced`` type) hold them over, where they all agree; else none. The other
+    leaves are the mean already (a weight typed whole: its gradient is reduced)."""
+    kinds = {unreduced(g) for g in jax.tree.leaves(grads)} - {frozenset()}
+    return kinds.pop() if len(kinds) == 1 else frozenset()
+
+
+def unreduced(g: Any) -> frozenset[str]:
+    """The mesh axes ``g`` holds partial sums over (jax's ``unreduced`` type)."""
+    return getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
+
+
+def _one_copy(grads: list, means: list[bool], axes: frozenset[str]) -> list:
+    """``grads`` as partial sums over ``axes``, each leaf ``means`` marks (the mean
+    itself, where the others arrive as partial sums: a weight typed whole beside ones
+    typed ``reduced``) kept on the first device of ``axes`` and zero on the others:
+    its sum over them is that mean, exactly."""
+    first = jax.lax.axis_index(tuple(axes)) == 0
+    one = lambda g, mean: jnp.where(first, g, jnp.zeros_like(g)) if mean else g
+    return list(map(one, grads, means))
 
 
 def as_pieces(params: PyTree, layout: object, mesh: Mesh, axis: object) -> PyTree:

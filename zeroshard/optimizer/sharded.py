@@ -23,9 +23,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeroshard.analysis import check_extra_args
-from zeroshard.communication.arrival import one_copy
 from zeroshard.communication.collectives import axes_of, mesh_size
-from zeroshard.communication.jit_pieces import apply_pieces, init_pieces, shard_params
+from zeroshard.communication.jit_pieces import apply_in_jit, init_pieces, shard_params
 from zeroshard.communication.stage3 import full_structs, is_shard
 from zeroshard.core.branches import init_parts, owned_wholes
 from zeroshard.core.layout import WHOLE, Layout, PyTree, Split
@@ -35,11 +34,10 @@ from zeroshard.core.mesh import (
     find_mesh,
     on_mesh,
     typed_layout,
-    with_layout,
 )
 from zeroshard.core.placement import Plan, make_plan
-from zeroshard.core.update import Grads, Route, region, updated
-from zeroshard.optimizer.annotations import annotated, check_layout, unboxed
+from zeroshard.core.update import Grads, Route, updated
+from zeroshard.optimizer.annotations import annotated, unboxed
 from zeroshard.optimizer.config import ShardConfig, kept_apart
 from zeroshard.optimizer.loss_scale import LossScaleState
 from zeroshard.optimizer.state import LayoutKey, ShardedState, key_of
@@ -234,9 +232,9 @@ class Sharded:
         """``tx.update``: full-shape updates out, such that ``optax.apply_updates(params,
         updates)`` gives the new weights. Inside ``shard_map`` over the axis the
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
-        the mean gradient (:meth:`apply_mean`, or its partial sums: weights typed
-        ``reduced``; at ``stage=2`` and ``3`` pieces of it,
-        :mod:`zeroshard.communication.jit_pieces`). ``extra_args`` (e.g. ``value=``)
+        the mean gradient, its partial sums (weights typed ``reduced``) or
+        ``tx.value_and_grad``'s parts
+        (:func:`zeroshard.communication.jit_pieces.apply_in_jit`). ``extra_args`` (e.g. ``value=``)
         reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
 
@@ -262,10 +260,8 @@ class Sharded:
         grads = updates if given else unboxed(updates)[0]
         if local and not given:
             new, state = self.apply(grads, state, params, **extra_args)
-        elif given or (kept_apart(self.config.stage)[1] and not partial_sums(grads)):
-            new, state = apply_pieces(self, grads, state, params, extra_args)
         else:
-            new, state = self.apply_mean(grads, state, params, extra_args)
+            new, state = apply_in_jit(self, grads, state, params, extra_args)
         return new, reboxed(state), (params, like)
 
     def apply(
@@ -298,51 +294,6 @@ class Sharded:
         splits = self.typed_splits(mesh, params, made) if splits is None else splits
         opt = self.spanning(mesh)
         return opt, opt.plan(params, mesh_size(mesh, opt.config.axis_name), splits)
-
-    def apply_mean(
-        self,
-        grads: PyTree,
-        state: ShardedState,
-        params: PyTree,
-        extra_args: dict,
-        splits: Mapping[int, Split] | None = None,
-    ) -> tuple[PyTree, ShardedState]:
-        """One sharded step outside ``shard_map`` (in the user's ``jax.jit``, or eagerly):
-        ``grads`` is the mean gradient, already reduced by the program that computed
-        it (or its partial sums, typed ``unreduced``:
-        :class:`zeroshard.communication.arrival.PartialSums` reduce-scatters them); each device cuts
-        its part out, updates it, and the new parameters are
-        all-gathered whole (see :class:`zeroshard.communication.arrival.CutMean`), the state split
-        over every device (:meth:`spanning`), its leaves of ``splits`` kept block by
-        block (:meth:`splits`; as zeroshard's step keeps them at stage 1; default: the
-        drop-in's, :meth:`typed_splits`)."""
-        mesh = find_mesh(self.config, state, any_axes=True)
-        (opt, plan), summed = self.spanned(mesh, params, state.layout, splits), partial_sums(grads)
-        num_shards = plan.layout.num_shards
-        opt.check_state(plan, state)
-        specs = opt.specs_of(plan)
-        check_layout(state, specs)
-        # (each leaf typed as its gradient comes: partial sums over summed, or the mean)
-        means = [not unreduced(g) for g in plan.layout.treedef.flatten_up_to(grads)]
-        typed = lambda kind: plan.layout.treedef.unflatten(
-            s.leaf_spec() if mean else s.leaf_spec().update(**{kind: summed})
-            for s, mean in zip(plan.layout.slots, means, strict=True)
-        )
-        grads_at, leaves = typed("unreduced"), typed("reduced")
-        # Manual over every mesh axis: the update sees whole leaves (gathered over the
-        # model's other axes, e.g. tensor parallelism; a split leaf's block), and the
-        # new weights return to the parameters' own layout afterwards.
-        route = opt.route_of(3 if key_of(state).pieces else 1, mean=True, summed=summed)
-        sums = lambda grads: one_copy(plan.layout, grads, means, summed) if summed else grads
-        arrive = lambda grads, params: (route.arrival.bring(plan, sums(grads)), params)
-        specs = (grads_at, specs, leaves, leaves)
-        # (jax types no sum of partial sums)
-        step = region(
-            opt, plan, route, mesh, specs, arrive, check_vma=num_shards > 1 and not summed
-        )
-        laid = lambda tree, specs: each_laid_out(tree, specs, mesh)
-        new, state = step(laid(grads, grads_at), state, laid(params, leaves), extra_args)
-        return with_layout(new, params), state
 
     def route_of(self, stage: int | None = None, mean: bool = False, **options: Any) -> Route:
         """The route (:meth:`zeroshard.core.update.Route.of`, its ``options`` too) of a
@@ -393,19 +344,6 @@ class Sharded:
                 f"weights have the structure {mine}, these params need {master}."
             )
         check_made(plan.layout, key_of(state), self.config.axes, plan.layout.splits)
-
-
-def partial_sums(grads: PyTree) -> frozenset[str]:
-    """The mesh axes the leaves of ``grads`` that hold partial sums (jax's
-    ``unreduced`` type) hold them over, where they all agree; else none. The other
-    leaves are the mean already (a weight typed whole: its gradient is reduced)."""
-    kinds = {unreduced(g) for g in jax.tree.leaves(grads)} - {frozenset()}
-    return kinds.pop() if len(kinds) == 1 else frozenset()
-
-
-def unreduced(g: Any) -> frozenset[str]:
-    """The mesh axes ``g`` holds partial sums over (jax's ``unreduced`` type)."""
-    return getattr(getattr(jax.typeof(g), "sharding", None), "spec", P()).unreduced
 
 
 NO_MESH = (

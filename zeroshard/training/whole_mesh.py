@@ -8,11 +8,10 @@ names that are of type Auto or Manual"). Such a loss trains under the user's own
 ``jax.jit`` on the mesh, and so it does here: :func:`whole_mesh_step` runs it on the
 global batch under ``jax.jit`` on the mesh as given (the compiler reduces the
 gradient), then the sharded update of the mean gradient
-(:meth:`zeroshard.optimizer.sharded.Sharded.apply_mean`, the one-line drop-in's) on the state
-as the step laid it out. At stage 3 the step's pieces are the drop-in's weights: the
+(:func:`zeroshard.communication.jit_pieces.apply_in_jit`, the one-line drop-in's) on the
+state as the step laid it out. At stage 3 the step's pieces are the drop-in's weights: the
 loss's ``zs.gather`` / ``zs.layer`` gather them as in the user's own ``jax.jit``, and
-the drop-in's stage-3 update (:func:`zeroshard.communication.jit_pieces.apply_pieces`) keeps them
-pieces. The steps fall back
+the drop-in's stage-3 update keeps them pieces. The steps fall back
 to it when the loss raises per device, so the same loss works with no option to set.
 """
 
@@ -26,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeroshard.communication.jit_pieces import apply_pieces
+from zeroshard.communication.jit_pieces import apply_in_jit
 from zeroshard.core.layout import PyTree
 from zeroshard.core.state_layout import drop_in_is_step, state_layout
 from zeroshard.optimizer.config import kept_apart
@@ -60,11 +59,11 @@ class WholeMeshStep:
         if self.pieces:  # (the drop-in's update of its weights, as pieces again)
             made = key_of(state.opt_state)  # (the drop-in's state's, then the step's again)
             opt_state = state.opt_state._replace(layout=dataclasses.replace(made, pieces=False))
-            params, opt_state = apply_pieces(self.three, grads, opt_state, state.params, {})
+            params, opt_state = apply_in_jit(self.three, grads, opt_state, state.params, {})
             opt_state = opt_state._replace(layout=made)
         else:  # (the state kept as zeroshard's step keeps it)
-            update = self.opt.apply_mean
-            params, opt_state = update(grads, state.opt_state, state.params, {}, dict(splits))
+            update = (grads, state.opt_state, state.params, {}, dict(splits))
+            params, opt_state = apply_in_jit(self.opt, *update)
         states = (state.opt_state, opt_state)
         metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
