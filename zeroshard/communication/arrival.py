@@ -324,6 +324,11 @@ class Nested:
     batch axes by their gather's transpose. How each kind runs so is its own
     (:meth:`Arrival.nested`). The parts come back 1/N of every
     leaf, laid out over ``rest`` (:meth:`specs`) for the update, manual over them too.
+    It runs inside the loss region, not in the update region: with accumulation at
+    stages 2 and 3 each micro-batch's gradient is reduced to its 1/N part as it is
+    made (:class:`zeroshard.training.microbatches.Accumulated`), so no whole gradient
+    is carried across the micro-batches, and the loss itself runs with ``rest``
+    automatic (its own tensor-parallel layout).
 
     Attributes:
       arrival: how the gradients arrive over every axis of the state.
