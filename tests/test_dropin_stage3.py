@@ -312,14 +312,17 @@ def test_a_leaf_the_devices_cannot_cut_is_padded(mesh, inner):
 
 @pytest.mark.parametrize("grad", ["tx.value_and_grad", "jax.value_and_grad"])
 @pytest.mark.parametrize("axes", [AxisType.Auto, AxisType.Explicit])
-def test_a_padded_leaf_over_a_replica_axis(axes, grad):
-    """The padded weights of the test above on 2 replicas x 4 devices, in your own
-    jit: plain optax's numbers, each padded weight 1/4 per device, with
-    tx.value_and_grad and with jax.grad; there zs.gather reads which axis the pieces
-    are copied over from their type on Explicit axes, and on Auto ones from the sizes
-    (only the replica axis leaves 4 devices)."""
+@pytest.mark.parametrize("shape", [(2, 4), (2, 2, 2)], ids=["2x4", "2x2x2"])
+def test_a_padded_leaf_over_a_replica_axis(shape, axes, grad):
+    """The padded weights of the test above on 2 replicas x 4 devices (x 2 "data" x 2
+    "model"), in your own jit: plain optax's numbers, each padded weight 1/4 per
+    device, with tx.value_and_grad and with jax.grad; there zs.gather reads which axis
+    the pieces are copied over from their type on Explicit axes, and on Auto ones from
+    the sizes: on 2 x 4 only the replica axis leaves 4 devices; on 2 x 2 x 2 each axis
+    does, and the gather takes the first (it was refused: any choice is exact)."""
     inner = optax.sgd(0.5, momentum=0.9)
-    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(axes,) * 2)
+    names = ("replica", "data", "model")[: len(shape)]
+    mesh = jax.make_mesh(shape, names, axis_types=(axes,) * len(shape))
     tx = zs.sharded(inner, stacked=["blocks"], stage=3, replica_axis="replica")
     options = {"rows": ("replica", "data"), "outer": gathered}
     if grad == "tx.value_and_grad":

@@ -86,11 +86,16 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
     """The axes of ``mesh`` the pieces of ``s`` (the global array ``piece``) are cut
     over, with their blocks: every axis but a replica axis, which the step running the
     loss on the whole mesh names, on Explicit axes the pieces' type leaves out, and on
-    Auto ones the one axis whose size leaves the state's ``num_shards`` devices.
+    Auto ones an axis whose size leaves the state's ``num_shards`` devices; where
+    several do (a replica axis as large as another), the first (a replica axis leads
+    the mesh as a rule). Any of them is exact: the gather reads the pieces as one
+    global array cut over the axes it names and writes their cotangent so, the same
+    values whichever axes those are; axes other than the state's only make the
+    compiler move the pieces to them.
 
     Raises:
-      ValueError: for pieces of one block copied over an axis nothing names (a replica
-        axis of Auto axes in the user's own ``jax.jit``, as large as another axis).
+      ValueError: for pieces of more or fewer devices than any such axes hold (laid
+        out for another mesh).
     """
     step = current_step()
     axes = tuple(a for a in mesh.axis_names if not step or a != step.replica_axis)
@@ -101,15 +106,13 @@ def _state_axes(mesh: Any, s: Slot, piece: Any) -> tuple[str, ...]:
             fit = [tuple(a for a in axes if a in named)]
         else:  # (Auto: the drop-in's state spans every axis but one)
             fit = [b for b in (tuple(b for b in axes if b != a) for a in axes) if fits(b)]
-        axes = fit[0] if len(fit) == 1 else axes
+        axes = fit[0] if fit else axes
     if fits(axes):
         return axes
     raise ValueError(
-        f"zeroshard: a stage-3 weight of shape {s.shape} is held as padded pieces (its "
-        f"first dimension does not divide over the devices), copied over a replica axis of "
-        f"the mesh {dict(mesh.shape)}, whose Auto axes of equal sizes do not say which it "
-        "is: zs.gather cannot tell it in your own jax.jit. Use tx.value_and_grad(loss_fn) "
-        "for the gradient, zs.make_train_step, or Explicit axes (jax.make_mesh's default)."
+        f"zeroshard: a stage-3 weight of shape {s.shape} is held as padded pieces of "
+        f"{s.num_shards} devices, which no axes of the mesh {dict(mesh.shape)} hold: was "
+        "it laid out with tx.shard_params on another mesh? Lay it out on this one."
     )
 
 
