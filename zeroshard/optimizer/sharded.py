@@ -234,8 +234,8 @@ class Sharded:
         gradients are each device's local ones (:meth:`apply`); anywhere else they are
         the mean gradient, its partial sums (weights typed ``reduced``) or
         ``tx.value_and_grad``'s parts
-        (:func:`zeroshard.communication.jit_pieces.apply_in_jit`). ``extra_args`` (e.g. ``value=``)
-        reach the inner update; a function among them is refused
+        (:func:`zeroshard.communication.jit_pieces.apply_in_jit`). ``extra_args``
+        (e.g. ``value=``) reach the inner update; a function among them is refused
         (:func:`zeroshard.analysis.check_extra_args`).
 
         Raises:
