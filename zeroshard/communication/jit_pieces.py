@@ -64,7 +64,6 @@ from zeroshard.core.placement import Plan
 from zeroshard.core.update import Grads, region
 from zeroshard.optimizer.annotations import check_layout
 from zeroshard.optimizer.config import kept_apart
-from zeroshard.optimizer.state import key_of
 
 
 def is_padded(slot: Slot) -> bool:
@@ -250,8 +249,7 @@ def apply_in_jit(
     if given or cut:
         route, cuts, grads, specs, arrive, leave = _pieces(opt, plan, mesh, grads, leaves)
     else:
-        route, cuts, grads, specs, arrive = _mean(opt, plan, state, grads, summed)
-        leave = lambda new, params: treedef.flatten_up_to(new)
+        route, cuts, grads, specs, arrive, leave = _mean(opt, plan, grads, summed)
     step = region(
         opt,
         plan,
@@ -270,9 +268,10 @@ def apply_in_jit(
     return (new if given or cut else with_layout(new, params)), state
 
 
-def _mean(opt: object, plan: Plan, state: object, grads: PyTree, summed: frozenset) -> tuple:
-    """The route, the gradients' layouts and leaves, the weights' layouts and
-    ``arrive(grads, params)`` of :func:`apply_in_jit` for the mean gradient, or its
+def _mean(opt: object, plan: Plan, grads: PyTree, summed: frozenset) -> tuple:
+    """The route, the gradients' layouts and leaves, the weights' layouts,
+    ``arrive(grads, params)`` and ``leave(new, params)`` of :func:`apply_in_jit` for
+    the mean gradient, or its
     partial sums over ``summed``: each leaf typed as its gradient comes (a weight typed
     whole beside ones typed ``reduced``: its mean joins their partial sums as one
     device's, :func:`_one_copy`), the weights whole (a split leaf's block)."""
@@ -283,13 +282,14 @@ def _mean(opt: object, plan: Plan, state: object, grads: PyTree, summed: frozens
         s.leaf_spec() if mean else s.leaf_spec().update(**{kind: summed})
         for s, mean in zip(slots, means, strict=True)
     ]
-    route = opt.route_of(3 if key_of(state).pieces else 1, mean=True, summed=summed)
+    route = opt.route_of(1, mean=True, summed=summed)  # (the weights whole)
 
     def arrive(grads: list, params: list) -> tuple:
         grads = _one_copy(grads, means, summed) if summed else grads
         return route.arrival.bring(plan, treedef.unflatten(grads)), treedef.unflatten(params)
 
-    return route, typed("unreduced"), grads, typed("reduced"), arrive
+    leave = lambda new, params: treedef.flatten_up_to(new)
+    return route, typed("unreduced"), grads, typed("reduced"), arrive, leave
 
 
 def _pieces(opt: object, plan: Plan, mesh: Mesh, grads: Any, leaves: list) -> tuple:

@@ -62,8 +62,9 @@ class WholeMeshStep:
             params, opt_state = apply_in_jit(self.three, grads, opt_state, state.params, {})
             opt_state = opt_state._replace(layout=made)
         else:  # (the state kept as zeroshard's step keeps it)
-            update = (grads, state.opt_state, state.params, {}, dict(splits))
-            params, opt_state = apply_in_jit(self.opt, *update)
+            params, opt_state = apply_in_jit(
+                self.opt, grads, state.opt_state, state.params, {}, dict(splits)
+            )
         states = (state.opt_state, opt_state)
         metrics = step_metrics(self.opt.config, loss, aux, batch, (), states, reduced=True)
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
