@@ -21,7 +21,10 @@ prime to 3) and a bias of 37. Seeds are fixed. Usage, from a checkout's root::
 
 Keys are ``{case}|{what}{path}``; floats narrower than fp32 are stored as fp32 (exact).
 The comparison prints one markdown line per case and fails on any differing bit (NaN
-positions included), shape, dtype or missing array.
+positions included), shape, dtype or missing array. XLA may keep a value it rounds to
+bf16 in float32 instead (its excess precision), where the fusions let it: take both
+runs with ``XLA_FLAGS=--xla_allow_excess_precision=false`` to compare programs whose
+fusions differ.
 """
 
 from __future__ import annotations
