@@ -264,7 +264,8 @@ def apply_in_jit(
     array = lambda x: getattr(x, "piece", x)
     new, state = step(laid(grads, cuts), state, laid(list(map(array, leaves)), specs), extra_args)
     new = [Piece(n, x.leaf) if is_shard(x) else n for n, x in zip(new, leaves, strict=True)]
-    new = treedef.unflatten(new)  # (the mean's: back in the parameters' own layout)
+    new = treedef.unflatten(new)
+    # (the mean path's weights, whole, back in the parameters' own layout)
     return (new if given or cut else with_layout(new, params)), state
 
 
